@@ -1,0 +1,7 @@
+"""The guest side of accelmig: the user-space driver (``accelmig.agent.driver``)
+and the guest agent daemon (``accelmig-agent``).  Standard library only."""
+
+import logging as _logging
+
+# A library stays quiet unless the application configures logging.
+_logging.getLogger("accelmig").addHandler(_logging.NullHandler())

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# accelmig's front door on a Debian 12 machine.  Idempotent: it installs what
+# is missing (apt packages, a virtualenv in .venv) and then does the job.
+#
+#   ./dev.sh demo          the main job: the local lab demo (a pool demo until the lab exists)
+#   ./dev.sh test          every test tier, as CI runs it (.ci/run calls exactly this)
+#   ./dev.sh test --fast   the seconds-long tier: no root, no VM
+#   ./dev.sh bench [NAME]  benchmarks under bench/ (tables + PNG plots in bench/results/)
+#   ./dev.sh setup         only install
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+
+APT_PACKAGES=(
+  python3 python3-venv python3-dev gcc pkg-config
+  pocl-opencl-icd ocl-icd-libopencl1 ocl-icd-opencl-dev
+  iproute2 procps util-linux
+  libvirt-dev
+)
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+as_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+install_apt() {
+  local missing=()
+  for pkg in "$@"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    say "installing Debian packages: ${missing[*]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+install_venv() {
+  # Debian's own Python, so the guest image can reuse the same interpreter.
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtualenv $VENV"
+    /usr/bin/python3 -m venv "$VENV"
+  fi
+  local stamp="$VENV/.accelmig-installed"
+  local want
+  want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    say "installing accelmig and its dependencies into $VENV"
+    "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
+    "$VENV/bin/pip" install -q -e ".[pool,host,dev]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+setup() {
+  install_apt "${APT_PACKAGES[@]}"
+  install_venv
+}
+
+cmd=${1:-help}
+shift || true
+case "$cmd" in
+  setup)
+    setup ;;
+  demo)
+    setup
+    exec "$VENV/bin/python" -m accelmig.pool.demo "$@" ;;
+  test)
+    setup
+    if [ "${1:-}" = "--fast" ]; then
+      shift
+      exec "$VENV/bin/pytest" -m "not root and not libvirt and not vm" "$@"
+    fi
+    exec "$VENV/bin/pytest" "$@" ;;
+  bench)
+    setup
+    name=${1:-all}
+    shift || true
+    exec "$VENV/bin/python" -m bench "$name" "$@" ;;
+  *)
+    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    [ "$cmd" = help ] || exit 2 ;;
+esac

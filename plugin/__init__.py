@@ -1,0 +1,1 @@
+"""The hypervisor-host side: the libvirt hook, ``accelmig hostd`` and the operator CLI."""

@@ -1,0 +1,1 @@
+"""The accelerator pool node: ``accelmig-pool``."""

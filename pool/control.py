@@ -1,0 +1,280 @@
+"""The pool's control plane: authenticated hosts (and the local admin socket).
+
+Transport and signatures are in ``accelmig.wire.control``; this module checks
+them and carries out each method on the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+
+from accelmig.pool.config import parse_networks
+from accelmig.pool.migration import PausePolicy, RecordStateName
+from accelmig.wire import control as wc
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
+                                  InternalError, NoSuchHost, NoSuchRecord, ProtocolError, UnknownOp,
+                                  VersionUnsupported)
+from accelmig.wire.frames import encode_frame
+
+LOG = logging.getLogger(__name__)
+
+ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
+                 "park", "unpark", "register_intent"}
+
+
+class ControlServer:
+    def __init__(self, pool):
+        self.pool = pool
+
+    async def handle_host(self, reader, writer) -> None:
+        await self._serve(reader, writer, admin=False)
+
+    async def handle_admin(self, reader, writer) -> None:
+        await self._serve(reader, writer, admin=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     admin: bool) -> None:
+        peer = writer.get_extra_info("peername") or "admin-socket"
+        challenge = secrets.token_hex(16)
+        host = None
+        last_id = 0
+        try:
+            header, _ = await wc.read_frame_async(reader)
+            if header.get("op") != "hello":
+                raise ProtocolError(reason="expected hello")
+            offered = header.get("versions") or []
+            if not set(offered) & set(wc.CONTROL_VERSIONS):
+                raise VersionUnsupported(offered=offered, supported=list(wc.CONTROL_VERSIONS))
+            name = header.get("host")
+            if admin:
+                host = None
+            else:
+                host = self.pool.hosts.get(name) if isinstance(name, str) else None
+                if host is None:
+                    raise AuthFailed(reason=f"no secret for host {name!r} (add it to the pool's hosts file)")
+            writer.write(encode_frame({"op": "welcome", "version": 1, "challenge": challenge,
+                                       "instance": self.pool.instance}))
+            while True:
+                try:
+                    header, _ = await wc.read_frame_async(reader)
+                except asyncio.IncompleteReadError:
+                    return
+                call_id = header.get("id")
+                method = header.get("method")
+                args = header.get("args") if isinstance(header.get("args"), dict) else {}
+                if header.get("op") != "call" or not isinstance(call_id, int) or call_id <= last_id:
+                    raise ProtocolError(reason="calls need op 'call' and strictly increasing ids")
+                last_id = call_id
+                if host is not None:
+                    expected = wc.request_mac(host.secret, challenge, call_id, str(method), args)
+                    if not hmac.compare_digest(expected, str(header.get("mac", ""))):
+                        raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")
+                    host.last_seen = time.time()
+                body = self._call(host, admin, method, args)
+                out = {"op": "result", "id": call_id, **body}
+                if host is not None:
+                    out["mac"] = wc.result_mac(host.secret, challenge, call_id, wc.result_body(out))
+                writer.write(encode_frame(out))
+                await writer.drain()
+        except (AccelmigError, FrameError) as exc:
+            LOG.warning("control plane: closing %s: %s", peer, exc)
+            try:
+                writer.write(encode_frame({"op": "error", "error": exc.to_wire()}))
+            except Exception:
+                pass
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    def _call(self, host, admin: bool, method, args: dict) -> dict:
+        try:
+            if method not in wc.METHODS:
+                raise UnknownOp(op=method)
+            if admin and method not in ADMIN_METHODS:
+                raise AuthFailed(reason=f"{method} is for hypervisor hosts, not the admin socket")
+            if not admin and wc.METHODS[method] == "host" and host is None:
+                raise AuthFailed(reason="host methods need an authenticated host")
+            handler = getattr(self, f"do_{method}")
+            caller = host.name if host is not None else wc.ADMIN_HOST
+            try:
+                result = handler(caller, **args)
+            except TypeError as exc:
+                raise BadRequest(reason=f"{method}: {exc}") from None
+            return {"ok": True, "result": result}
+        except AccelmigError as exc:
+            return {"ok": False, "error": exc.to_wire()}
+        except Exception as exc:
+            LOG.exception("control plane: %s failed", method)
+            return {"ok": False, "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()}
+
+    # -- methods ---------------------------------------------------------------------
+    def do_ping(self, caller):
+        return {"instance": self.pool.instance, "caller": caller, "time": time.time()}
+
+    def do_register_host(self, caller, addresses=(), identity=None):
+        host = self.pool.hosts[caller]
+        host.networks = host.static_networks + parse_networks(addresses, f"register_host({caller})")
+        host.identity = dict(identity or {})
+        host.registered_at = time.time()
+        LOG.info("host %s registered: %s", caller, ", ".join(str(n) for n in host.networks),
+                 extra={"host": caller})
+        return host.describe()
+
+    def _session(self, sid):
+        session = self.pool.sessions.get(sid)
+        if session is None or not session.live:
+            raise NoSuchRecord(record=f"session {sid}")
+        return session
+
+    def do_bind_session(self, caller, sid, domain_uuid, domain_name=None):
+        session = self._session(sid)
+        if session.bound_host not in (None, caller) and session.pending_move is None:
+            raise Conflict(reason=f"session {sid} is bound to host {session.bound_host}, "
+                                  f"not {caller}")
+        if session.domain_uuid not in (None, domain_uuid):
+            raise Conflict(reason=f"session {sid} belongs to domain {session.domain_uuid}")
+        session.domain_uuid = domain_uuid
+        if session.bound_host is None:
+            session.bound_host = caller
+        self.pool.domain_hosts.setdefault(domain_uuid, caller)
+        # a session opened while its domain migrates joins the migration
+        now = time.time()
+        for record in self.pool.open_records():
+            if record.domain_uuid == domain_uuid and (
+                    record.policy is PausePolicy.START or (
+                    record.policy is PausePolicy.SWITCHOVER and
+                    record.state is RecordStateName.SWITCHED_OVER)):
+                session.pause(record.key, now)
+        return {"sid": sid, "domain_uuid": domain_uuid, "bound_host": session.bound_host}
+
+    def do_unbind_session(self, caller, sid):
+        session = self.pool.sessions.get(sid)
+        if session is not None:
+            session.domain_uuid = None
+        return {"sid": sid}
+
+    def do_register_intent(self, caller, domain_uuid, policy="none", dest_host=None,
+                           migration_id=None, source_host=None):
+        try:
+            PausePolicy(policy)
+        except ValueError:
+            raise BadRequest(reason=f"pause policy {policy!r} (none, switchover or start)") from None
+        if dest_host is not None and dest_host not in self.pool.hosts:
+            raise NoSuchHost(host=dest_host)
+        intent = {"domain_uuid": domain_uuid, "policy": policy, "dest_host": dest_host,
+                  "migration_id": migration_id or secrets.token_hex(6),
+                  "source_host": source_host or (caller if caller != wc.ADMIN_HOST else None),
+                  "registered": time.time()}
+        self.pool.intents[domain_uuid] = intent
+        return intent
+
+    def do_open_migration(self, caller, domain_uuid, migration_id=None, domain_name=None,
+                          policy=None, postcopy=False):
+        if policy is not None:
+            try:
+                PausePolicy(policy)
+            except ValueError:
+                raise BadRequest(reason=f"pause policy {policy!r}") from None
+        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy,
+                                       bool(postcopy))
+        return record.describe()
+
+    def do_switchover(self, caller, domain_uuid, migration_id=None):
+        record = self.pool.find_record(domain_uuid, migration_id, source=caller,
+                                       states={RecordStateName.OPEN, RecordStateName.SWITCHED_OVER})
+        if record.dest_host == caller:
+            raise Conflict(reason=f"host {caller} is the destination of {record.key}")
+        self.pool.switchover_record(record, caller)
+        return record.describe()
+
+    def do_commit(self, caller, domain_uuid, migration_id=None):
+        record = self.pool.find_record(domain_uuid, migration_id, dest=caller)
+        self._require_dest(record, caller)
+        record.commit(time.time())
+        return record.describe()
+
+    def do_complete(self, caller, domain_uuid, migration_id=None):
+        record = self.pool.find_record(domain_uuid, migration_id, dest=caller)
+        self._require_dest(record, caller)
+        tickets = self.pool.complete_record(record)
+        return {"record": record.describe(), "tickets": tickets}
+
+    def do_close(self, caller, domain_uuid, migration_id=None):
+        record = self.pool.find_record(domain_uuid, migration_id, source=caller, states={
+            RecordStateName.OPEN, RecordStateName.SWITCHED_OVER, RecordStateName.COMMITTED,
+            RecordStateName.COMPLETED})
+        if record.source_host not in (None, caller):
+            raise Conflict(reason=f"{record.key} comes from {record.source_host}, not {caller}")
+        record.close(time.time())
+        return record.describe()
+
+    def do_abort(self, caller, domain_uuid, migration_id=None, reason="aborted by a host"):
+        record = self.pool.find_record(domain_uuid, migration_id, states={
+            RecordStateName.OPEN, RecordStateName.SWITCHED_OVER} if migration_id is None else None)
+        if caller != wc.ADMIN_HOST and caller not in (record.source_host, record.dest_host):
+            raise Conflict(reason=f"host {caller} takes no part in {record.key}")
+        self.pool.abort_record(record, f"{reason} (by {caller})")
+        return record.describe()
+
+    def do_renew(self, caller, records=()):
+        now = time.time()
+        renewed, unknown = [], []
+        for item in records:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise BadRequest(reason="renew: records are [domain_uuid, migration_id] pairs")
+            record = self.pool.records.get(f"{item[0]}/{item[1]}")
+            if record is None or caller not in (record.source_host, record.dest_host):
+                unknown.append(list(item))
+                continue
+            record.renew(now)
+            renewed.append(record.describe())
+        return {"renewed": renewed, "unknown": unknown}
+
+    def do_report_resume(self, caller, domain_uuid, migration_id, results=None):
+        record = self.pool.find_record(domain_uuid, migration_id)
+        record.times.setdefault("rehomed", time.time())
+        record.times["agent_report"] = time.time()
+        return record.describe()
+
+    def do_park(self, caller, domain_uuid, retention=None):
+        now = time.time()
+        retention = float(retention or self.pool.config.park_retention)
+        parked = []
+        for session in self.pool.domain_sessions(domain_uuid):
+            session.park(now, retention)
+            parked.append(session.sid)
+        LOG.info("domain %s saved: %d session(s) parked for %.0f s", domain_uuid, len(parked),
+                 retention, extra={"domain": domain_uuid})
+        return {"parked": parked, "retention": retention}
+
+    def do_unpark(self, caller, domain_uuid):
+        now = time.time()
+        unparked = []
+        for session in self.pool.domain_sessions(domain_uuid):
+            session.unpark(now, self.pool.config.grace)
+            unparked.append(session.sid)
+        return {"unparked": unparked}
+
+    def do_list_sessions(self, caller, domain_uuid=None):
+        return {"instance": self.pool.instance, "sessions": self.pool.describe_sessions(domain_uuid)}
+
+    def do_list_records(self, caller, open_only=False, domain_uuid=None):
+        records = self.pool.open_records() if open_only else list(self.pool.records.values())
+        return {"records": [r.describe() for r in records
+                            if domain_uuid is None or r.domain_uuid == domain_uuid]}
+
+    def do_list_hosts(self, caller):
+        return {"hosts": [h.describe() for h in self.pool.hosts.values()]}
+
+    def do_metrics(self, caller):
+        return {"text": self.pool.metrics.text()}
+
+    @staticmethod
+    def _require_dest(record, caller):
+        if record.dest_host != caller:
+            raise Conflict(reason=f"{record.key} goes to {record.dest_host}, not {caller}")

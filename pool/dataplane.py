@@ -1,0 +1,245 @@
+"""One data-plane connection from a guest driver.
+
+State machine::
+
+    HELLO --hello--> READY --open/resume--> ATTACHED --(lost, bad frame, fenced)--> CLOSED
+
+Everything here runs on the pool's event loop, so each frame is handled
+whole before the next: a resume that fences this connection takes effect
+between two frames, and nothing this connection still has buffered is
+looked at once it is fenced.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import asyncio
+
+from accelmig.wire import dataplane as dp
+from accelmig.wire.dataplane import Op
+from accelmig.wire.errors import (AccelmigError, BadRequest, FrameError, ProtocolError,
+                                  SessionDiverged, StaleEpoch)
+from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
+from accelmig.pool.sequencing import StoredReply, Verdict
+from accelmig.pool.session import Command
+
+LOG = logging.getLogger(__name__)
+
+
+class ConnState(enum.Enum):
+    HELLO = "hello"
+    READY = "ready"
+    ATTACHED = "attached"
+    CLOSED = "closed"
+
+
+class DataConnection(asyncio.BufferedProtocol):
+    def __init__(self, pool):
+        self.pool = pool
+        self.reader = FrameReader(Limits(max_header=pool.config.max_header,
+                                         max_payload=pool.config.max_payload))
+        self.state = ConnState.HELLO
+        self.transport: asyncio.Transport | None = None
+        self.session = None
+        self.epoch = 0
+        self.version = 0
+        self.challenge = secrets.token_hex(16)
+        self.peer = ("?", 0)
+        self.peer_host: str | None = None
+        self.reading_paused = False
+        self._out: list = []
+        self._flush_scheduled = False
+
+    # -- asyncio protocol ------------------------------------------------------
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.peer = peer[:2] if isinstance(peer, tuple) else (str(peer), 0)
+        self.peer_host = self.pool.host_for_address(self.peer[0])
+        self.pool.connections.add(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.reader.broken is not None:
+            # Already failing: swallow whatever is still arriving.
+            return memoryview(bytearray(65536))
+        return self.reader.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.state is ConnState.CLOSED or self.reader.broken is not None:
+            return
+        try:
+            frames = self.reader.feed(nbytes)
+        except FrameError as exc:
+            self.fail(exc)
+            return
+        for frame in frames:
+            if self.state is ConnState.CLOSED:
+                return
+            try:
+                self._handle(frame.header, frame.payload)
+            except AccelmigError as exc:
+                self.fail(exc)
+                return
+            except Exception as exc:  # a bug must cost one connection, not the pool
+                LOG.exception("data plane: unexpected failure on %s", self.peer)
+                self.fail(ProtocolError(reason=f"internal error: {type(exc).__name__}"))
+                return
+        if self.reader.broken is not None:
+            self.fail(self.reader.broken)
+
+    def eof_received(self):
+        return False  # close our side too
+
+    def connection_lost(self, exc) -> None:
+        self.pool.connections.discard(self)
+        was = self.state
+        self.state = ConnState.CLOSED
+        session = self.session
+        if session is not None and session.connection is self and was is ConnState.ATTACHED:
+            self.pool.connection_lost(session, self)
+
+    # -- sending -------------------------------------------------------------------
+    def send(self, header: dict, payload=b"") -> None:
+        """Queue a frame; frames queued in one loop pass go out in one write."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self._out.append(encode_prefix_and_header(header, len(payload)))
+        if payload:
+            self._out.append(payload)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._flush_scheduled = False
+        parts, self._out = self._out, []
+        if self.transport is None or self.transport.is_closing():
+            return
+        small: list = []
+        for part in parts:
+            if len(part) <= 65536:
+                small.append(part)
+                continue
+            if small:
+                self.transport.write(b"".join(small))
+                small = []
+            self.transport.write(part)   # a bulk payload: never joined (no copy)
+        if small:
+            self.transport.write(b"".join(small))
+
+    def send_reply(self, reply: StoredReply) -> None:
+        if self.state is ConnState.ATTACHED:
+            self.send(reply.header, reply.payload)
+
+    def fail(self, exc: AccelmigError) -> None:
+        """Answer with an error frame where possible, then close."""
+        if self.state is ConnState.CLOSED:
+            return
+        LOG.warning("data plane: closing connection from %s: %s", self.peer[0], exc,
+                    extra={"sid": getattr(self.session, "sid", None), "code": exc.code.value})
+        if isinstance(exc, FrameError):
+            self.pool.metrics.frame_errors.labels(exc.code.value).inc()
+        self.send({"op": Op.ERROR.value, "error": exc.to_wire()})
+        self._close()
+
+    def fence(self, by_epoch: int) -> None:
+        """A later resume took the session: this connection issues nothing more."""
+        if self.state is ConnState.CLOSED:
+            return
+        sid = self.session.sid if self.session else "?"
+        self.send({"op": Op.ERROR.value, "error": StaleEpoch(sid=sid, got=self.epoch,
+                                                             current=by_epoch).to_wire()})
+        self._close()
+
+    def _close(self) -> None:
+        self.state = ConnState.CLOSED
+        if self.transport is not None:
+            self.flush()
+            self.transport.close()
+
+    def flow_changed(self) -> None:
+        session = self.session
+        if session is None or self.transport is None or self.transport.is_closing():
+            return
+        if session.backlogged and not self.reading_paused:
+            self.transport.pause_reading()
+            self.reading_paused = True
+        elif not session.backlogged and self.reading_paused:
+            self.transport.resume_reading()
+            self.reading_paused = False
+
+    # -- frames --------------------------------------------------------------------
+    def _handle(self, header: dict, payload) -> None:
+        op = dp.parse_op(header)
+        if self.state is ConnState.HELLO:
+            if op is not Op.HELLO:
+                raise ProtocolError(reason=f"expected hello first, got {op.value}")
+            self.version = dp.negotiate(header.get("versions", []))
+            self.state = ConnState.READY
+            self.send({"op": Op.WELCOME.value, "version": self.version,
+                       "instance": self.pool.instance, "challenge": self.challenge,
+                       "max_payload": self.pool.config.max_payload,
+                       "max_header": self.pool.config.max_header,
+                       "peer_host": self.peer_host})
+            return
+        if self.state is ConnState.READY:
+            if op is Op.OPEN:
+                session = self.pool.open_session(self, header)
+                self._attach(session)
+                self.send({"op": Op.OPENED.value, "sid": session.sid, "epoch": session.epoch,
+                           "bound_host": session.bound_host})
+            elif op is Op.RESUME:
+                session, replay = self.pool.resume_session(self, header)
+                self._attach(session)
+                self.send({"op": Op.RESUMED.value, "sid": session.sid, "epoch": session.epoch,
+                           "expect": session.log.next_seq, "replay": len(replay),
+                           "bound_host": session.bound_host})
+                for reply in replay:
+                    self.send(reply.header, reply.payload)
+            else:
+                raise ProtocolError(reason=f"expected open or resume, got {op.value}")
+            return
+        # ATTACHED
+        session = self.session
+        if op is Op.ACK:
+            self._acknowledge(session, header.get("ack"))
+            return
+        if op in dp.CONNECTION_OPS:
+            raise ProtocolError(reason=f"{op.value} on an attached connection")
+        dp.validate_command(header, len(payload))
+        if header["epoch"] != session.epoch or self.epoch != session.epoch:
+            raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
+        if "ack" in header:
+            self._acknowledge(session, header["ack"])
+        seq = header["seq"]
+        digest = dp.command_digest(header, payload)
+        verdict = session.log.classify(seq, digest)
+        if verdict is Verdict.NEW:
+            session.log.accept(seq, digest)
+            session.submit(Command(seq, op, header, payload))
+            self.flow_changed()
+        elif verdict is Verdict.DUPLICATE:
+            session.counters.duplicates += 1
+            self.pool.metrics.duplicates.inc()
+            stored = session.log.stored_reply(seq)
+            if stored is not None:
+                self.send_reply(stored)
+            # else: still queued; its reply will come on this connection
+        elif verdict is Verdict.DIVERGED:
+            raise SessionDiverged(sid=session.sid, reason=(
+                f"command {seq} ({op.value}) differs from the command the pool accepted "
+                f"under that sequence number"), details={"seq": seq})
+        else:
+            raise ProtocolError(reason=f"sequence gap: got {seq}, expected {session.log.next_seq}")
+
+    def _acknowledge(self, session, ack) -> None:
+        if not isinstance(ack, int) or isinstance(ack, bool) or ack < 0:
+            raise BadRequest(reason="ack must be a non-negative integer")
+        session.acknowledge(ack)
+
+    def _attach(self, session) -> None:
+        self.session = session
+        self.epoch = session.epoch
+        self.state = ConnState.ATTACHED

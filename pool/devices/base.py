@@ -1,0 +1,102 @@
+"""The pluggable part of the pool: a device backend.
+
+A backend owns one accelerator and hands out one ``DeviceContext`` per
+session: the session's buffers, programs and in-order queue live there.  The
+interface is the intersection of the OpenCL and CUDA driver APIs, small on
+purpose, so a CUDA backend (CuPy) fits beside the OpenCL one.
+
+Every method of a context is called from the session's own worker thread, in
+command order; contexts never see each other's objects.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarArg:
+    type_name: str     # one of accelmig.wire.dataplane.SCALAR_TYPES
+    raw: bytes         # little-endian bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalArg:
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferArg:
+    handle: int
+
+
+@dataclasses.dataclass
+class BuildResult:
+    kernels: list[str]
+    log: str = ""
+    binary_size: int = 0
+
+
+class DeviceBackend(abc.ABC):
+    """One accelerator device, shared by many sessions."""
+
+    #: e.g. "opencl:0"
+    spec: str
+
+    @abc.abstractmethod
+    def info(self) -> dict:
+        """Name, vendor, memory sizes, limits: JSON-safe."""
+
+    @abc.abstractmethod
+    def new_context(self) -> "DeviceContext":
+        """A fresh per-session context with its own in-order queue."""
+
+    def close(self) -> None:
+        """Release the device."""
+
+
+class DeviceContext(abc.ABC):
+    """One session's objects on a device.  Handles are the driver's."""
+
+    @abc.abstractmethod
+    def alloc(self, handle: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def free(self, handle: int) -> int:
+        """Free a buffer; return the bytes released."""
+
+    @abc.abstractmethod
+    def write(self, handle: int, offset: int, data) -> None: ...
+
+    @abc.abstractmethod
+    def read(self, handle: int, offset: int, nbytes: int) -> bytearray: ...
+
+    @abc.abstractmethod
+    def copy(self, src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None: ...
+
+    @abc.abstractmethod
+    def build_source(self, handle: int, source: str, options: str) -> BuildResult: ...
+
+    @abc.abstractmethod
+    def build_binary(self, handle: int, binary: bytes, options: str) -> BuildResult: ...
+
+    @abc.abstractmethod
+    def program_binary(self, handle: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def free_program(self, handle: int) -> None: ...
+
+    @abc.abstractmethod
+    def launch(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
+               args: list) -> None: ...
+
+    @abc.abstractmethod
+    def finish(self) -> None: ...
+
+    @abc.abstractmethod
+    def release(self) -> int:
+        """Free everything; return the buffer bytes released."""
+
+    @abc.abstractmethod
+    def buffer_size(self, handle: int) -> int: ...

@@ -1,0 +1,260 @@
+"""OpenCL backend (pyopencl): PoCL on a CPU, GPU and FPGA vendor runtimes.
+
+The device index ``N`` in ``opencl:N`` counts devices across all platforms,
+in the order pyopencl lists them (``accelmig-pool devices`` prints it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+import pyopencl as cl
+
+from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, DeviceContext,
+                                        LocalArg, ScalarArg)
+from accelmig.wire.dataplane import NUMPY_NAMES
+from accelmig.wire.errors import (BuildFailed, DeviceError, NoSuchObject, ObjectExists, OutOfRange,
+                                  Unavailable)
+
+LOG = logging.getLogger(__name__)
+
+
+def _all_devices() -> list[cl.Device]:
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as exc:  # no ICD at all
+        LOG.warning("no OpenCL platform: %s", exc)
+        return []
+    devices: list[cl.Device] = []
+    for platform in platforms:
+        try:
+            devices.extend(platform.get_devices())
+        except cl.Error:
+            continue
+    return devices
+
+
+def _describe(device: cl.Device) -> dict:
+    return {
+        "name": device.name.strip(),
+        "vendor": device.vendor.strip(),
+        "platform": device.platform.name.strip(),
+        "version": device.version.strip(),
+        "driver_version": device.driver_version.strip(),
+        "type": cl.device_type.to_string(device.type),
+        "global_mem_size": int(device.global_mem_size),
+        "max_mem_alloc_size": int(device.max_mem_alloc_size),
+        "max_work_group_size": int(device.max_work_group_size),
+        "max_compute_units": int(device.max_compute_units),
+    }
+
+
+def list_devices() -> list[dict]:
+    return [dict(_describe(dev), spec=f"opencl:{i}", index=i) for i, dev in enumerate(_all_devices())]
+
+
+class OpenCLBackend(DeviceBackend):
+    def __init__(self, index: int = 0):
+        devices = _all_devices()
+        if not 0 <= index < len(devices):
+            raise Unavailable(what=f"OpenCL device {index}",
+                              reason=f"{len(devices)} OpenCL device(s) present")
+        self.spec = f"opencl:{index}"
+        self.device = devices[index]
+        self.context = cl.Context([self.device])
+        self._info = dict(_describe(self.device), spec=self.spec, backend="opencl")
+        LOG.info("device %s: %s (%s)", self.spec, self._info["name"], self._info["platform"])
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def new_context(self) -> "OpenCLContext":
+        return OpenCLContext(self)
+
+
+def _cl_error(exc: Exception) -> DeviceError:
+    return DeviceError(reason=str(exc).strip() or type(exc).__name__)
+
+
+class OpenCLContext(DeviceContext):
+    def __init__(self, backend: OpenCLBackend):
+        self.backend = backend
+        self.queue = cl.CommandQueue(backend.context, backend.device)
+        self.buffers: dict[int, tuple[cl.Buffer, int]] = {}
+        self.programs: dict[int, cl.Program] = {}
+        self.kernels: dict[tuple[int, str], cl.Kernel] = {}
+        self._lock = threading.Lock()  # release() may come from another thread
+
+    # -- lookups -----------------------------------------------------------------
+    def _buffer(self, handle: int) -> tuple[cl.Buffer, int]:
+        try:
+            return self.buffers[handle]
+        except KeyError:
+            raise NoSuchObject(kind="buffer", handle=handle) from None
+
+    def _program(self, handle: int) -> cl.Program:
+        try:
+            return self.programs[handle]
+        except KeyError:
+            raise NoSuchObject(kind="program", handle=handle) from None
+
+    @staticmethod
+    def _check_range(what: str, offset: int, nbytes: int, size: int) -> None:
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise OutOfRange(what=what, offset=offset, size=nbytes, limit=size)
+
+    def buffer_size(self, handle: int) -> int:
+        return self._buffer(handle)[1]
+
+    # -- buffers -----------------------------------------------------------------
+    def alloc(self, handle: int, nbytes: int) -> None:
+        if handle in self.buffers:
+            raise ObjectExists(kind="buffer", handle=handle)
+        try:
+            buf = cl.Buffer(self.backend.context, cl.mem_flags.READ_WRITE, max(nbytes, 1))
+        except cl.Error as exc:
+            raise _cl_error(exc) from None
+        self.buffers[handle] = (buf, nbytes)
+
+    def free(self, handle: int) -> int:
+        buf, size = self._buffer(handle)
+        del self.buffers[handle]
+        buf.release()
+        return size
+
+    def write(self, handle: int, offset: int, data) -> None:
+        buf, size = self._buffer(handle)
+        nbytes = memoryview(data).nbytes
+        self._check_range(f"write to buffer {handle}", offset, nbytes, size)
+        if nbytes:
+            try:
+                cl.enqueue_copy(self.queue, buf, data, dst_offset=offset, is_blocking=True)
+            except cl.Error as exc:
+                raise _cl_error(exc) from None
+
+    def read(self, handle: int, offset: int, nbytes: int) -> bytearray:
+        buf, size = self._buffer(handle)
+        self._check_range(f"read of buffer {handle}", offset, nbytes, size)
+        out = bytearray(nbytes)
+        if nbytes:
+            try:
+                cl.enqueue_copy(self.queue, out, buf, src_offset=offset, is_blocking=True)
+            except cl.Error as exc:
+                raise _cl_error(exc) from None
+        return out
+
+    def copy(self, src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None:
+        sbuf, ssize = self._buffer(src)
+        dbuf, dsize = self._buffer(dst)
+        self._check_range(f"copy from buffer {src}", src_offset, nbytes, ssize)
+        self._check_range(f"copy to buffer {dst}", dst_offset, nbytes, dsize)
+        if nbytes:
+            try:
+                cl.enqueue_copy(self.queue, dbuf, sbuf, byte_count=nbytes,
+                                src_offset=src_offset, dst_offset=dst_offset)
+            except cl.Error as exc:
+                raise _cl_error(exc) from None
+
+    # -- programs ----------------------------------------------------------------
+    def _finish_build(self, handle: int, program: cl.Program, options: str) -> BuildResult:
+        device = self.backend.device
+        try:
+            program.build(options=options.split(), devices=[device])
+        except cl.Error as exc:
+            try:
+                log = program.get_build_info(device, cl.program_build_info.LOG)
+            except cl.Error:
+                log = str(exc)
+            raise BuildFailed(reason=str(exc).splitlines()[0] if str(exc) else "build error",
+                              details={"log": log}) from None
+        log = program.get_build_info(device, cl.program_build_info.LOG) or ""
+        names = [k.function_name for k in program.all_kernels()]
+        self.programs[handle] = program
+        sizes = program.get_info(cl.program_info.BINARY_SIZES)
+        return BuildResult(kernels=sorted(names), log=log.strip(), binary_size=int(sizes[0]))
+
+    def build_source(self, handle: int, source: str, options: str) -> BuildResult:
+        if handle in self.programs:
+            raise ObjectExists(kind="program", handle=handle)
+        try:
+            program = cl.Program(self.backend.context, source)
+        except cl.Error as exc:
+            raise BuildFailed(reason=str(exc), details={"log": str(exc)}) from None
+        return self._finish_build(handle, program, options)
+
+    def build_binary(self, handle: int, binary: bytes, options: str) -> BuildResult:
+        if handle in self.programs:
+            raise ObjectExists(kind="program", handle=handle)
+        try:
+            program = cl.Program(self.backend.context, [self.backend.device], [bytes(binary)])
+        except cl.Error as exc:
+            raise BuildFailed(reason=f"device binary refused: {exc}", details={"log": str(exc)}) from None
+        return self._finish_build(handle, program, options)
+
+    def program_binary(self, handle: int) -> bytes:
+        return bytes(self._program(handle).get_info(cl.program_info.BINARIES)[0])
+
+    def free_program(self, handle: int) -> None:
+        self._program(handle)
+        del self.programs[handle]
+        for key in [k for k in self.kernels if k[0] == handle]:
+            del self.kernels[key]
+
+    # -- execution ---------------------------------------------------------------
+    def _kernel(self, program: int, name: str) -> cl.Kernel:
+        key = (program, name)
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            prg = self._program(program)
+            try:
+                kernel = cl.Kernel(prg, name)
+            except cl.Error:
+                raise NoSuchObject(kind=f"kernel named {name!r} in program", handle=program) from None
+            self.kernels[key] = kernel
+        return kernel
+
+    def launch(self, program: int, kernel: str, gsize, lsize, args) -> None:
+        k = self._kernel(program, kernel)
+        cl_args = []
+        for arg in args:
+            if isinstance(arg, BufferArg):
+                cl_args.append(self._buffer(arg.handle)[0])
+            elif isinstance(arg, ScalarArg):
+                cl_args.append(np.frombuffer(arg.raw, dtype=np.dtype(NUMPY_NAMES[arg.type_name])
+                                             .newbyteorder("<"))[0])
+            elif isinstance(arg, LocalArg):
+                cl_args.append(cl.LocalMemory(arg.nbytes))
+            else:  # pragma: no cover - the session layer only builds these three
+                raise DeviceError(reason=f"unknown argument {arg!r}")
+        try:
+            if len(cl_args) != k.num_args:
+                raise DeviceError(reason=f"kernel {kernel!r} takes {k.num_args} arguments, "
+                                         f"{len(cl_args)} given")
+            k.set_args(*cl_args)
+            cl.enqueue_nd_range_kernel(self.queue, k, tuple(gsize),
+                                       tuple(lsize) if lsize else None)
+        except cl.Error as exc:
+            raise _cl_error(exc) from None
+
+    def finish(self) -> None:
+        try:
+            self.queue.finish()
+        except cl.Error as exc:
+            raise _cl_error(exc) from None
+
+    def release(self) -> int:
+        with self._lock:
+            released = 0
+            try:
+                self.queue.finish()
+            except cl.Error:
+                pass
+            for buf, size in self.buffers.values():
+                released += size
+                buf.release()
+            self.buffers.clear()
+            self.kernels.clear()
+            self.programs.clear()
+            return released

@@ -1,0 +1,191 @@
+"""Run a pool on a background thread of this process: for tests, benchmarks
+and demos that want a real pool without a second process.
+
+::
+
+    with PoolThread(tenants={"alice": ("alice-token-1", "1GiB")}) as pool:
+        dev = connect(pool.endpoint, "alice-token-1")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import tempfile
+import threading
+
+from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec, parse_size, parse_networks
+
+
+class PoolThread:
+    def __init__(self, tenants: dict | None = None, hosts: dict | None = None, *,
+                 listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0",
+                 device: str = "auto", backend=None, **config):
+        tenants = tenants or {"tenant": ("tenant-token-0001", "4GiB")}
+        self.tenant_specs = {name: TenantSpec(name, token, parse_size(quota))
+                             for name, (token, quota) in tenants.items()}
+        self.host_specs = {}
+        for name, value in (hosts or {}).items():
+            secret, addresses = (value, []) if isinstance(value, str) else value
+            self.host_specs[name] = HostSpec(name, secret.encode(), parse_networks(addresses, "harness"))
+        self._tmp = tempfile.mkdtemp(prefix="accelmig-pool-")
+        config.setdefault("admin_socket", os.path.join(self._tmp, "admin.sock"))
+        config.setdefault("log_format", "text")
+        self.config = PoolConfig(listen=listen, control_listen=control_listen, device=device, **config)
+        self._backend = backend
+        self.pool = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "PoolThread":
+        from accelmig.pool.devices import open_backend
+        from accelmig.pool.server import Pool
+        if self._backend is None:
+            self._backend = open_backend(self.config.device)
+        self.pool = Pool(self.config, self._backend, self.tenant_specs, self.host_specs)
+        ready = concurrent.futures.Future()
+        self.loop = asyncio.new_event_loop()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            try:
+                self.loop.run_until_complete(self.pool.start())
+            except BaseException as exc:  # report a failed start to the caller
+                ready.set_exception(exc)
+                return
+            ready.set_result(True)
+            self.loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="pool-loop", daemon=True)
+        self._thread.start()
+        ready.result(timeout=30)
+        return self
+
+    def call(self, fn, *args, timeout: float = 10):
+        """Run ``fn(*args)`` on the pool's loop (its state is only safe there)."""
+        future = concurrent.futures.Future()
+
+        def run():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return future.result(timeout)
+
+    def stop(self) -> None:
+        if self.loop is None or self.pool is None:
+            return
+        asyncio.run_coroutine_threadsafe(self.pool.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+        self.loop = None
+
+    def restart(self) -> "PoolThread":
+        """Stop and start on the same addresses: a new pool instance, no sessions."""
+        data, control = self.endpoint, self.control_endpoint
+        self.stop()
+        self.config.listen = data
+        if control:
+            self.config.control_listen = control
+        return self.start()
+
+    @property
+    def endpoint(self) -> str:
+        return self.pool.endpoints["data"]
+
+    @property
+    def control_endpoint(self) -> str | None:
+        return self.pool.endpoints.get("control")
+
+    @property
+    def admin_endpoint(self) -> str | None:
+        return self.pool.endpoints.get("admin")
+
+    def session(self, sid: str) -> dict:
+        return self.call(lambda: self.pool.sessions[sid].describe())
+
+    def __enter__(self) -> "PoolThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class CutProxy:
+    """A TCP relay whose connections can be cut on demand (with a reset), to
+    lose a driver's connection for real without touching either end."""
+
+    def __init__(self, target: str, listen: str = "127.0.0.1:0"):
+        import socket
+        from accelmig.wire.dataplane import parse_endpoint
+        self.target = parse_endpoint(target)
+        host, port = parse_endpoint(listen)
+        self._listener = socket.create_server((host, port))
+        self.endpoint = "%s:%d" % self._listener.getsockname()[:2]
+        self._pairs: list = []
+        self._lock = threading.Lock()
+        self.cuts = 0
+        self._closed = False
+        threading.Thread(target=self._accept, name="cut-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        try:
+            while True:
+                n = src.recv_into(buf)
+                if n == 0:
+                    break
+                dst.sendall(view[:n])
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(2)
+            except OSError:
+                pass
+
+    def cut(self) -> int:
+        """Reset every relayed connection; return how many were cut."""
+        import socket
+        import struct as _struct
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for s in pair:
+                try:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _struct.pack("ii", 1, 0))
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        self.cuts += len(pairs)
+        return len(pairs)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut()

@@ -1,0 +1,45 @@
+"""Prometheus metrics of one pool (its own registry: several pools can live
+in one process, as they do in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from accelmig.wire.dataplane import Op
+
+
+class PoolMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sessions = Gauge("accelmig_sessions", "Sessions by state", ["state"], registry=r)
+        self.commands = Counter("accelmig_commands_total", "Commands executed", ["op"], registry=r)
+        self.bytes = Counter("accelmig_bytes_total", "Buffer bytes moved", ["direction"], registry=r)
+        self.builds = Counter("accelmig_program_builds_total", "Programs built", registry=r)
+        self.duplicates = Counter("accelmig_duplicate_commands_total",
+                                  "Re-sent commands answered from the reply log", registry=r)
+        self.resumes = Counter("accelmig_resumes_total", "Session resumes", ["result"], registry=r)
+        self.migrations = Counter("accelmig_migrations_total", "Migration records by outcome",
+                                  ["outcome"], registry=r)
+        self.blackout = Histogram(
+            "accelmig_blackout_seconds",
+            "Accelerator blackout of a migrated session: from the pause (or switchover) to the resume",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
+        self.device_bytes = Gauge("accelmig_device_bytes", "Device memory allocated, per tenant",
+                                  ["tenant"], registry=r)
+        self.frame_errors = Counter("accelmig_frame_errors_total", "Connections closed for bad frames",
+                                    ["code"], registry=r)
+
+    def count_command(self, session, command, read_bytes: int) -> None:
+        self.commands.labels(command.op.value).inc()
+        if command.op is Op.WRITE:
+            self.bytes.labels("up").inc(len(command.payload))
+        elif command.op is Op.READ:
+            self.bytes.labels("down").inc(read_bytes)
+        elif command.op in (Op.BUILD, Op.BUILD_BINARY):
+            self.builds.inc()
+        elif command.op is Op.ALLOC or command.op is Op.FREE:
+            self.device_bytes.labels(session.tenant.name).set(session.tenant.used)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()

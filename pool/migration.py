@@ -1,0 +1,217 @@
+"""Migration records and resume tickets: the pool's side of a live migration.
+
+A record follows one migration of one domain, keyed by (domain UUID,
+migration id) — a domain can be renamed on the way (``--dname``) and a
+return migration can overlap the previous one's cleanup.  State machine::
+
+    OPEN --switchover--> SWITCHED_OVER --complete--> COMPLETED --close--> CLOSED
+      |                      |    \\                    ^
+      |                      |     +--commit--> COMMITTED (post-copy: no way back)
+      +------abort-----------+--> ABORTED
+
+``complete`` freezes the set of the domain's sessions (sessions opened during
+pre-copy included) and mints one resume ticket per session, bound to the
+migration and to the destination host.  ``abort`` is refused once the guest
+has run on the destination (COMMITTED, COMPLETED, CLOSED).
+
+The pool owns a record's lifetime: it lives under a lease the hosts renew.
+An expired lease aborts a record before commit and completes it after.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import hmac
+import json
+import secrets
+import time
+
+from accelmig.wire.errors import RecordState, TicketInvalid
+
+
+class RecordStateName(enum.Enum):
+    OPEN = "open"
+    SWITCHED_OVER = "switched_over"
+    COMMITTED = "committed"
+    COMPLETED = "completed"
+    CLOSED = "closed"
+    ABORTED = "aborted"
+
+
+class PausePolicy(str, enum.Enum):
+    NONE = "none"              # correctness from the reply log alone
+    SWITCHOVER = "switchover"  # stop executing at the source's switchover
+    START = "start"            # stop executing when the record opens (the baseline)
+
+
+ABORTABLE = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER}
+FINAL = {RecordStateName.CLOSED, RecordStateName.ABORTED}
+
+
+class MigrationRecord:
+    def __init__(self, domain_uuid: str, migration_id: str, source_host: str | None,
+                 dest_host: str, policy: PausePolicy, lease_ttl: float, now: float,
+                 domain_name: str | None = None, postcopy: bool = False):
+        self.domain_uuid = domain_uuid
+        self.migration_id = migration_id
+        self.source_host = source_host
+        self.dest_host = dest_host
+        self.policy = policy
+        self.domain_name = domain_name
+        self.postcopy = postcopy
+        self.state = RecordStateName.OPEN
+        self.lease_ttl = lease_ttl
+        self.lease_expiry = now + lease_ttl
+        self.times: dict[str, float] = {"opened": now}
+        self.sessions: list[str] = []          # frozen at complete
+        self.tickets: dict[str, str] = {}      # sid -> ticket nonce
+        self.resumed: dict[str, float] = {}    # sid -> seconds from switchover/complete to resume
+        self.source_stopped = False
+        self.abort_reason: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.domain_uuid}/{self.migration_id}"
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL
+
+    def _require(self, action: str, allowed) -> None:
+        if self.state not in allowed:
+            raise RecordState(record=self.key, state=self.state.value, action=action)
+
+    def renew(self, now: float) -> None:
+        if not self.final:
+            self.lease_expiry = now + self.lease_ttl
+
+    def switchover(self, now: float) -> bool:
+        """Source paused the guest for the last copy.  Idempotent."""
+        if self.state is RecordStateName.SWITCHED_OVER:
+            return False
+        self._require("switch over", {RecordStateName.OPEN})
+        self.state = RecordStateName.SWITCHED_OVER
+        self.times["switchover"] = now
+        return True
+
+    def commit(self, now: float) -> bool:
+        """Post-copy started: the guest runs on the destination, no way back."""
+        if self.state in (RecordStateName.COMMITTED, RecordStateName.COMPLETED,
+                          RecordStateName.CLOSED):
+            return False
+        self._require("commit", ABORTABLE)
+        self.state = RecordStateName.COMMITTED
+        self.times["committed"] = now
+        return True
+
+    def complete(self, now: float, sessions: list[str]) -> bool:
+        if self.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
+            return False
+        self._require("complete", ABORTABLE | {RecordStateName.COMMITTED})
+        self.sessions = list(sessions)
+        self.state = RecordStateName.CLOSED if self.source_stopped else RecordStateName.COMPLETED
+        self.times["completed"] = now
+        return True
+
+    def close(self, now: float) -> bool:
+        """The source's QEMU stopped after a successful migration."""
+        self.source_stopped = True
+        self.times.setdefault("source_stopped", now)
+        if self.state is RecordStateName.COMPLETED:
+            self.state = RecordStateName.CLOSED
+            self.times["closed"] = now
+            return True
+        return False
+
+    def abort(self, now: float, reason: str) -> bool:
+        if self.state is RecordStateName.ABORTED:
+            return False
+        self._require("abort", ABORTABLE)
+        self.state = RecordStateName.ABORTED
+        self.abort_reason = reason
+        self.times["aborted"] = now
+        return True
+
+    def describe(self) -> dict:
+        return {
+            "domain_uuid": self.domain_uuid, "migration_id": self.migration_id,
+            "domain_name": self.domain_name, "source_host": self.source_host,
+            "dest_host": self.dest_host, "policy": self.policy.value, "state": self.state.value,
+            "sessions": list(self.sessions), "resumed": dict(self.resumed),
+            "times": dict(self.times), "lease_in": round(self.lease_expiry - time.time(), 3),
+            "abort_reason": self.abort_reason, "postcopy": self.postcopy,
+        }
+
+
+class TicketAuthority:
+    """Mints and checks resume tickets.
+
+    A ticket is ``v1.<base64url JSON>.<HMAC-SHA256>`` over the pool's own
+    secret (random per pool instance: tickets die with the sessions they
+    authorise).  It names the session, the record, the destination host and
+    an expiry; the pool additionally remembers each ticket's nonce, so a
+    ticket is single-use and revocable.  A ticket authorises the move only:
+    the driver still proves it owns the session.
+    """
+
+    def __init__(self, ttl: float = 300.0, secret: bytes | None = None):
+        self.ttl = ttl
+        self._secret = secret or secrets.token_bytes(32)
+        self._live: dict[str, str] = {}       # nonce -> record key
+        self._used: dict[str, float] = {}     # nonce -> when used
+
+    def _mac(self, body: bytes) -> str:
+        return hmac.new(self._secret, body, hashlib.sha256).hexdigest()
+
+    def mint(self, sid: str, record: MigrationRecord, now: float) -> tuple[str, str]:
+        nonce = secrets.token_hex(12)
+        claims = {"sid": sid, "dom": record.domain_uuid, "mid": record.migration_id,
+                  "dst": record.dest_host, "exp": round(now + self.ttl, 3), "n": nonce}
+        body = base64.urlsafe_b64encode(json.dumps(claims, separators=(",", ":")).encode()).rstrip(b"=")
+        self._live[nonce] = record.key
+        return f"v1.{body.decode()}.{self._mac(body)}", nonce
+
+    def check(self, ticket, sid: str, peer_host: str | None, now: float) -> dict:
+        """Claims of a valid ticket, or TicketInvalid.  Does not use it up."""
+        if not isinstance(ticket, str) or ticket.count(".") != 2:
+            raise TicketInvalid(reason="not an accelmig ticket")
+        version, body, mac = ticket.split(".")
+        if version != "v1":
+            raise TicketInvalid(reason=f"ticket version {version!r}")
+        if not hmac.compare_digest(self._mac(body.encode()), mac):
+            raise TicketInvalid(reason="signature does not verify (forged, or minted by "
+                                       "another pool instance)")
+        try:
+            claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+        except ValueError:
+            raise TicketInvalid(reason="unreadable claims") from None
+        if claims.get("sid") != sid:
+            raise TicketInvalid(reason=f"ticket is for session {claims.get('sid')}, not {sid}")
+        nonce = claims.get("n")
+        if nonce in self._used:
+            raise TicketInvalid(reason="ticket already used")
+        if nonce not in self._live:
+            raise TicketInvalid(reason="ticket revoked (migration aborted or superseded)")
+        if now > float(claims.get("exp", 0)):
+            raise TicketInvalid(reason=f"ticket expired {now - float(claims['exp']):.1f} s ago")
+        if claims.get("dst") != peer_host:
+            raise TicketInvalid(reason=f"ticket is for host {claims.get('dst')}, the resume "
+                                       f"comes from host {peer_host}")
+        return claims
+
+    def use(self, nonce: str, now: float) -> None:
+        self._live.pop(nonce, None)
+        self._used[nonce] = now
+        # bounded memory: forget uses older than a ticket's lifetime
+        if len(self._used) > 10000:
+            cutoff = now - 2 * self.ttl
+            for key in [k for k, t in self._used.items() if t < cutoff]:
+                del self._used[key]
+
+    def revoke(self, nonce: str) -> None:
+        self._live.pop(nonce, None)
+
+    def is_live(self, nonce: str) -> bool:
+        return nonce in self._live

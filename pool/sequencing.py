@@ -1,0 +1,124 @@
+"""Per-session sequence bookkeeping on the pool: exactly-once at enqueue.
+
+Pure logic, no I/O, so it can be tested against a model (see
+tests/pool/test_sequencing_model.py).  Numbers:
+
+- ``next_seq``: the next new command the session will accept;
+- ``acked``: the highest reply sequence the driver acknowledged; replies up
+  to it are dropped;
+- ``highest_reply``: the highest sequence whose reply exists.
+
+Invariant: ``acked <= highest_reply < next_seq``.  Commands in
+``(highest_reply, next_seq)`` are queued or executing; their replies come.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+
+from accelmig.wire.errors import ProtocolError, SessionDiverged
+
+
+class Verdict(enum.Enum):
+    NEW = "new"                # execute it
+    DUPLICATE = "duplicate"    # executed (or queued) already; answer from the log
+    DIVERGED = "diverged"      # same seq, other content: an older copy of the session
+    GAP = "gap"                # a sequence number was skipped: protocol error
+
+
+@dataclasses.dataclass
+class StoredReply:
+    seq: int
+    header: dict
+    payload: bytes | bytearray | memoryview = b""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.payload) + 64
+
+
+class SequenceLog:
+    def __init__(self, sid: str = "?"):
+        self.sid = sid
+        self.next_seq = 1
+        self.acked = 0
+        self.highest_reply = 0
+        self.digests: dict[int, str] = {}
+        self.replies: collections.OrderedDict[int, StoredReply] = collections.OrderedDict()
+        self.reply_bytes = 0
+
+    # -- commands ----------------------------------------------------------------
+    def classify(self, seq: int, digest: str) -> Verdict:
+        if seq == self.next_seq:
+            return Verdict.NEW
+        if seq > self.next_seq:
+            return Verdict.GAP
+        if seq <= self.acked:
+            # The driver acknowledged this reply: a copy that sends it again
+            # is not the copy the pool has been talking to.
+            return Verdict.DIVERGED
+        return Verdict.DUPLICATE if self.digests.get(seq) == digest else Verdict.DIVERGED
+
+    def accept(self, seq: int, digest: str) -> None:
+        if seq != self.next_seq:
+            raise ProtocolError(reason=f"accept of seq {seq}, expected {self.next_seq}")
+        self.digests[seq] = digest
+        self.next_seq += 1
+
+    @property
+    def unacked_commands(self) -> int:
+        return self.next_seq - 1 - self.acked
+
+    # -- replies -----------------------------------------------------------------
+    def record_reply(self, reply: StoredReply) -> None:
+        if reply.seq != self.highest_reply + 1:
+            raise ProtocolError(reason=f"reply {reply.seq} out of order after {self.highest_reply}")
+        self.highest_reply = reply.seq
+        self.replies[reply.seq] = reply
+        self.reply_bytes += reply.nbytes
+
+    def stored_reply(self, seq: int) -> StoredReply | None:
+        return self.replies.get(seq)
+
+    def acknowledge(self, upto: int) -> int:
+        """Drop replies up to ``upto``; return the bytes freed."""
+        if upto > self.highest_reply:
+            raise ProtocolError(reason=f"ack {upto} of a reply not yet sent "
+                                       f"(highest reply is {self.highest_reply})")
+        freed = 0
+        while self.replies:
+            seq = next(iter(self.replies))
+            if seq > upto:
+                break
+            freed += self.replies.popitem(last=False)[1].nbytes
+        for seq in range(self.acked + 1, upto + 1):
+            self.digests.pop(seq, None)
+        self.acked = max(self.acked, upto)
+        self.reply_bytes -= freed
+        return freed
+
+    # -- resume ------------------------------------------------------------------
+    def check_resume(self, last_seen: int) -> list[StoredReply]:
+        """Replies a resuming driver missed, or SessionDiverged.
+
+        Changes nothing: the caller acknowledges ``last_seen`` once every
+        other check of the resume has passed.
+        """
+        if last_seen < self.acked:
+            raise SessionDiverged(sid=self.sid, reason=(
+                f"the resuming copy has seen replies up to {last_seen}, but the driver "
+                f"already acknowledged up to {self.acked}"),
+                details={"last_seen": last_seen, "acked": self.acked})
+        if last_seen > self.highest_reply:
+            raise SessionDiverged(sid=self.sid, reason=(
+                f"the resuming copy claims replies up to {last_seen}, the pool produced "
+                f"only {self.highest_reply}"),
+                details={"last_seen": last_seen, "highest_reply": self.highest_reply})
+        return [r for s, r in self.replies.items() if s > last_seen]
+
+    def snapshot(self) -> dict:
+        return {"next_seq": self.next_seq, "acked": self.acked,
+                "highest_reply": self.highest_reply, "stored_replies": len(self.replies),
+                "reply_bytes": self.reply_bytes}

@@ -1,0 +1,449 @@
+"""The pool: sessions, hosts, migration records, and the listeners.
+
+One asyncio event loop owns all bookkeeping (sessions, records, tickets,
+hosts), so every operation on it is atomic with respect to every other: a
+resume, a control-plane call and a frame from a driver never interleave
+half-way.  Device work runs on per-session worker threads and reports back
+to the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ipaddress
+import logging
+import os
+import secrets
+import time
+import uuid
+
+from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
+from accelmig.pool.dataplane import DataConnection
+from accelmig.pool.metrics import PoolMetrics
+from accelmig.pool.migration import (FINAL, MigrationRecord, PausePolicy, RecordStateName,
+                                     TicketAuthority)
+from accelmig.pool.sequencing import StoredReply
+from accelmig.pool.session import Session, SessionState, Tenant
+from accelmig.wire import dataplane as dp
+from accelmig.wire.errors import (AuthFailed, BadRequest, Conflict, NoSuchRecord, SessionDiverged,
+                                  SessionExpired, SessionLost, TicketRequired, WrongHost)
+
+LOG = logging.getLogger(__name__)
+
+
+class HostState:
+    def __init__(self, spec: HostSpec):
+        self.name = spec.name
+        self.secret = spec.secret
+        self.static_networks = list(spec.addresses)
+        self.networks = list(spec.addresses)
+        self.identity: dict = {}
+        self.registered_at: float | None = None
+        self.last_seen: float | None = None
+
+    def describe(self) -> dict:
+        return {"host": self.name, "networks": [str(n) for n in self.networks],
+                "identity": self.identity, "registered_at": self.registered_at,
+                "last_seen": self.last_seen}
+
+
+class Pool:
+    def __init__(self, config: PoolConfig, backend, tenants: dict[str, TenantSpec],
+                 hosts: dict[str, HostSpec] | None = None):
+        self.config = config
+        self.backend = backend
+        # An instance id that changes with every start: a driver presenting a
+        # session of another instance learns the pool restarted (SESSION_LOST).
+        self.instance = secrets.token_hex(4)
+        self.tenants = {t.token: Tenant(t.name, t.token, t.quota) for t in tenants.values()}
+        self.hosts = {name: HostState(spec) for name, spec in (hosts or {}).items()}
+        self.sessions: dict[str, Session] = {}
+        self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.records: dict[str, MigrationRecord] = {}
+        self.intents: dict[str, dict] = {}
+        self.domain_hosts: dict[str, str] = {}
+        self.tickets = TicketAuthority(config.ticket_ttl)
+        self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
+        self.metrics = PoolMetrics()
+        self.connections: set[DataConnection] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._servers: list = []
+        self._janitor: asyncio.Task | None = None
+        self._counter = 0
+        self.started = time.time()
+        self.endpoints: dict[str, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        from accelmig.pool.control import ControlServer
+        self.loop = asyncio.get_running_loop()
+        host, port = dp.parse_endpoint(self.config.listen)
+        server = await self.loop.create_server(lambda: DataConnection(self), host, port,
+                                               reuse_address=True)
+        self._servers.append(server)
+        self.endpoints["data"] = _bound(server)
+        self.control = ControlServer(self)
+        if self.config.control_listen:
+            chost, cport = dp.parse_endpoint(self.config.control_listen)
+            cserver = await asyncio.start_server(self.control.handle_host, chost, cport,
+                                                 reuse_address=True)
+            self._servers.append(cserver)
+            self.endpoints["control"] = _bound(cserver)
+        if self.config.admin_socket:
+            os.makedirs(os.path.dirname(self.config.admin_socket) or ".", exist_ok=True)
+            if os.path.exists(self.config.admin_socket):
+                os.unlink(self.config.admin_socket)
+            aserver = await asyncio.start_unix_server(self.control.handle_admin,
+                                                      self.config.admin_socket)
+            os.chmod(self.config.admin_socket, 0o600)
+            self._servers.append(aserver)
+            self.endpoints["admin"] = "unix:" + self.config.admin_socket
+        if self.config.metrics_listen:
+            from prometheus_client import start_http_server
+            mhost, mport = dp.parse_endpoint(self.config.metrics_listen)
+            start_http_server(mport, addr=mhost, registry=self.metrics.registry)
+            self.endpoints["metrics"] = self.config.metrics_listen
+        self._janitor = asyncio.ensure_future(self._janitor_loop())
+        LOG.info("pool %s serving", self.instance, extra={"instance": self.instance, **self.endpoints,
+                                                          "device": self.backend.spec})
+
+    async def stop(self) -> None:
+        if self._janitor is not None:
+            self._janitor.cancel()
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn._close()
+        for server in self._servers:
+            try:
+                await asyncio.wait_for(server.wait_closed(), 2)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        for session in list(self.sessions.values()):
+            session.release("pool stopping")
+        for session in list(self.sessions.values()):
+            session._worker.join(5)
+        if self.config.admin_socket and os.path.exists(self.config.admin_socket):
+            os.unlink(self.config.admin_socket)
+        LOG.info("pool %s stopped", self.instance)
+
+    def post(self, fn) -> None:
+        """From a worker thread: run ``fn`` on the loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # loop closing
+                pass
+
+    async def _janitor_loop(self) -> None:
+        period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.sweep(time.time())
+            except Exception:  # pragma: no cover - keep sweeping whatever happens
+                LOG.exception("janitor failed")
+
+    def sweep(self, now: float) -> None:
+        for session in list(self.sessions.values()):
+            if session.state in (SessionState.DETACHED, SessionState.PARKED) and \
+                    session.deadline is not None and now >= session.deadline:
+                kind = "parked retention" if session.state is SessionState.PARKED else "grace period"
+                LOG.info("session %s expired after its %s", session.sid, kind,
+                         extra={"sid": session.sid, "tenant": session.tenant.name})
+                self._release(session, "expired")
+        for record in list(self.records.values()):
+            if record.final or now < record.lease_expiry:
+                continue
+            if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+                self._abort_record(record, now, "lease expired: no host renewed it")
+            elif record.state is RecordStateName.COMMITTED:
+                LOG.warning("record %s: lease expired after commit: completing", record.key)
+                self._complete_record(record, now)
+                record.close(now)
+            elif record.state is RecordStateName.COMPLETED:
+                record.close(now)
+        counts = collections.Counter(s.state.value for s in self.sessions.values())
+        for state in SessionState:
+            self.metrics.sessions.labels(state.value).set(counts.get(state.value, 0))
+        # forget final records after a while (bounded memory)
+        for key, record in list(self.records.items()):
+            if record.final and now - max(record.times.values()) > 3600:
+                del self.records[key]
+
+    # -- hosts -----------------------------------------------------------------------
+    def host_for_address(self, address: str) -> str | None:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return None
+        best, best_len = None, -1
+        for host in self.hosts.values():
+            for net in host.networks:
+                if ip.version == net.version and ip in net and net.prefixlen > best_len:
+                    best, best_len = host.name, net.prefixlen
+        return best
+
+    # -- sessions ------------------------------------------------------------------
+    def _new_sid(self) -> str:
+        self._counter += 1
+        return f"s-{self.instance}-{self._counter}-{secrets.token_hex(3)}"
+
+    def open_session(self, conn: DataConnection, header: dict) -> Session:
+        tenant = self.tenants.get(header.get("token")) if isinstance(header.get("token"), str) else None
+        if tenant is None:
+            raise AuthFailed(reason="unknown tenant token")
+        secret_hex = header.get("secret")
+        try:
+            secret = bytes.fromhex(secret_hex)
+        except (TypeError, ValueError):
+            secret = b""
+        if len(secret) < 16:
+            raise BadRequest(reason="open: 'secret' must be 16+ random bytes in hex")
+        session = Session(self._new_sid(), tenant, secret, self.backend.new_context(), self.post,
+                          metrics=self.metrics, max_reply_bytes=self.config.max_reply_bytes,
+                          max_queued_bytes=self.config.max_reply_bytes)
+        session.bound_host = conn.peer_host
+        session.attach(conn)
+        session.on_reply = self._deliver
+        session.on_flow = self._flow
+        self.sessions[session.sid] = session
+        LOG.info("session %s opened by tenant %s from %s", session.sid, tenant.name, conn.peer[0],
+                 extra={"sid": session.sid, "tenant": tenant.name, "host": conn.peer_host})
+        return session
+
+    def _lookup(self, sid) -> Session:
+        session = self.sessions.get(sid) if isinstance(sid, str) else None
+        if session is not None and session.live:
+            return session
+        if not isinstance(sid, str) or not sid.startswith(f"s-{self.instance}-"):
+            raise SessionLost(sid=sid, instance=self.instance)
+        raise SessionExpired(sid=sid, details={"reason": self.tombstones.get(sid, "unknown")})
+
+    def resume_session(self, conn: DataConnection, header: dict) -> tuple[Session, list[StoredReply]]:
+        """All checks first; the session changes only when every one passed."""
+        now = time.time()
+        sid = header.get("sid")
+        try:
+            session = self._lookup(sid)
+            epoch = header.get("epoch")
+            last_seen = header.get("last_seen")
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, last_seen)):
+                raise BadRequest(reason="resume: epoch and last_seen must be integers")
+            if not dp.check_ownership_proof(session.secret, conn.challenge, sid, epoch,
+                                            header.get("proof")):
+                raise AuthFailed(reason=f"resume of {sid}: the ownership proof does not verify")
+            if epoch != session.epoch:
+                raise SessionDiverged(sid=sid, reason=(
+                    f"the resuming copy is at epoch {epoch}, the session at epoch {session.epoch}"),
+                    details={"epoch": epoch, "current": session.epoch})
+            ticket = header.get("ticket")
+            claims = None
+            if ticket:
+                claims = self.tickets.check(ticket, sid, conn.peer_host, now)
+            elif session.pending_move is not None:
+                record = self.records.get("/".join(session.pending_move))
+                raise TicketRequired(sid=sid, host=record.dest_host if record else "?",
+                                     migration=session.pending_move[1])
+            elif session.bound_host is not None and conn.peer_host != session.bound_host:
+                raise WrongHost(sid=sid, bound=session.bound_host, peer=conn.peer[0], host=conn.peer_host)
+            replay = session.log.check_resume(last_seen)
+        except Exception as exc:
+            code = getattr(getattr(exc, "code", None), "value", "error")
+            self.metrics.resumes.labels(code).inc()
+            LOG.warning("resume of %s from %s refused: %s", sid, conn.peer[0], exc,
+                        extra={"sid": sid, "host": conn.peer_host})
+            raise
+        # -- every check passed: take the session over ---------------------------
+        old = session.connection
+        session.epoch += 1
+        if old is not None and old is not conn:
+            old.fence(session.epoch)
+        session.acknowledge(last_seen)
+        session.attach(conn)
+        session.counters.resumes += 1
+        session.counters.replayed += len(replay)
+        blackout = None
+        if claims is not None:
+            self.tickets.use(claims["n"], now)
+            self.session_tickets.pop(sid, None)
+            session.pending_move = None
+            session.bound_host = conn.peer_host
+            record = self.records.get(f"{claims['dom']}/{claims['mid']}")
+            if record is not None:
+                start = (session.pause_started or record.times.get("switchover")
+                         or session.detached_at or record.times.get("completed", now))
+                blackout = max(0.0, now - start)
+                record.resumed[sid] = round(blackout, 6)
+                self.metrics.blackout.observe(blackout)
+                session.unpause(record.key)
+        self.metrics.resumes.labels("ok").inc()
+        LOG.info("session %s resumed at epoch %d from %s (host %s), %d replies replayed, next seq %d",
+                 sid, session.epoch, conn.peer[0], conn.peer_host, len(replay), session.log.next_seq,
+                 extra={"sid": sid, "epoch": session.epoch, "ticket": claims is not None,
+                        "blackout_s": blackout})
+        return session, replay
+
+    def connection_lost(self, session: Session, conn: DataConnection) -> None:
+        if not session.live:
+            return
+        session.detach(time.time(), self.config.grace)
+        LOG.info("session %s detached (%s); kept %.0f s", session.sid, session.state.value,
+                 (session.deadline or 0) - time.time(), extra={"sid": session.sid})
+
+    def _deliver(self, session: Session, reply: StoredReply) -> None:
+        conn = session.connection
+        if conn is not None:
+            conn.send_reply(reply)
+        if reply.header.get("op") == "reply" and reply.header.get("released"):
+            self._release(session, "released by the driver")
+
+    def _flow(self, session: Session) -> None:
+        if session.connection is not None:
+            session.connection.flow_changed()
+
+    def _release(self, session: Session, reason: str) -> None:
+        session.release(reason)
+        self.sessions.pop(session.sid, None)
+        self.session_tickets.pop(session.sid, None)
+        self.tombstones[session.sid] = reason
+        while len(self.tombstones) > 100000:
+            self.tombstones.popitem(last=False)
+
+    # -- migration records (the control plane calls these) -----------------------
+    def domain_sessions(self, domain_uuid: str) -> list[Session]:
+        return [s for s in self.sessions.values() if s.live and s.domain_uuid == domain_uuid]
+
+    def find_record(self, domain_uuid: str, migration_id: str | None = None, *,
+                    source: str | None = None, dest: str | None = None,
+                    states=None) -> MigrationRecord:
+        if migration_id:
+            record = self.records.get(f"{domain_uuid}/{migration_id}")
+            if record is None:
+                raise NoSuchRecord(record=f"{domain_uuid}/{migration_id}")
+            return record
+        candidates = [r for r in self.records.values() if r.domain_uuid == domain_uuid
+                      and (states is None or r.state in states)
+                      and (source is None or r.source_host in (source, None))
+                      and (dest is None or r.dest_host == dest)]
+        if not candidates:
+            raise NoSuchRecord(record=f"{domain_uuid}/* (no matching record)")
+        return max(candidates, key=lambda r: r.times["opened"])
+
+    def open_record(self, dest: str, domain_uuid: str, migration_id: str | None,
+                    domain_name: str | None, policy: str | None, postcopy: bool) -> MigrationRecord:
+        now = time.time()
+        for record in self.records.values():
+            if record.domain_uuid == domain_uuid and record.dest_host == dest and \
+                    record.state is RecordStateName.OPEN and migration_id in (None, record.migration_id):
+                record.renew(now)
+                return record  # the hook notes twice (migrate, prepare): one record
+        intent = self.intents.get(domain_uuid)
+        if intent is not None and intent.get("dest_host") not in (None, dest):
+            intent = None
+        if intent is not None:
+            del self.intents[domain_uuid]
+        mid = migration_id or (intent or {}).get("migration_id") or uuid.uuid4().hex[:12]
+        source = self.domain_hosts.get(domain_uuid) or (intent or {}).get("source_host")
+        if source is None:
+            bound = {s.bound_host for s in self.domain_sessions(domain_uuid)} - {None}
+            source = bound.pop() if len(bound) == 1 else None
+        policy = PausePolicy(policy or (intent or {}).get("policy") or "none")
+        for record in self.records.values():
+            if record.domain_uuid == domain_uuid and record.state in (
+                    RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+                # A domain migrates once at a time: an older unfinished record is stale.
+                self._abort_record(record, now, f"superseded by migration {mid}")
+        record = MigrationRecord(domain_uuid, mid, source, dest, policy, self.config.lease_ttl, now,
+                                 domain_name=domain_name, postcopy=postcopy)
+        if f"{domain_uuid}/{mid}" in self.records:
+            raise Conflict(reason=f"migration id {mid} was used for this domain already")
+        self.records[record.key] = record
+        if policy is PausePolicy.START:
+            for session in self.domain_sessions(domain_uuid):
+                session.pause(record.key, now)
+        LOG.info("record %s opened: %s -> %s, policy %s", record.key, source, dest, policy.value,
+                 extra={"domain": domain_uuid, "migration": mid})
+        return record
+
+    def switchover_record(self, record: MigrationRecord, source: str) -> None:
+        now = time.time()
+        if record.source_host is None:
+            record.source_host = source
+        if record.switchover(now) and record.policy is PausePolicy.SWITCHOVER:
+            for session in self.domain_sessions(record.domain_uuid):
+                session.pause(record.key, now)
+        record.renew(now)
+
+    def _complete_record(self, record: MigrationRecord, now: float) -> dict[str, str]:
+        sessions = self.domain_sessions(record.domain_uuid)
+        if not record.complete(now, [s.sid for s in sessions]):
+            return {}
+        tickets = {}
+        for session in sessions:
+            old = self.session_tickets.pop(session.sid, None)
+            if old is not None:
+                self.tickets.revoke(old)      # superseded by this newer move
+            ticket, nonce = self.tickets.mint(session.sid, record, now)
+            self.session_tickets[session.sid] = nonce
+            record.tickets[session.sid] = nonce
+            session.pending_move = (record.domain_uuid, record.migration_id)
+            tickets[session.sid] = ticket
+        self.domain_hosts[record.domain_uuid] = record.dest_host
+        self.metrics.migrations.labels("completed").inc()
+        LOG.info("record %s completed: %d session(s) frozen, tickets minted for %s",
+                 record.key, len(sessions), record.dest_host,
+                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        return tickets
+
+    def complete_record(self, record: MigrationRecord) -> dict[str, str]:
+        now = time.time()
+        if record.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
+            # Idempotent per migration id: mint fresh tickets for sessions
+            # that did not resume yet (the first ones may have been lost).
+            tickets = {}
+            for sid in record.sessions:
+                session = self.sessions.get(sid)
+                if session is None or session.pending_move != (record.domain_uuid, record.migration_id):
+                    continue
+                old = self.session_tickets.pop(sid, None)
+                if old is not None:
+                    self.tickets.revoke(old)
+                ticket, nonce = self.tickets.mint(sid, record, now)
+                self.session_tickets[sid] = nonce
+                record.tickets[sid] = nonce
+                tickets[sid] = ticket
+            return tickets
+        return self._complete_record(record, now)
+
+    def _abort_record(self, record: MigrationRecord, now: float, reason: str) -> None:
+        if not record.abort(now, reason):
+            return
+        for sid, nonce in record.tickets.items():
+            self.tickets.revoke(nonce)
+        for session in self.sessions.values():
+            session.unpause(record.key)
+            if session.pending_move == (record.domain_uuid, record.migration_id):
+                session.pending_move = None
+        self.metrics.migrations.labels("aborted").inc()
+        LOG.warning("record %s aborted: %s", record.key, reason,
+                    extra={"domain": record.domain_uuid, "migration": record.migration_id})
+
+    def abort_record(self, record: MigrationRecord, reason: str) -> None:
+        self._abort_record(record, time.time(), reason)
+
+    def open_records(self) -> list[MigrationRecord]:
+        return [r for r in self.records.values() if r.state not in FINAL]
+
+    # -- reading ---------------------------------------------------------------------
+    def describe_sessions(self, domain_uuid: str | None = None) -> list[dict]:
+        return [s.describe() for s in self.sessions.values()
+                if domain_uuid is None or s.domain_uuid == domain_uuid]
+
+
+def _bound(server) -> str:
+    sock = server.sockets[0]
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,394 @@
+"""A session on the pool: its state machine, its worker, its objects.
+
+State machine::
+
+                open/resume            connection lost
+    (new) ---> ATTACHED  <---------->  DETACHED --(grace over)--> RELEASED
+                  |   ^   resume          |                          ^
+                  |   +--------------- PARKED --(retention over)-----+
+                  +---(release by the driver)--------------------------+
+
+``PARKED`` is ``DETACHED`` with the longer retention the host asked for when
+the session's domain was saved; a parked session whose connection is still
+open stays ``ATTACHED`` and parks when that connection goes.
+
+Commands run on the session's own worker thread, one at a time, in sequence
+order (one in-order queue per session).  The event loop holds commands back
+while the session is paused by a migration record, or while its reply log
+or its queue is over their bounds; work already handed to the worker always
+runs to completion.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg
+from accelmig.pool.sequencing import SequenceLog, StoredReply
+from accelmig.wire.dataplane import Op, decode_scalar
+from accelmig.wire.errors import AccelmigError, InternalError, QuotaExceeded, BadRequest
+
+LOG = logging.getLogger(__name__)
+
+
+class SessionState(enum.Enum):
+    ATTACHED = "attached"
+    DETACHED = "detached"
+    PARKED = "parked"
+    RELEASED = "released"
+
+
+class Tenant:
+    """A tenant's token and device-memory quota, shared by its sessions."""
+
+    def __init__(self, name: str, token: str, quota: int):
+        self.name = name
+        self.token = token
+        self.quota = quota
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self.used + nbytes > self.quota:
+                raise QuotaExceeded(tenant=self.name, size=nbytes, used=self.used, quota=self.quota)
+            self.used += nbytes
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.used = max(0, self.used - nbytes)
+
+
+@dataclasses.dataclass
+class SessionCounters:
+    """What this session cost the pool: the proof that a hot move re-sends nothing."""
+
+    commands: int = 0
+    builds: int = 0
+    bytes_uploaded: int = 0        # write payloads
+    bytes_downloaded: int = 0      # read replies
+    source_bytes: int = 0          # program sources and binaries received
+    launches: int = 0
+    duplicates: int = 0            # re-sent commands answered from the log
+    resumes: int = 0
+    replayed: int = 0              # replies sent again on a resume
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Command:
+    seq: int
+    op: Op
+    header: dict
+    payload: bytes | bytearray | memoryview
+
+
+class Session:
+    """Everything the pool keeps for one driver session."""
+
+    def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
+                 post: Callable[[Callable], None], *, metrics=None,
+                 max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
+                 max_unacked: int = 65536):
+        self.sid = sid
+        self.tenant = tenant
+        self.secret = secret
+        self.context = context
+        self.state = SessionState.ATTACHED
+        self.epoch = 1
+        self.created = time.time()
+        self.log = SequenceLog(sid)
+        self.counters = SessionCounters()
+        self.metrics = metrics
+        self.connection = None          # the attached DataConnection, if any
+        self.deadline: float | None = None
+        self.park_retention: float | None = None
+        self.released_reason: str | None = None
+        # placement, owned by the control plane
+        self.bound_host: str | None = None
+        self.domain_uuid: str | None = None
+        self.pending_move: tuple[str, str] | None = None   # (domain, migration id) awaiting a ticket
+        self.paused_by: set[str] = set()                    # record keys pausing this session
+        self.detached_at: float | None = None
+        self.pause_started: float | None = None
+        # execution
+        self.max_reply_bytes = max_reply_bytes
+        self.max_queued_bytes = max_queued_bytes
+        self.max_unacked = max_unacked
+        self.held: collections.deque[Command] = collections.deque()
+        self.held_bytes = 0
+        self.queued_bytes = 0            # payload bytes handed to the worker, not yet done
+        self.on_reply: Callable[["Session", StoredReply], None] | None = None
+        self.on_flow: Callable[["Session"], None] | None = None
+        self._worker = SessionWorker(self, post)
+        self._worker.start()
+
+    # -- state machine -----------------------------------------------------------
+    def attach(self, connection) -> None:
+        self._require_live()
+        self.connection = connection
+        self.state = SessionState.ATTACHED
+        self.deadline = None
+        self.detached_at = None
+
+    def detach(self, now: float, grace: float) -> None:
+        if self.state is not SessionState.ATTACHED:
+            return
+        self.connection = None
+        self.detached_at = now
+        if self.park_retention is not None:
+            self.state = SessionState.PARKED
+            self.deadline = now + self.park_retention
+        else:
+            self.state = SessionState.DETACHED
+            self.deadline = now + grace
+
+    def park(self, now: float, retention: float) -> None:
+        self._require_live()
+        self.park_retention = retention
+        if self.state is not SessionState.ATTACHED:
+            self.state = SessionState.PARKED
+            self.deadline = now + retention
+
+    def unpark(self, now: float, grace: float) -> None:
+        self.park_retention = None
+        if self.state is SessionState.PARKED:
+            self.state = SessionState.DETACHED
+            self.deadline = now + grace
+
+    def release(self, reason: str) -> None:
+        """Free everything (idempotent).  Queued commands are skipped."""
+        if self.state is SessionState.RELEASED:
+            return
+        self.state = SessionState.RELEASED
+        self.released_reason = reason
+        self.connection = None
+        self.held.clear()
+        self.held_bytes = 0
+        self._worker.stop()
+
+    def _require_live(self) -> None:
+        if self.state is SessionState.RELEASED:
+            raise InternalError(reason=f"session {self.sid} is released ({self.released_reason})")
+
+    @property
+    def live(self) -> bool:
+        return self.state is not SessionState.RELEASED
+
+    # -- commands ----------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return bool(self.paused_by)
+
+    def _over_bounds(self) -> bool:
+        return (self.log.reply_bytes > self.max_reply_bytes
+                or self.queued_bytes > self.max_queued_bytes
+                or self.log.unacked_commands > self.max_unacked)
+
+    def submit(self, command: Command) -> None:
+        """Hand an accepted command to the worker, or hold it back."""
+        if self.held or self.paused or self._over_bounds():
+            self.held.append(command)
+            self.held_bytes += len(command.payload)
+        else:
+            self._dispatch(command)
+
+    def _dispatch(self, command: Command) -> None:
+        self.queued_bytes += len(command.payload)
+        self._worker.put(command)
+
+    def pump(self) -> None:
+        """Release held commands as far as pause and bounds allow."""
+        while self.held and not self.paused and not self._over_bounds():
+            command = self.held.popleft()
+            self.held_bytes -= len(command.payload)
+            self._dispatch(command)
+
+    @property
+    def backlogged(self) -> bool:
+        """True when the connection should stop reading from the driver."""
+        return (len(self.held) > 4096 or self.held_bytes > self.max_queued_bytes
+                or self.queued_bytes > self.max_queued_bytes)
+
+    def pause(self, key: str, now: float) -> None:
+        if not self.paused_by:
+            self.pause_started = now
+        self.paused_by.add(key)
+
+    def unpause(self, key: str) -> None:
+        self.paused_by.discard(key)
+        if not self.paused_by:
+            self.pause_started = None
+            self.pump()
+
+    # -- called on the event loop by the worker ----------------------------------
+    def _completed(self, results: list[tuple[Command, StoredReply]]) -> None:
+        for command, reply in results:
+            self.queued_bytes -= len(command.payload)
+            if self.state is SessionState.RELEASED:
+                continue
+            self.log.record_reply(reply)
+            if self.on_reply is not None:
+                self.on_reply(self, reply)
+        self.pump()
+        if self.on_flow is not None:
+            self.on_flow(self)
+
+    def acknowledge(self, upto: int) -> None:
+        if upto > self.log.acked:
+            self.log.acknowledge(upto)
+            self.pump()
+
+    def describe(self) -> dict:
+        return {
+            "sid": self.sid, "tenant": self.tenant.name, "state": self.state.value,
+            "epoch": self.epoch, "bound_host": self.bound_host, "domain_uuid": self.domain_uuid,
+            "paused": sorted(self.paused_by), "pending_move": list(self.pending_move or ()),
+            "parked": self.park_retention is not None,
+            "deadline_in": None if self.deadline is None else round(self.deadline - time.time(), 3),
+            "counters": self.counters.to_dict(), "sequence": self.log.snapshot(),
+            "held": len(self.held), "created": self.created,
+        }
+
+
+class SessionWorker:
+    """The session's in-order queue: one thread executing its commands."""
+
+    def __init__(self, session: Session, post: Callable[[Callable], None]):
+        self.session = session
+        self.post = post
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"session-{session.sid}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, command: Command) -> None:
+        self._queue.put(command)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        session = self.session
+        batch: list[tuple[Command, StoredReply]] = []
+        while True:
+            command = self._queue.get()
+            if command is None:
+                break
+            if self._stopping:
+                continue
+            reply = execute(session, command)
+            batch.append((command, reply))
+            # Hand replies back in batches: one loop wake-up per burst.
+            if self._queue.empty() or len(batch) >= 256:
+                done, batch = batch, []
+                self.post(lambda done=done: session._completed(done))
+        if batch:
+            done = batch
+            self.post(lambda: session._completed(done))
+        try:
+            released = session.context.release()
+            session.tenant.give_back(released)
+            if session.metrics is not None:
+                session.metrics.device_bytes.labels(session.tenant.name).set(session.tenant.used)
+        except Exception:  # pragma: no cover - a runtime failing at release
+            LOG.exception("session %s: releasing device objects failed", session.sid)
+
+
+def _launch_args(header: dict) -> list:
+    args = []
+    for index, arg in enumerate(header["args"]):
+        if "buf" in arg:
+            args.append(BufferArg(arg["buf"]))
+        elif "local" in arg:
+            args.append(LocalArg(arg["local"]))
+        else:
+            args.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
+    return args
+
+
+def execute(session: Session, command: Command) -> StoredReply:
+    """Run one command on the session's device context; never raises."""
+    ctx = session.context
+    h = command.header
+    counters = session.counters
+    counters.commands += 1
+    fields: dict = {}
+    payload: bytes | bytearray = b""
+    try:
+        op = command.op
+        if op is Op.LAUNCH:
+            ctx.launch(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
+            counters.launches += 1
+        elif op is Op.WRITE:
+            ctx.write(h["buf"], h["offset"], command.payload)
+            counters.bytes_uploaded += len(command.payload)
+        elif op is Op.READ:
+            payload = ctx.read(h["buf"], h["offset"], h["size"])
+            counters.bytes_downloaded += len(payload)
+        elif op is Op.ALLOC:
+            session.tenant.reserve(h["size"])
+            try:
+                ctx.alloc(h["buf"], h["size"])
+            except BaseException:
+                session.tenant.give_back(h["size"])
+                raise
+        elif op is Op.FREE:
+            session.tenant.give_back(ctx.free(h["buf"]))
+        elif op is Op.COPY:
+            ctx.copy(h["src"], h["dst"], h["src_offset"], h["dst_offset"], h["size"])
+        elif op is Op.FINISH:
+            ctx.finish()
+        elif op is Op.BUILD:
+            counters.source_bytes += len(command.payload)
+            try:
+                source = bytes(command.payload).decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest(reason="program source is not UTF-8") from None
+            result = ctx.build_source(h["prog"], source, h["options"])
+            counters.builds += 1
+            fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
+        elif op is Op.BUILD_BINARY:
+            counters.source_bytes += len(command.payload)
+            result = ctx.build_binary(h["prog"], command.payload, h["options"])
+            counters.builds += 1
+            fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
+        elif op is Op.PROGRAM_BINARY:
+            payload = ctx.program_binary(h["prog"])
+        elif op is Op.FREE_PROGRAM:
+            ctx.free_program(h["prog"])
+        elif op is Op.INFO:
+            fields = {"device": ctx.backend.info()} if hasattr(ctx, "backend") else {}
+        elif op is Op.RELEASE:
+            ctx.finish()
+            fields = {"released": True}
+        else:  # pragma: no cover - validate_command admits only the ops above
+            raise InternalError(reason=f"no executor for {op.value}")
+        if session.metrics is not None:
+            session.metrics.count_command(session, command, len(payload))
+        reply = {"op": "reply", "seq": command.seq, "ok": True}
+        reply.update(fields)
+        return StoredReply(command.seq, reply, payload)
+    except AccelmigError as exc:
+        return StoredReply(command.seq, {"op": "reply", "seq": command.seq, "ok": False,
+                                         "error": exc.to_wire()})
+    except Exception as exc:  # a bug or an unexpected runtime failure: report, keep serving
+        LOG.exception("session %s: seq %d (%s) failed", session.sid, command.seq, command.op.value)
+        err = InternalError(reason=f"{type(exc).__name__}: {exc}")
+        return StoredReply(command.seq, {"op": "reply", "seq": command.seq, "ok": False,
+                                         "error": err.to_wire()})

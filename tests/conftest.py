@@ -1,0 +1,62 @@
+"""Shared fixtures.  Tiers (markers): unmarked tests take seconds and need
+neither root nor a VM (``./dev.sh test --fast``); ``root`` tests create
+network namespaces; ``libvirt``/``vm`` tests run real libvirt daemons and
+QEMU guests.  A tier this machine cannot run is skipped with a loud reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from accelmig.pool.harness import PoolThread
+
+TENANTS = {
+    "alice": ("alice-token-0001", "256MiB"),
+    "bob": ("bob-token-000002", "64MiB"),
+}
+
+
+def pytest_report_header(config):
+    lines = []
+    if os.geteuid() != 0:
+        lines.append("!!! NOT ROOT: tests marked 'root', 'libvirt' and 'vm' will be SKIPPED !!!")
+    return lines
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = []
+    if os.geteuid() != 0:
+        skip.append(("root", "needs root (network namespaces)"))
+    if shutil.which("ip") is None:
+        skip.append(("root", "iproute2's ip is not installed"))
+    for item in items:
+        for marker, reason in skip:
+            if marker in item.keywords or ("vm" in item.keywords and marker == "root"):
+                item.add_marker(pytest.mark.skip(reason=f"SKIPPED LOUDLY: {reason}"))
+
+
+@pytest.fixture
+def pool():
+    """A real pool (PoCL) on a background thread, two tenants."""
+    with PoolThread(TENANTS) as harness:
+        yield harness
+
+
+@pytest.fixture(scope="module")
+def shared_pool():
+    with PoolThread(TENANTS) as harness:
+        yield harness
+
+
+ALICE = TENANTS["alice"][0]
+BOB = TENANTS["bob"][0]
+
+
+def run_cli(*args, **kwargs):
+    """Run a console script of this virtualenv."""
+    exe = os.path.join(os.path.dirname(sys.executable), args[0])
+    return subprocess.run([exe, *args[1:]], capture_output=True, text=True, **kwargs)

@@ -1,0 +1,255 @@
+"""The data plane: what a guest's driver and the pool say to each other.
+
+A connection opens with ``hello`` (protocol version negotiation and a
+per-connection challenge), then either ``open`` (a new session, with the
+tenant's token) or ``resume`` (an existing session, proven with its secret).
+After that the driver sends *commands*; each carries the session's next
+sequence number ``seq``, the session ``epoch`` it belongs to, and ``ack``, the
+highest reply sequence the driver has received (so the pool may drop older
+replies).  Every command gets exactly one ``reply`` with the same ``seq``, in
+order.  ``ack`` frames carry only an acknowledgement.
+
+Handles of buffers and programs are chosen by the driver, so a re-sent
+command names the same object and stays idempotent.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import struct
+import zlib
+
+from accelmig.wire.errors import BadRequest, UnknownOp, VersionUnsupported
+
+#: data-plane protocol versions this code speaks, oldest first
+PROTOCOL_VERSIONS = (1,)
+
+
+class Op(str, enum.Enum):
+    # connection-level (not sequenced)
+    HELLO = "hello"
+    OPEN = "open"
+    RESUME = "resume"
+    ACK = "ack"
+    # pool -> driver
+    WELCOME = "welcome"      # answer to hello
+    OPENED = "opened"        # answer to open
+    RESUMED = "resumed"      # answer to resume, replayed replies follow
+    REPLY = "reply"          # answer to one sequenced command
+    ERROR = "error"          # connection-level error; the pool closes after it
+    # sequenced commands
+    INFO = "info"
+    ALLOC = "alloc"
+    FREE = "free"
+    WRITE = "write"
+    READ = "read"
+    COPY = "copy"
+    BUILD = "build"                  # payload: OpenCL C source (UTF-8)
+    BUILD_BINARY = "build_binary"    # payload: a device binary
+    PROGRAM_BINARY = "program_binary"
+    FREE_PROGRAM = "free_program"
+    LAUNCH = "launch"
+    FINISH = "finish"
+    RELEASE = "release"              # end the session, free everything
+
+
+CONNECTION_OPS = frozenset({Op.HELLO, Op.OPEN, Op.RESUME, Op.ACK})
+
+# op -> {field: type(s)} of required fields; optional ones are checked where used
+_REQUIRED: dict[Op, dict[str, tuple]] = {
+    Op.INFO: {},
+    Op.ALLOC: {"buf": (int,), "size": (int,)},
+    Op.FREE: {"buf": (int,)},
+    Op.WRITE: {"buf": (int,), "offset": (int,)},
+    Op.READ: {"buf": (int,), "offset": (int,), "size": (int,)},
+    Op.COPY: {"src": (int,), "dst": (int,), "src_offset": (int,), "dst_offset": (int,), "size": (int,)},
+    Op.BUILD: {"prog": (int,), "options": (str,)},
+    Op.BUILD_BINARY: {"prog": (int,), "options": (str,)},
+    Op.PROGRAM_BINARY: {"prog": (int,)},
+    Op.FREE_PROGRAM: {"prog": (int,)},
+    Op.LAUNCH: {"prog": (int,), "kernel": (str,), "gsize": (list,), "args": (list,)},
+    Op.FINISH: {},
+    Op.RELEASE: {},
+}
+SEQUENCED_OPS = frozenset(_REQUIRED)
+#: commands the driver does not wait for (pipelined)
+PIPELINED_OPS = frozenset({Op.ALLOC, Op.FREE, Op.WRITE, Op.COPY, Op.LAUNCH, Op.FREE_PROGRAM})
+#: commands whose payload is data
+PAYLOAD_OPS = frozenset({Op.WRITE, Op.BUILD, Op.BUILD_BINARY})
+
+
+def negotiate(offered) -> int:
+    """Pick the highest version both sides speak."""
+    try:
+        common = set(int(v) for v in offered) & set(PROTOCOL_VERSIONS)
+    except (TypeError, ValueError):
+        raise VersionUnsupported(offered=offered, supported=list(PROTOCOL_VERSIONS)) from None
+    if not common:
+        raise VersionUnsupported(offered=list(offered), supported=list(PROTOCOL_VERSIONS))
+    return max(common)
+
+
+def parse_op(header: dict) -> Op:
+    try:
+        return Op(header["op"])
+    except (KeyError, ValueError):
+        raise UnknownOp(op=header.get("op")) from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_command(header: dict, payload_len: int) -> Op:
+    """Check a sequenced command's fields; return its op or raise BadRequest."""
+    op = parse_op(header)
+    if op not in SEQUENCED_OPS:
+        raise BadRequest(reason=f"{op.value!r} is not a sequenced command")
+    for key in ("seq", "epoch"):
+        if not _is_int(header.get(key)) or header[key] < 0:
+            raise BadRequest(reason=f"{op.value}: {key!r} must be a non-negative integer")
+    for name, types in _REQUIRED[op].items():
+        value = header.get(name)
+        ok = isinstance(value, types) and not isinstance(value, bool)
+        if not ok:
+            raise BadRequest(reason=f"{op.value}: field {name!r} must be {types[0].__name__}")
+        if types == (int,) and value < 0:
+            raise BadRequest(reason=f"{op.value}: field {name!r} must not be negative")
+    if op not in PAYLOAD_OPS and payload_len:
+        raise BadRequest(reason=f"{op.value} carries no payload ({payload_len} bytes sent)")
+    if op == Op.LAUNCH:
+        _validate_launch(header)
+    return op
+
+
+def _validate_range(name: str, value) -> list[int]:
+    if not isinstance(value, list) or not 1 <= len(value) <= 3:
+        raise BadRequest(reason=f"launch: {name} must list 1 to 3 dimensions")
+    if not all(_is_int(v) and v > 0 for v in value):
+        raise BadRequest(reason=f"launch: {name} entries must be positive integers")
+    return value
+
+
+def _validate_launch(header: dict) -> None:
+    gsize = _validate_range("gsize", header["gsize"])
+    lsize = header.get("lsize")
+    if lsize is not None:
+        lsize = _validate_range("lsize", lsize)
+        if len(lsize) != len(gsize):
+            raise BadRequest(reason="launch: lsize and gsize differ in dimensions")
+    for index, arg in enumerate(header["args"]):
+        if not isinstance(arg, dict) or len(arg) == 0:
+            raise BadRequest(reason=f"launch: argument {index} must be an object")
+        if "buf" in arg:
+            if not _is_int(arg["buf"]):
+                raise BadRequest(reason=f"launch: argument {index}: buf must be an integer")
+        elif "local" in arg:
+            if not _is_int(arg["local"]) or arg["local"] <= 0:
+                raise BadRequest(reason=f"launch: argument {index}: local must be a positive size")
+        elif "t" in arg:
+            decode_scalar(arg, index)
+        else:
+            raise BadRequest(reason=f"launch: argument {index} is none of buf/local/scalar")
+
+
+# -- typed scalars ------------------------------------------------------------
+#: scalar type -> struct code (little endian on the wire, as OpenCL devices are)
+SCALAR_TYPES = {
+    "i8": "b", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
+    "i64": "q", "u64": "Q", "f32": "f", "f64": "d",
+}
+#: numpy dtype names for the same types (for sides that have numpy)
+NUMPY_NAMES = {
+    "i8": "int8", "u8": "uint8", "i16": "int16", "u16": "uint16", "i32": "int32",
+    "u32": "uint32", "i64": "int64", "u64": "uint64", "f32": "float32", "f64": "float64",
+}
+
+
+def encode_scalar(type_name: str, value) -> dict:
+    """A kernel scalar argument, bit-exact: its little-endian bytes in hex."""
+    code = SCALAR_TYPES.get(type_name)
+    if code is None:
+        raise BadRequest(reason=f"unknown scalar type {type_name!r}")
+    try:
+        raw = struct.pack("<" + code, value)
+    except struct.error as exc:
+        raise BadRequest(reason=f"{type_name} cannot hold {value!r}: {exc}") from None
+    return {"t": type_name, "x": raw.hex()}
+
+
+def decode_scalar(arg: dict, index: int = 0) -> bytes:
+    code = SCALAR_TYPES.get(arg.get("t"))
+    if code is None:
+        raise BadRequest(reason=f"launch: argument {index}: unknown scalar type {arg.get('t')!r}")
+    try:
+        raw = bytes.fromhex(arg.get("x", ""))
+    except (TypeError, ValueError):
+        raise BadRequest(reason=f"launch: argument {index}: scalar bytes are not hex") from None
+    if len(raw) != struct.calcsize(code):
+        raise BadRequest(reason=f"launch: argument {index}: {arg['t']} needs "
+                                f"{struct.calcsize(code)} bytes, got {len(raw)}")
+    return raw
+
+
+# -- command identity ----------------------------------------------------------
+#: header fields that change when a command is re-sent, and so are not part
+#: of what the command *is*
+VOLATILE_FIELDS = frozenset({"seq", "ack", "epoch"})
+
+
+def command_digest(header: dict, payload=b"") -> str:
+    """What a command is, for divergence checks: the same command re-sent
+    after a reconnect has the same digest; an older copy of the guest that
+    re-uses the sequence number for something else does not.
+
+    Header fields are hashed with SHA-256; the payload enters by length and
+    CRC-32 (a cheap check, since the peer is a copy of the same driver, not
+    an adversary: the session secret already proves ownership).
+    """
+    stable = {k: v for k, v in header.items() if k not in VOLATILE_FIELDS}
+    h = hashlib.sha256(json.dumps(stable, sort_keys=True, separators=(",", ":")).encode())
+    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    h.update(struct.pack("!QI", len(view), zlib.crc32(view)))
+    return h.hexdigest()[:32]
+
+
+def ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int) -> str:
+    """HMAC proving the resumer holds the session secret, bound to this
+    connection's challenge (so a captured proof cannot be replayed)."""
+    msg = f"{challenge}|{sid}|{epoch}".encode()
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def check_ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, proof) -> bool:
+    if not isinstance(proof, str):
+        return False
+    return hmac.compare_digest(ownership_proof(secret, challenge, sid, epoch), proof)
+
+
+def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[v6]:PORT"`` for IPv6) -> (host, port)."""
+    if not isinstance(endpoint, str) or not endpoint:
+        raise BadRequest(reason=f"endpoint {endpoint!r} is not HOST:PORT")
+    if endpoint.startswith("["):
+        host, sep, rest = endpoint[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port_text = endpoint.rpartition(":")
+        if not sep:
+            host, port_text = endpoint, ""
+    if not port_text:
+        if default_port is None:
+            raise BadRequest(reason=f"endpoint {endpoint!r} has no port")
+        return host, default_port
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise BadRequest(reason=f"endpoint {endpoint!r}: port {port_text!r} is not a number") from None
+    if not host or not 0 <= port < 65536:
+        raise BadRequest(reason=f"endpoint {endpoint!r} is not HOST:PORT")
+    return host, port
