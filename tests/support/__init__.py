@@ -1,0 +1,1 @@
+"""Test support: fixtures for namespaces and other real resources."""
