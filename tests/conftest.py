@@ -14,6 +14,8 @@ import pytest
 
 from accelmig.pool.harness import PoolThread
 
+pytest_plugins = ["tests.support.fixtures"]
+
 TENANTS = {
     "alice": ("alice-token-0001", "256MiB"),
     "bob": ("bob-token-000002", "64MiB"),

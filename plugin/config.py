@@ -1,0 +1,389 @@
+"""A hypervisor host's accelmig configuration: one TOML file.
+
+``/etc/accelmig/host.toml`` (``HostConfig.load()``); every key but
+``pool.endpoint`` has a default::
+
+    [host]
+    id = "hostA"                       # the name the pool knows this host by [default: hostname]
+    [pool]
+    endpoint = "10.88.0.1:7070"        # data plane, as guests on this host reach it (required)
+    control = "10.88.0.1:7071"         # control plane [default: endpoint's host, port 7071]
+    secret_file = "/etc/accelmig/host.secret"   # per-host HMAC secret (file mode 0600)
+    [fabric]
+    mode = "bridge"                    # bridge | direct | none [default: none]
+    bridge = "fab0"                    # mode = bridge: the host bridge of the fabric NIC
+    device = "eth1"                    # mode = direct: the macvtap source device
+    guest_subnet = "10.89.1.0/24"      # host-bound fabric: guests here get addresses from it
+    gateway = "10.89.1.1"              # [default: the subnet's first address]
+    mtu = 1500                         # [default: leave the guest's MTU as it is]
+    routes = ["10.88.0.0/16"]          # what guests reach through the gateway (the pool)
+                                       # [default: the pool's data-plane address, /32 or /128]
+    interfaces_owner = "accelmig"      # "external" when Nova/Neutron own the interface XML
+    [hostd]
+    socket = "/run/accelmig/hostd.sock"   # local API for the hook and the CLI
+    state_dir = "/var/lib/accelmig"
+    strict = true                      # the hook refuses migrations when hostd/pool are unreachable
+    hook_timeout = 3.0                 # seconds
+    metrics_listen = ""                # HOST:PORT for Prometheus; "" = off
+    libvirt_uri = "qemu:///system"
+
+Unknown sections and keys are errors (a typo must not silently become a
+default).  Every error is a ``ConfigInvalid`` naming the file, the key and why.
+
+The secret file holds the string the pool's ``hosts.toml`` has for this host
+(16+ characters; surrounding whitespace is ignored) and must not be
+accessible to others: ``read_secret()`` refuses it otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+import re
+import socket
+import stat
+import tomllib
+
+from accelmig.wire.dataplane import parse_endpoint
+from accelmig.wire.errors import BadRequest, ConfigInvalid
+
+__all__ = [
+    "DEFAULT_PATH", "FABRIC_MODES", "FabricConfig", "HostConfig", "HostdConfig",
+    "INTERFACES_OWNERS", "MIN_SECRET_BYTES", "PoolEndpoints",
+]
+
+DEFAULT_PATH = "/etc/accelmig/host.toml"
+DEFAULT_CONTROL_PORT = 7071
+FABRIC_MODES = ("bridge", "direct", "none")
+INTERFACES_OWNERS = ("accelmig", "external")
+MIN_SECRET_BYTES = 16          # what the pool's hosts.toml requires of a host secret
+
+_HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_IFNAME_MAX = 15               # IFNAMSIZ - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolEndpoints:
+    endpoint: str                       # data plane HOST:PORT, as guests here reach it
+    control: str                        # control plane HOST:PORT
+    secret_file: str = "/etc/accelmig/host.secret"
+
+    @property
+    def address(self) -> str:
+        """The data plane's host part (an address or a name)."""
+        return parse_endpoint(self.endpoint)[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class FabricConfig:
+    mode: str = "none"
+    bridge: str | None = None
+    device: str | None = None
+    guest_subnet: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
+    gateway: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
+    mtu: int | None = None
+    routes: tuple[str, ...] = ()
+    interfaces_owner: str = "accelmig"
+
+    @property
+    def host_bound(self) -> bool:
+        """Guests on this host get their fabric address from this host's subnet."""
+        return self.guest_subnet is not None
+
+    @property
+    def external(self) -> bool:
+        return self.interfaces_owner == "external"
+
+    @classmethod
+    def from_table(cls, table: dict, source: str = "<fabric>",
+                   pool_address: str | None = None) -> "FabricConfig":
+        """``[fabric]`` as a dict (``pool_address``: for the default routes)."""
+        return _fabric(_Table(table, "fabric", source), pool_address)
+
+
+@dataclasses.dataclass(frozen=True)
+class HostdConfig:
+    socket: str = "/run/accelmig/hostd.sock"
+    state_dir: str = "/var/lib/accelmig"
+    strict: bool = True
+    hook_timeout: float = 3.0
+    metrics_listen: str = ""
+    libvirt_uri: str = "qemu:///system"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostConfig:
+    host_id: str
+    pool: PoolEndpoints
+    fabric: FabricConfig = FabricConfig()
+    hostd: HostdConfig = HostdConfig()
+    source: str = "<defaults>"          # where it was read from, for messages
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None) -> "HostConfig":
+        path = os.fspath(path) if path is not None else DEFAULT_PATH
+        try:
+            with open(path, "rb") as handle:
+                data = tomllib.load(handle)
+        except FileNotFoundError:
+            raise ConfigInvalid(source=path, reason="file not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigInvalid(source=path, reason=f"cannot read it: {exc.strerror or exc}") from None
+        return cls.from_dict(data, source=path)
+
+    @classmethod
+    def from_toml(cls, text: str, source: str = "<string>") -> "HostConfig":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigInvalid(source=source, reason=f"not valid TOML: {exc}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> "HostConfig":
+        sections = {"host", "pool", "fabric", "hostd"}
+        unknown = sorted(set(data) - sections)
+        if unknown:
+            raise ConfigInvalid(source=source, reason=f"unknown section(s) {', '.join(unknown)} "
+                                                      f"(known: {', '.join(sorted(sections))})")
+        host = _Table(data.get("host", {}), "host", source)
+        host_id = host.string("id", default=None) or socket.gethostname()
+        if not _HOST_ID.match(host_id):
+            raise host.error("id", f"{host_id!r} is not a host name (letters, digits, '.', '_', '-'; "
+                                   f"at most 64)")
+        if host_id == "admin":
+            raise host.error("id", "'admin' is reserved for the pool's admin socket")
+        host.done()
+
+        pool = _pool(_Table(data.get("pool", {}), "pool", source))
+        fabric = _fabric(_Table(data.get("fabric", {}), "fabric", source), pool.address)
+        hostd = _hostd(_Table(data.get("hostd", {}), "hostd", source))
+        return cls(host_id=host_id, pool=pool, fabric=fabric, hostd=hostd, source=source)
+
+    def read_secret(self) -> bytes:
+        """This host's control-plane secret.  Refuses a file others may read
+        or write, one that is not a regular file, and one too short."""
+        path = self.pool.secret_file
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY)
+        except FileNotFoundError:
+            raise ConfigInvalid(source=path, reason=f"secret file not found (pool.secret_file "
+                                                    f"in {self.source})") from None
+        except OSError as exc:
+            raise ConfigInvalid(source=path, reason=f"cannot read the secret file: "
+                                                    f"{exc.strerror or exc}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ConfigInvalid(source=path, reason="the secret file is not a regular file")
+            mode = stat.S_IMODE(info.st_mode)
+            if mode & 0o007:
+                raise ConfigInvalid(source=path, reason=f"the secret file is accessible to everyone "
+                                                        f"(mode {mode:04o}); run: chmod 600 {path}")
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                secret = handle.read(64 * 1024 + 1)
+        finally:
+            os.close(fd)
+        secret = secret.strip()
+        if len(secret) > 64 * 1024:
+            raise ConfigInvalid(source=path, reason="the secret file is larger than 64 KiB")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ConfigInvalid(source=path, reason=f"the secret is {len(secret)} bytes; the pool "
+                                                    f"needs {MIN_SECRET_BYTES} or more")
+        return secret
+
+
+# ---------------------------------------------------------------------------
+
+
+class _Table:
+    """One section being read: typed getters that name file and key in errors."""
+
+    def __init__(self, table, name: str, source: str):
+        if not isinstance(table, dict):
+            raise ConfigInvalid(source=source, reason=f"[{name}] must be a table")
+        self.table, self.name, self.source = table, name, source
+        self.seen: set[str] = set()
+
+    def error(self, key: str, why: str) -> ConfigInvalid:
+        return ConfigInvalid(source=self.source, reason=f"{self.name}.{key}: {why}")
+
+    def _get(self, key, default):
+        self.seen.add(key)
+        return self.table.get(key, default)
+
+    def string(self, key: str, default=None, required: bool = False):
+        if required and key not in self.table:
+            raise self.error(key, "is required")
+        value = self._get(key, default)
+        if value is not None and not isinstance(value, str):
+            raise self.error(key, f"must be a string, not {_kind(value)}")
+        return value
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, not {_kind(value)}")
+        return value
+
+    def number(self, key: str, default):
+        value = self._get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(key, f"must be a number, not {_kind(value)}")
+        return value
+
+    def strings(self, key: str):
+        value = self._get(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(key, "must be a list of strings")
+        return value
+
+    def path(self, key: str, default: str) -> str:
+        value = self.string(key, default)
+        if not value or not os.path.isabs(value):
+            raise self.error(key, f"{value!r} must be an absolute path")
+        return value
+
+    def endpoint(self, key: str, value: str) -> str:
+        try:
+            parse_endpoint(value)
+        except BadRequest as exc:
+            raise self.error(key, exc.kwargs.get("reason", exc.message)) from None
+        return value
+
+    def ifname(self, key: str, value: str | None, needed_for: str | None) -> str | None:
+        if value is None:
+            if needed_for:
+                raise self.error(key, f"is required when {needed_for}")
+            return None
+        if not 0 < len(value) <= _IFNAME_MAX or any(c in value for c in "/ \t\n:") \
+                or value in (".", ".."):
+            raise self.error(key, f"{value!r} is not an interface name (1-{_IFNAME_MAX} "
+                                  f"characters, no '/', ':' or blanks)")
+        return value
+
+    def done(self) -> None:
+        unknown = sorted(set(self.table) - self.seen)
+        if unknown:
+            raise ConfigInvalid(source=self.source,
+                                reason=f"unknown key(s) in [{self.name}]: {', '.join(unknown)} "
+                                       f"(known: {', '.join(sorted(self.seen))})")
+
+
+def _kind(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "a table"}.get(type(value), type(value).__name__)
+
+
+def _pool(t: _Table) -> PoolEndpoints:
+    endpoint = t.endpoint("endpoint", t.string("endpoint", required=True))
+    control = t.string("control", None)
+    if control is None:
+        host = parse_endpoint(endpoint)[0]
+        control = f"[{host}]:{DEFAULT_CONTROL_PORT}" if ":" in host else f"{host}:{DEFAULT_CONTROL_PORT}"
+    t.endpoint("control", control)
+    secret_file = t.path("secret_file", PoolEndpoints.secret_file)
+    t.done()
+    return PoolEndpoints(endpoint=endpoint, control=control, secret_file=secret_file)
+
+
+def _fabric(t: _Table, pool_address: str | None) -> FabricConfig:
+    mode = t.string("mode", "none")
+    if mode not in FABRIC_MODES:
+        raise t.error("mode", f"{mode!r} is not one of {', '.join(FABRIC_MODES)}")
+    bridge = t.ifname("bridge", t.string("bridge"), "mode = \"bridge\"" if mode == "bridge" else None)
+    device = t.ifname("device", t.string("device"), "mode = \"direct\"" if mode == "direct" else None)
+    owner = t.string("interfaces_owner", "accelmig")
+    if owner not in INTERFACES_OWNERS:
+        raise t.error("interfaces_owner", f"{owner!r} is not one of {', '.join(INTERFACES_OWNERS)}")
+
+    mtu = t.number("mtu", None)
+    if mtu is not None and (not isinstance(mtu, int) or not 68 <= mtu <= 65535):
+        raise t.error("mtu", f"{mtu!r} is not an MTU (an integer, 68-65535)")
+
+    subnet_text = t.string("guest_subnet")
+    gateway_text = t.string("gateway")
+    routes_list = t.strings("routes")
+    subnet = gateway = None
+    routes: tuple[str, ...] = ()
+    if subnet_text is None:
+        for key, value in (("gateway", gateway_text), ("routes", routes_list)):
+            if value is not None:
+                raise t.error(key, "needs fabric.guest_subnet (a host-bound fabric)")
+    else:
+        try:
+            subnet = ipaddress.ip_network(subnet_text, strict=True)
+        except ValueError as exc:
+            raise t.error("guest_subnet", f"{subnet_text!r} is not a network ({exc})") from None
+        if subnet.num_addresses < 4:
+            raise t.error("guest_subnet", f"{subnet} is too small for a gateway and guests "
+                                          f"(at most /{subnet.max_prefixlen - 2})")
+        if gateway_text is None:
+            gateway = subnet.network_address + 1
+        else:
+            try:
+                gateway = ipaddress.ip_address(gateway_text)
+            except ValueError:
+                raise t.error("gateway", f"{gateway_text!r} is not an IP address") from None
+            if gateway not in subnet:
+                raise t.error("gateway", f"{gateway} is not in guest_subnet {subnet}")
+            if gateway == subnet.network_address or (
+                    subnet.version == 4 and gateway == subnet.broadcast_address):
+                raise t.error("gateway", f"{gateway} is the network or broadcast address of {subnet}")
+        if routes_list is None:
+            routes = _default_routes(pool_address, subnet)
+        else:
+            out = []
+            for text in routes_list:
+                try:
+                    net = ipaddress.ip_network(text, strict=False)
+                except ValueError:
+                    raise t.error("routes", f"{text!r} is not a CIDR") from None
+                if net.version != subnet.version:
+                    raise t.error("routes", f"{net} is IPv{net.version}, guest_subnet is "
+                                            f"IPv{subnet.version}")
+                out.append(str(net))
+            routes = tuple(out)
+    t.done()
+    return FabricConfig(mode=mode, bridge=bridge, device=device, guest_subnet=subnet,
+                        gateway=gateway, mtu=mtu, routes=routes, interfaces_owner=owner)
+
+
+def _default_routes(pool_address: str | None, subnet) -> tuple[str, ...]:
+    """The pool's own address, when it is an address outside the guest subnet."""
+    if pool_address is None:
+        return ()
+    try:
+        address = ipaddress.ip_address(pool_address)
+    except ValueError:
+        return ()                   # a name: the operator lists routes explicitly
+    if address.version != subnet.version or address in subnet:
+        return ()
+    return (str(ipaddress.ip_network(address)),)
+
+
+def _hostd(t: _Table) -> HostdConfig:
+    defaults = HostdConfig()
+    sock = t.path("socket", defaults.socket)
+    state_dir = t.path("state_dir", defaults.state_dir)
+    strict = t.boolean("strict", defaults.strict)
+    timeout = t.number("hook_timeout", defaults.hook_timeout)
+    if timeout is None or not 0 < timeout <= 600:
+        raise t.error("hook_timeout", f"{timeout!r} must be seconds, more than 0 and at most 600")
+    metrics = t.string("metrics_listen", defaults.metrics_listen)
+    if metrics:
+        t.endpoint("metrics_listen", metrics)
+    uri = t.string("libvirt_uri", defaults.libvirt_uri)
+    if not uri or "://" not in uri:
+        raise t.error("libvirt_uri", f"{uri!r} is not a libvirt URI (e.g. qemu:///system)")
+    t.done()
+    return HostdConfig(socket=sock, state_dir=state_dir, strict=strict,
+                       hook_timeout=float(timeout), metrics_listen=metrics, libvirt_uri=uri)

@@ -1,0 +1,340 @@
+"""This host's network identity towards the pool, and its guests' fabric addresses.
+
+``discover_identity(config)`` asks the kernel (rtnetlink, through pyroute2)
+how this host reaches the pool's data plane: the route towards the pool's
+address gives the preferred source address and the output interface, whose
+MTU and MAC come from the link.  Given a namespace name it asks inside that
+network namespace instead (tests; a host whose fabric lives in one).  For a
+host-bound fabric (``fabric.guest_subnet``) the identity also carries the
+``GuestNic`` the guest's fabric NIC must take on this host: an address that
+``GuestAddressAllocator`` leases to the domain's UUID, the subnet's prefix,
+the gateway, MTU and routes.
+
+The allocator keeps its leases in one JSON file (written to a temporary file
+and renamed, under an ``flock``), so a restarted hostd, the hook and the CLI
+all see the same leases and a domain keeps its address.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import socket
+import tempfile
+import uuid as uuid_module
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
+from accelmig.wire.identity import GuestNic, HostIdentity
+
+if TYPE_CHECKING:  # pragma: no cover
+    from accelmig.plugin.config import FabricConfig, HostConfig
+
+__all__ = [
+    "GuestAddressAllocator", "LEASES_FILE", "RouteInfo", "discover_identity", "guest_nic",
+    "resolve_address", "route_towards",
+]
+
+log = logging.getLogger(__name__)
+
+#: The allocator's file under ``hostd.state_dir``.
+LEASES_FILE = "guest-leases.json"
+_LEASES_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteInfo:
+    """How this host (or namespace) reaches one destination."""
+
+    destination: str
+    source: str                 # preferred source address
+    interface: str              # output interface name
+    ifindex: int
+    mtu: int | None
+    mac: str | None             # None for links without one (tun, ip tunnels)
+    gateway: str | None         # next hop; None when the destination is on-link
+
+
+def resolve_address(host: str) -> str:
+    """An IP literal as it is; a name through the system resolver (first answer)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise Unavailable(what=f"the pool's address {host!r}", reason=f"cannot resolve it: {exc}") from None
+    return infos[0][4][0]
+
+
+@contextlib.contextmanager
+def _rtnl(netns: str | None):
+    # pyroute2 takes ~0.2 s to import: only what asks the kernel pays for it.
+    from pyroute2 import IPRoute, NetNS
+    if netns is None:
+        with IPRoute() as ip:
+            yield ip
+        return
+    # flags=0: never create a namespace that is not there (NetNS's default would).
+    try:
+        ns = NetNS(netns, flags=0)
+    except FileNotFoundError:
+        raise Unavailable(what=f"network namespace {netns!r}", reason="it does not exist") from None
+    except OSError as exc:
+        raise Unavailable(what=f"network namespace {netns!r}", reason=exc.strerror or str(exc)) from None
+    with ns:
+        yield ns
+
+
+def route_towards(destination: str, *, netns: str | None = None) -> RouteInfo:
+    """Ask the kernel's routing table how ``destination`` (an IP address) is reached."""
+    from pyroute2.netlink.exceptions import NetlinkError
+    try:
+        dst = str(ipaddress.ip_address(destination))
+    except ValueError:
+        raise BadRequest(reason=f"route lookup: {destination!r} is not an IP address") from None
+    where = f" in network namespace {netns!r}" if netns else ""
+    with _rtnl(netns) as ip:
+        try:
+            answers = ip.route("get", dst=dst)
+        except NetlinkError as exc:
+            reason = os.strerror(exc.code) if exc.code else str(exc)
+            raise Unavailable(what=f"a route to the pool at {dst}{where}",
+                              reason=f"{reason} (errno {exc.code}): this host has no route there") from None
+        if not answers:
+            raise Unavailable(what=f"a route to the pool at {dst}{where}", reason="the kernel gave no answer")
+        route = answers[0]
+        oif = route.get("RTA_OIF")
+        if oif is None:
+            raise Unavailable(what=f"a route to the pool at {dst}{where}",
+                              reason="the route has no output interface")
+        links = ip.link("get", index=oif)
+        link = links[0]
+        source = route.get("RTA_PREFSRC")
+        if source is None:
+            family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+            addresses = [a.get("IFA_ADDRESS") for a in ip.addr("dump", index=oif, family=family)]
+            addresses = [a for a in addresses if a]
+            if not addresses:
+                raise Unavailable(what=f"a source address towards {dst}{where}",
+                                  reason=f"interface {link.get('IFLA_IFNAME')} has no address")
+            source = addresses[0]
+    mac = link.get("IFLA_ADDRESS")
+    return RouteInfo(destination=dst, source=str(source), interface=str(link.get("IFLA_IFNAME")),
+                     ifindex=int(oif), mtu=link.get("IFLA_MTU"),
+                     mac=mac.lower() if isinstance(mac, str) and len(mac) == 17 else None,
+                     gateway=route.get("RTA_GATEWAY"))
+
+
+def guest_nic(fabric: "FabricConfig", address: str, mac: str | None = None) -> GuestNic:
+    """The fabric NIC's settings on this host for a guest given ``address``."""
+    if fabric.guest_subnet is None:
+        raise BadRequest(reason="guest NIC: this host's fabric is not host-bound (no fabric.guest_subnet)")
+    return GuestNic(address=str(address), prefixlen=fabric.guest_subnet.prefixlen,
+                    gateway=str(fabric.gateway) if fabric.gateway is not None else None,
+                    mtu=fabric.mtu, mac=mac, routes=tuple(fabric.routes))
+
+
+def discover_identity(config: "HostConfig", *, domain_uuid: str | None = None,
+                      guest_mac: str | None = None,
+                      allocator: "GuestAddressAllocator | None" = None,
+                      netns: str | None = None) -> HostIdentity:
+    """This host's identity towards the pool, for the guest ``domain_uuid``.
+
+    For a host-bound fabric and a ``domain_uuid``, ``guest_nic`` carries the
+    address leased to that domain (``allocator``, by default the one under
+    ``hostd.state_dir``) and ``guest_mac`` names the NIC it is for."""
+    pool_host = config.pool.address
+    route = route_towards(resolve_address(pool_host), netns=netns)
+    nic = None
+    if config.fabric.host_bound and domain_uuid is not None:
+        allocator = allocator or GuestAddressAllocator.for_config(config)
+        nic = guest_nic(config.fabric, allocator.allocate(domain_uuid), guest_mac)
+    return HostIdentity(host_id=config.host_id, pool_endpoint=config.pool.endpoint,
+                        host_address=route.source, interface=route.interface, mtu=route.mtu,
+                        mac=route.mac, guest_nic=nic)
+
+
+# ---------------------------------------------------------------------------
+
+
+def _domain_key(domain_uuid: str) -> str:
+    try:
+        return str(uuid_module.UUID(str(domain_uuid)))
+    except ValueError:
+        raise BadRequest(reason=f"guest address lease: {domain_uuid!r} is not a domain UUID") from None
+
+
+class GuestAddressAllocator:
+    """Stable guest addresses per domain UUID from one subnet, kept on disk.
+
+    A domain's first address is chosen from a hash of its UUID (probing on
+    from there past taken ones), so it is the same even if the lease file
+    were lost and nothing collided.  Never the network, broadcast or gateway
+    address.  Every call re-reads the file under an exclusive ``flock`` and
+    writes it back atomically (temporary file, fsync, rename, fsync of the
+    directory): concurrent processes and restarts keep consistent leases.
+    """
+
+    def __init__(self, state_path: str | os.PathLike, subnet, gateway=None):
+        self.path = Path(state_path)
+        try:
+            self.subnet = ipaddress.ip_network(str(subnet), strict=True)
+        except ValueError as exc:
+            raise ConfigInvalid(source=str(self.path), reason=f"guest subnet {subnet!r}: {exc}") from None
+        if self.subnet.num_addresses < 4:
+            raise ConfigInvalid(source=str(self.path), reason=f"guest subnet {self.subnet} is too small")
+        if gateway is None:
+            self.gateway = self.subnet.network_address + 1
+        else:
+            self.gateway = ipaddress.ip_address(str(gateway))
+            if self.gateway not in self.subnet:
+                raise ConfigInvalid(source=str(self.path),
+                                    reason=f"gateway {self.gateway} is not in guest subnet {self.subnet}")
+        # Usable offsets from the network address: 1 .. last (v4 keeps broadcast out).
+        self._last = self.subnet.num_addresses - (2 if self.subnet.version == 4 else 1)
+
+    @classmethod
+    def for_config(cls, config: "HostConfig") -> "GuestAddressAllocator":
+        fabric = config.fabric
+        if fabric.guest_subnet is None:
+            raise BadRequest(reason="guest addresses: this host's fabric has no guest_subnet")
+        return cls(Path(config.hostd.state_dir) / LEASES_FILE, fabric.guest_subnet, fabric.gateway)
+
+    @property
+    def capacity(self) -> int:
+        """How many guests the subnet holds (the gateway excluded)."""
+        return self._last - (1 if self._usable(self.gateway) else 0)
+
+    def _usable(self, address) -> bool:
+        offset = int(address) - int(self.subnet.network_address)
+        return 1 <= offset <= self._last
+
+    # -- public ------------------------------------------------------------
+
+    def allocate(self, domain_uuid: str) -> str:
+        """The domain's address: its existing lease, or a new one."""
+        key = _domain_key(domain_uuid)
+        with self._locked() as leases:
+            if key in leases:
+                return leases[key]
+            taken = set(leases.values())
+            if len(taken) >= self.capacity:
+                raise Unavailable(what=f"a guest address in {self.subnet}",
+                                  reason=f"all {self.capacity} addresses are leased (leases in {self.path})")
+            for candidate in self._candidates(key):
+                text = str(candidate)
+                if candidate != self.gateway and text not in taken:
+                    leases[key] = text
+                    return text
+            raise Unavailable(what=f"a guest address in {self.subnet}",  # pragma: no cover
+                              reason=f"all {self.capacity} addresses are leased (leases in {self.path})")
+
+    def lookup(self, domain_uuid: str) -> str | None:
+        key = _domain_key(domain_uuid)
+        return self._read()[0].get(key)
+
+    def release(self, domain_uuid: str) -> str | None:
+        """Free the domain's lease; returns the address it had (None: it had none)."""
+        key = _domain_key(domain_uuid)
+        with self._locked() as leases:
+            return leases.pop(key, None)
+
+    def leases(self) -> dict[str, str]:
+        """Every lease, domain UUID -> address."""
+        return self._read()[0]
+
+    # -- internals ---------------------------------------------------------
+
+    def _candidates(self, key: str):
+        count = self._last
+        start = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") % count
+        base = int(self.subnet.network_address) + 1
+        for i in range(count):
+            yield ipaddress.ip_address(base + (start + i) % count)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path.with_name(self.path.name + ".lock")
+        with open(lock_path, "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            leases, dirty = self._read()
+            before = dict(leases)
+            yield leases
+            if dirty or leases != before:
+                self._write(leases)
+
+    def _read(self) -> tuple[dict[str, str], bool]:
+        """The valid leases, and whether the file holds others (to drop on the next write)."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}, False
+        except OSError as exc:
+            raise ConfigInvalid(source=str(self.path),
+                                reason=f"cannot read the guest address leases: {exc.strerror}") from None
+        try:
+            data = json.loads(raw)
+            if not isinstance(data, dict) or not isinstance(data.get("leases"), dict):
+                raise ValueError("no 'leases' object")
+        except ValueError as exc:
+            raise ConfigInvalid(source=str(self.path),
+                                reason=f"the guest address leases are corrupt ({exc}); move the file "
+                                       f"away to start afresh (running guests may then get "
+                                       f"addresses that others hold)") from None
+        out: dict[str, str] = {}
+        seen: set[str] = set()
+        dirty = False
+        for key, value in data["leases"].items():
+            try:
+                domain = _domain_key(key)
+                address = ipaddress.ip_address(str(value))
+            except (BadRequest, ValueError):
+                log.warning("guest leases %s: dropping malformed lease %r -> %r", self.path, key, value)
+                dirty = True
+                continue
+            if address not in self.subnet or not self._usable(address) or address == self.gateway \
+                    or str(address) in seen:
+                # The subnet or gateway changed since, or a duplicate: not a valid lease now.
+                log.warning("guest leases %s: dropping lease %s -> %s (not usable in %s, gateway %s)",
+                            self.path, domain, address, self.subnet, self.gateway)
+                dirty = True
+                continue
+            out[domain] = str(address)
+            seen.add(str(address))
+        return out, dirty
+
+    def _write(self, leases: dict[str, str]) -> None:
+        data = {"version": _LEASES_VERSION, "subnet": str(self.subnet), "gateway": str(self.gateway),
+                "leases": dict(sorted(leases.items()))}
+        payload = (json.dumps(data, indent=2) + "\n").encode()
+        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        except OSError as exc:  # pragma: no cover - some filesystems refuse
+            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+                raise
+        finally:
+            os.close(dir_fd)
