@@ -247,6 +247,8 @@ class Device:
         self._last_activity = time.monotonic()
         self._attempt_sock: socket.socket | None = None
         self._last_error: object = None
+        self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
+        self._used_tickets: set[str] = set()
         self._preempt = threading.Event()
         self.sid: str | None = None
         self.epoch = 0
@@ -257,8 +259,8 @@ class Device:
         self._limits = Limits()
         sock, reader, welcome = self._open_link(endpoint, self.connect_timeout)
         try:
-            sock.sendall(encode_frame({"op": Op.OPEN.value, "token": token, "secret": self._secret.hex(),
-                                       "client": {"name": self.name, "pid": os.getpid()}}))
+            _handshake_send(sock, {"op": Op.OPEN.value, "token": token, "secret": self._secret.hex(),
+                                   "client": {"name": self.name, "pid": os.getpid()}})
             answer, leftovers = self._read_answer(sock, reader)
         except BaseException:
             sock.close()
@@ -297,7 +299,7 @@ class Device:
         _configure_socket(sock)
         reader = FrameReader(self._limits, payload_sink=self._payload_sink)
         try:
-            sock.sendall(encode_frame({"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)}))
+            _handshake_send(sock, {"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
             welcome, leftovers = self._read_answer(sock, reader)
         except BaseException:
             sock.close()
@@ -415,7 +417,9 @@ class Device:
         with self._cond:
             if gen != self._gen:
                 return
-            if self._state is LinkState.CONNECTED:
+            if self._state in (LinkState.CONNECTED, LinkState.RESUMING):
+                # RESUMING: the new link died while the resume re-sent; the
+                # resume must not then declare it connected.
                 self._state = LinkState.DISCONNECTED
                 self._last_error = error
                 LOG.warning("session %s: connection lost (%s)", self.sid, error)
@@ -455,7 +459,23 @@ class Device:
             _shut(attempt)      # cut a background reconnect that is in the way
         with self._resume_lock:
             self._preempt.clear()
-            return self._resume(endpoint or self.endpoint, ticket)
+            target = endpoint or self.endpoint
+            if ticket and ticket in self._used_tickets:
+                # This move already happened (a background retry made it, or
+                # the rehome was delivered twice): the session is bound there.
+                if self._state is LinkState.CONNECTED and target == self.endpoint:
+                    return {"sid": self.sid, "epoch": self.epoch, "endpoint": target,
+                            "replayed": 0, "resent": 0, "seconds": 0.0, "ticket": True,
+                            "already": True}
+                ticket = None
+            try:
+                return self._resume(target, ticket)
+            except AccelmigError as exc:
+                if exc.retriable or isinstance(exc, Unavailable):
+                    # Keep trying in the background where we were told to go:
+                    # the answer may have been lost, or the path not be up yet.
+                    self._target = (target, ticket)
+                raise
 
     def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None) -> dict:
         started = time.monotonic()
@@ -472,28 +492,34 @@ class Device:
             try:
                 with self._cond:
                     last_seen = self._window.last_seen
+                    next_seq = self._window.next_seq
                     epoch = self.epoch
                 request = {"op": Op.RESUME.value, "sid": self.sid, "epoch": epoch,
-                           "last_seen": last_seen,
+                           "last_seen": last_seen, "next_seq": next_seq,
                            "proof": dp.ownership_proof(self._secret, self._challenge, self.sid, epoch)}
                 if ticket:
                     request["ticket"] = ticket
-                sock.sendall(encode_frame(request))
+                _handshake_send(sock, request)
                 answer, leftovers = self._read_answer(sock, reader)
                 if answer.get("op") != Op.RESUMED.value:
                     raise ProtocolError(reason=f"expected resumed, got {answer.get('op')!r}")
             except BaseException:
                 sock.close()
                 raise
-        except AccelmigError as exc:
+        except BaseException as exc:
+            # Whatever failed, never leave the state at RESUMING.
             with self._cond:
-                if exc.code in TERMINAL_SESSION_CODES:
+                if isinstance(exc, AccelmigError) and exc.code in TERMINAL_SESSION_CODES:
                     self._fail_locked(exc)
                 elif self._state is LinkState.RESUMING:
                     self._state = LinkState.DISCONNECTED
+                    self._last_error = exc
                 self._cond.notify_all()
             raise
         # Accepted: switch to the new link, then re-send what the pool lacks.
+        self._target = None
+        if ticket:
+            self._used_tickets.add(ticket)
         with self._send_lock:
             with self._cond:
                 self.epoch = answer["epoch"]
@@ -547,7 +573,8 @@ class Device:
                 try:
                     if self._state is LinkState.DISCONNECTED:
                         self.stats["reconnect_attempts"] += 1
-                        self._resume(self.endpoint, None, timeout=min(2.0, self.connect_timeout))
+                        endpoint, ticket = self._target or (self.endpoint, None)
+                        self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout))
                 except AccelmigError as exc:
                     backoff = min(backoff * 2, 2.0)
                     LOG.debug("session %s: reconnect to %s failed: %s", self.sid, self.endpoint, exc)
@@ -603,7 +630,8 @@ class Device:
                 self._wait_ready_locked(nbytes, deadline)
             with self._send_lock:
                 with self._cond:
-                    if self._state is not LinkState.CONNECTED or not self._window.has_room(nbytes):
+                    if self._state is not LinkState.CONNECTED or self._sock is None \
+                            or not self._window.has_room(nbytes):
                         continue   # lost it between the two locks: wait again
                     header = {"op": op.value, "epoch": self.epoch, "ack": self._window.last_seen}
                     header.update(fields)
@@ -810,6 +838,13 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<Device {self.sid} {self._state.value} at {self.endpoint}>"
+
+
+def _handshake_send(sock: socket.socket, header: dict) -> None:
+    try:
+        sock.sendall(encode_frame(header))
+    except OSError as exc:
+        raise Unavailable(what="the pool", reason=str(exc)) from None
 
 
 def _shut(sock: socket.socket) -> None:

@@ -22,6 +22,8 @@ from accelmig.wire.frames import encode_frame
 
 LOG = logging.getLogger(__name__)
 
+IN_FLIGHT = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER, RecordStateName.COMMITTED}
+
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
                  "park", "unpark", "register_intent"}
 
@@ -185,21 +187,24 @@ class ControlServer:
         return record.describe()
 
     def do_switchover(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, source=caller,
+        record = self.pool.find_record(domain_uuid, migration_id,
                                        states={RecordStateName.OPEN, RecordStateName.SWITCHED_OVER})
         if record.dest_host == caller:
             raise Conflict(reason=f"host {caller} is the destination of {record.key}")
+        if record.source_host not in (None, caller):
+            raise Conflict(reason=f"{record.key} comes from {record.source_host}, not {caller}")
         self.pool.switchover_record(record, caller)
         return record.describe()
 
     def do_commit(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, dest=caller)
+        record = self.pool.find_record(domain_uuid, migration_id, dest=caller, states=IN_FLIGHT)
         self._require_dest(record, caller)
         record.commit(time.time())
         return record.describe()
 
     def do_complete(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, dest=caller)
+        record = self.pool.find_record(domain_uuid, migration_id, dest=caller,
+                                       states=IN_FLIGHT | {RecordStateName.COMPLETED})
         self._require_dest(record, caller)
         tickets = self.pool.complete_record(record)
         return {"record": record.describe(), "tickets": tickets}

@@ -86,9 +86,9 @@ class PoolThread:
 
     def restart(self) -> "PoolThread":
         """Stop and start on the same addresses: a new pool instance, no sessions."""
-        data, control = self.endpoint, self.control_endpoint
+        data, control = self.pool.endpoints["data_all"], self.control_endpoint
         self.stop()
-        self.config.listen = data
+        self.config.listen = ",".join(data)
         if control:
             self.config.control_listen = control
         return self.start()
@@ -124,8 +124,10 @@ class CutProxy:
         from accelmig.wire.dataplane import parse_endpoint
         self.target = parse_endpoint(target)
         host, port = parse_endpoint(listen)
-        self._listener = socket.create_server((host, port))
-        self.endpoint = "%s:%d" % self._listener.getsockname()[:2]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
+        bound_host, bound_port = self._listener.getsockname()[:2]
+        self.endpoint = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         self._pairs: list = []
         self._lock = threading.Lock()
         self.cuts = 0
@@ -186,6 +188,12 @@ class CutProxy:
         return len(pairs)
 
     def close(self) -> None:
+        import socket
         self._closed = True
+        try:
+            # close() alone leaves a thread blocked in accept() accepting
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         self.cut()

@@ -173,8 +173,13 @@ class TicketAuthority:
         self._live[nonce] = record.key
         return f"v1.{body.decode()}.{self._mac(body)}", nonce
 
-    def check(self, ticket, sid: str, peer_host: str | None, now: float) -> dict:
-        """Claims of a valid ticket, or TicketInvalid.  Does not use it up."""
+    def check(self, ticket, sid: str, peer_host: str | None, now: float,
+              retry_of: str | None = None) -> dict:
+        """Claims of a valid ticket, or TicketInvalid.  Does not use it up.
+
+        ``retry_of``: the nonce of the ticket the session's last resume used;
+        presenting it again is the same driver retrying that resume (its
+        answer was lost), not a replay."""
         if not isinstance(ticket, str) or ticket.count(".") != 2:
             raise TicketInvalid(reason="not an accelmig ticket")
         version, body, mac = ticket.split(".")
@@ -191,6 +196,8 @@ class TicketAuthority:
             raise TicketInvalid(reason=f"ticket is for session {claims.get('sid')}, not {sid}")
         nonce = claims.get("n")
         if nonce in self._used:
+            if nonce == retry_of:
+                return claims
             raise TicketInvalid(reason="ticket already used")
         if nonce not in self._live:
             raise TicketInvalid(reason="ticket revoked (migration aborted or superseded)")

@@ -100,12 +100,19 @@ class SequenceLog:
         return freed
 
     # -- resume ------------------------------------------------------------------
-    def check_resume(self, last_seen: int) -> list[StoredReply]:
+    def check_resume(self, last_seen: int, next_seq: int | None = None) -> list[StoredReply]:
         """Replies a resuming driver missed, or SessionDiverged.
 
-        Changes nothing: the caller acknowledges ``last_seen`` once every
-        other check of the resume has passed.
+        ``next_seq`` is the next sequence number the resuming driver would
+        use: if the pool accepted commands beyond it, they came from another
+        copy of the driver.  Changes nothing: the caller acknowledges
+        ``last_seen`` once every other check of the resume has passed.
         """
+        if next_seq is not None and next_seq < self.next_seq:
+            raise SessionDiverged(sid=self.sid, reason=(
+                f"the pool accepted commands up to {self.next_seq - 1}, the resuming copy "
+                f"sent only up to {next_seq - 1}"),
+                details={"next_seq": next_seq, "accepted": self.next_seq - 1})
         if last_seen < self.acked:
             raise SessionDiverged(sid=self.sid, reason=(
                 f"the resuming copy has seen replies up to {last_seen}, but the driver "

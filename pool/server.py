@@ -78,11 +78,20 @@ class Pool:
     async def start(self) -> None:
         from accelmig.pool.control import ControlServer
         self.loop = asyncio.get_running_loop()
-        host, port = dp.parse_endpoint(self.config.listen)
-        server = await self.loop.create_server(lambda: DataConnection(self), host, port,
-                                               reuse_address=True)
-        self._servers.append(server)
-        self.endpoints["data"] = _bound(server)
+        # ``listen`` may name several addresses ("0.0.0.0:7070,[::]:7070"); a
+        # port 0 after the first takes the port the first one got.
+        first_port = None
+        for item in [p.strip() for p in self.config.listen.split(",") if p.strip()]:
+            host, port = dp.parse_endpoint(item)
+            if port == 0 and first_port is not None:
+                port = first_port
+            server = await self.loop.create_server(lambda: DataConnection(self), host, port,
+                                                   reuse_address=True)
+            self._servers.append(server)
+            bound = _bound(server)
+            first_port = first_port or server.sockets[0].getsockname()[1]
+            self.endpoints.setdefault("data", bound)
+            self.endpoints.setdefault("data_all", []).append(bound)
         self.control = ControlServer(self)
         if self.config.control_listen:
             chost, cport = dp.parse_endpoint(self.config.control_listen)
@@ -176,9 +185,11 @@ class Pool:
     # -- hosts -----------------------------------------------------------------------
     def host_for_address(self, address: str) -> str | None:
         try:
-            ip = ipaddress.ip_address(address)
+            ip = ipaddress.ip_address(address.split("%")[0])
         except ValueError:
             return None
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped      # a dual-stack socket reports IPv4 peers this way
         best, best_len = None, -1
         for host in self.hosts.values():
             for net in host.networks:
@@ -235,21 +246,26 @@ class Pool:
             if not dp.check_ownership_proof(session.secret, conn.challenge, sid, epoch,
                                             header.get("proof")):
                 raise AuthFailed(reason=f"resume of {sid}: the ownership proof does not verify")
-            if epoch != session.epoch:
+            retry = session.is_resume_retry(epoch, last_seen)
+            if epoch != session.epoch and not retry:
                 raise SessionDiverged(sid=sid, reason=(
                     f"the resuming copy is at epoch {epoch}, the session at epoch {session.epoch}"),
                     details={"epoch": epoch, "current": session.epoch})
             ticket = header.get("ticket")
             claims = None
             if ticket:
-                claims = self.tickets.check(ticket, sid, conn.peer_host, now)
+                claims = self.tickets.check(ticket, sid, conn.peer_host, now,
+                                            retry_of=session.last_resume.get("ticket") if retry else None)
             elif session.pending_move is not None:
                 record = self.records.get("/".join(session.pending_move))
                 raise TicketRequired(sid=sid, host=record.dest_host if record else "?",
                                      migration=session.pending_move[1])
             elif session.bound_host is not None and conn.peer_host != session.bound_host:
                 raise WrongHost(sid=sid, bound=session.bound_host, peer=conn.peer[0], host=conn.peer_host)
-            replay = session.log.check_resume(last_seen)
+            next_seq = header.get("next_seq")
+            if next_seq is not None and (not isinstance(next_seq, int) or isinstance(next_seq, bool)):
+                raise BadRequest(reason="resume: next_seq must be an integer")
+            replay = session.log.check_resume(last_seen, next_seq)
         except Exception as exc:
             code = getattr(getattr(exc, "code", None), "value", "error")
             self.metrics.resumes.labels(code).inc()
@@ -263,6 +279,7 @@ class Pool:
             old.fence(session.epoch)
         session.acknowledge(last_seen)
         session.attach(conn)
+        session.note_resume(epoch, last_seen, claims["n"] if claims else None)
         session.counters.resumes += 1
         session.counters.replayed += len(replay)
         blackout = None

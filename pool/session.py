@@ -120,6 +120,7 @@ class Session:
         self.paused_by: set[str] = set()                    # record keys pausing this session
         self.detached_at: float | None = None
         self.pause_started: float | None = None
+        self.last_resume: dict = {}
         # execution
         self.max_reply_bytes = max_reply_bytes
         self.max_queued_bytes = max_queued_bytes
@@ -164,6 +165,21 @@ class Session:
         if self.state is SessionState.PARKED:
             self.state = SessionState.DETACHED
             self.deadline = now + grace
+
+    def note_resume(self, from_epoch: int, last_seen: int, ticket_nonce: str | None) -> None:
+        self.last_resume = {"from_epoch": from_epoch, "last_seen": last_seen,
+                            "ticket": ticket_nonce, "next_seq": self.log.next_seq,
+                            "acked": self.log.acked}
+
+    def is_resume_retry(self, epoch: int, last_seen: int) -> bool:
+        """A resume from the epoch before the current one, by a driver whose
+        last resume was accepted but whose answer was lost (the connection
+        died right after): nothing has happened since on the new epoch, and
+        it presents the same progress.  Any other older epoch is a copy."""
+        last = self.last_resume
+        return bool(last) and epoch == self.epoch - 1 and last["from_epoch"] == epoch \
+            and last["last_seen"] == last_seen and last["next_seq"] == self.log.next_seq \
+            and last["acked"] == self.log.acked
 
     def release(self, reason: str) -> None:
         """Free everything (idempotent).  Queued commands are skipped."""
