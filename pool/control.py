@@ -31,12 +31,28 @@ ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping
 class ControlServer:
     def __init__(self, pool):
         self.pool = pool
+        self._tasks: set[asyncio.Task] = set()
 
     async def handle_host(self, reader, writer) -> None:
-        await self._serve(reader, writer, admin=False)
+        await self._tracked(self._serve(reader, writer, admin=False))
 
     async def handle_admin(self, reader, writer) -> None:
-        await self._serve(reader, writer, admin=True)
+        await self._tracked(self._serve(reader, writer, admin=True))
+
+    async def _tracked(self, coro) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            await coro
+        finally:
+            self._tasks.discard(task)
+
+    async def close(self) -> None:
+        """End every open control connection (servers stop only accepting)."""
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      admin: bool) -> None:

@@ -124,6 +124,8 @@ class Pool:
             server.close()
         for conn in list(self.connections):
             conn._close()
+        if getattr(self, "control", None) is not None:
+            await self.control.close()
         for server in self._servers:
             try:
                 await asyncio.wait_for(server.wait_closed(), 2)

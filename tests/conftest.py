@@ -10,9 +10,14 @@ import shutil
 import subprocess
 import sys
 
+import hypothesis  # noqa: F401  (imported first: see below)
 import pytest
 
 from accelmig.pool.harness import PoolThread
+
+# hypothesis is imported at the top because Debian's Python 3.11.2 fails with
+# "AST constructor recursion depth mismatch" when hypothesis' pytest plugin
+# first imports it at the end of a session that never did (CPython gh-106905).
 
 pytest_plugins = ["tests.support.fixtures"]
 
