@@ -51,6 +51,10 @@ from accelmig.wire.frames import FrameReader, Limits, encode_frame, encode_prefi
 LOG = logging.getLogger(__name__)
 
 ZERO_COPY_WRITE = 1 << 20
+CORK_PAYLOAD = 16 << 10        # pipelined frames up to this payload are batched
+CORK_BYTES = 256 << 10         # a batch goes out at this size at the latest
+CORK_DELAY = 0.0002            # s a pipelined frame may wait for others to join it
+_PLAIN_OK = {"op": "reply", "ok": True}
 DEFAULT_TIMEOUT = 60.0
 
 __all__ = ["connect", "Device", "Buffer", "Program", "Scalar", "LocalMemory", "LinkState",
@@ -249,6 +253,9 @@ class Device:
         self._last_error: object = None
         self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
         self._used_tickets: set[str] = set()
+        self._cork: list[bytes] = []          # pipelined frames not yet sent (send lock)
+        self._cork_bytes = 0
+        self._cork_pending = threading.Event()
         self._preempt = threading.Event()
         self.sid: str | None = None
         self.epoch = 0
@@ -277,6 +284,7 @@ class Device:
         self._housekeeper = threading.Thread(target=self._housekeep, name=f"accelmig-{self.sid}-hk",
                                              daemon=True)
         self._housekeeper.start()
+        threading.Thread(target=self._flusher, name=f"accelmig-{self.sid}-tx", daemon=True).start()
         LOG.info("session %s opened at %s", self.sid, endpoint)
         self._agent = None
         if agent is not False:
@@ -371,7 +379,21 @@ class Device:
 
     def _on_frame_locked(self, header: dict, payload) -> None:
         op = header.get("op")
-        if op == Op.REPLY.value:
+        if op == Op.DONE.value:
+            first, last = header.get("from"), header.get("to")
+            if not isinstance(first, int) or not isinstance(last, int) or last < first:
+                raise ProtocolError(reason=f"bad done frame {header!r}")
+            for seq in range(first, last + 1):
+                try:
+                    cmd = self._window.complete(seq, _PLAIN_OK)
+                except ValueError as exc:
+                    raise ProtocolError(reason=str(exc)) from None
+                if cmd is None:
+                    self.stats["duplicate_replies"] += 1
+                else:
+                    self.stats["replies"] += 1
+            self._cond.notify_all()
+        elif op == Op.REPLY.value:
             seq = header.get("seq")
             try:
                 cmd = self._window.complete(seq, header, payload)
@@ -521,6 +543,8 @@ class Device:
         if ticket:
             self._used_tickets.add(ticket)
         with self._send_lock:
+            self._cork.clear()          # corked commands are in the window: re-sent below
+            self._cork_bytes = 0
             with self._cond:
                 self.epoch = answer["epoch"]
                 self.endpoint = endpoint
@@ -638,15 +662,57 @@ class Device:
                     cmd = self._window.add(header, payload, waited=wait, sink=sink)
                     sock, gen = self._sock, self._gen
                     self._acked_sent = max(self._acked_sent, header["ack"])
+                head = encode_prefix_and_header(header, nbytes)
                 try:
-                    _send_all(sock, encode_prefix_and_header(header, nbytes), payload)
+                    if not wait and nbytes <= CORK_PAYLOAD:
+                        # Pipelined: cork it; the flusher (or the next waiting
+                        # command) sends a batch in one system call.
+                        first = not self._cork
+                        self._cork.append(head + payload if nbytes else head)
+                        self._cork_bytes += len(head) + nbytes
+                        if self._cork_bytes >= CORK_BYTES:
+                            self._flush_cork_locked(sock)
+                        elif first:
+                            self._cork_pending.set()
+                    else:
+                        if self._cork:
+                            self._flush_cork_locked(sock)
+                        _send_all(sock, head, payload)
                 except OSError as exc:
                     # The command stays in the window: the resume re-sends it.
+                    self._cork.clear()
+                    self._cork_bytes = 0
                     self._link_lost(gen, exc)
             break
         if not wait:
             return cmd
         return self._wait_reply(cmd, deadline)
+
+    def _flush_cork_locked(self, sock) -> None:
+        """Send the corked frames (the caller holds the send lock)."""
+        data = b"".join(self._cork)
+        self._cork.clear()
+        self._cork_bytes = 0
+        sock.sendall(data)
+
+    def _flusher(self) -> None:
+        """Sends corked pipelined frames soon after they were queued."""
+        while self._state not in (LinkState.CLOSED, LinkState.FAILED):
+            if not self._cork_pending.wait(0.5):
+                continue
+            self._cork_pending.clear()
+            time.sleep(CORK_DELAY)      # let a burst gather: one system call for many
+            with self._send_lock:
+                with self._cond:
+                    sock, gen = self._sock, self._gen
+                if not self._cork or sock is None:
+                    continue
+                try:
+                    self._flush_cork_locked(sock)
+                except OSError as exc:
+                    self._cork.clear()
+                    self._cork_bytes = 0
+                    self._link_lost(gen, exc)
 
     def _wait_reply(self, cmd: PendingCommand, deadline: float):
         with self._cond:

@@ -39,7 +39,8 @@ class DataConnection(asyncio.BufferedProtocol):
     def __init__(self, pool):
         self.pool = pool
         self.reader = FrameReader(Limits(max_header=pool.config.max_header,
-                                         max_payload=pool.config.max_payload))
+                                         max_payload=pool.config.max_payload),
+                                  payload_sink=lambda header, size: pool.buffers.get(size))
         self.state = ConnState.HELLO
         self.transport: asyncio.Transport | None = None
         self.session = None
@@ -50,6 +51,7 @@ class DataConnection(asyncio.BufferedProtocol):
         self.peer_host: str | None = None
         self.reading_paused = False
         self._out: list = []
+        self._done: tuple[int, int] | None = None   # a run of plain successes not yet sent
         self._flush_scheduled = False
 
     # -- asyncio protocol ------------------------------------------------------
@@ -105,6 +107,8 @@ class DataConnection(asyncio.BufferedProtocol):
         """Queue a frame; frames queued in one loop pass go out in one write."""
         if self.transport is None or self.transport.is_closing():
             return
+        if self._done is not None:
+            self._queue_done()
         self._out.append(encode_prefix_and_header(header, len(payload)))
         if payload:
             self._out.append(payload)
@@ -112,8 +116,15 @@ class DataConnection(asyncio.BufferedProtocol):
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
 
+    def _queue_done(self) -> None:
+        first, last = self._done
+        self._done = None
+        self._out.append(encode_prefix_and_header({"op": Op.DONE.value, "from": first, "to": last}))
+
     def flush(self) -> None:
         self._flush_scheduled = False
+        if self._done is not None:
+            self._queue_done()
         parts, self._out = self._out, []
         if self.transport is None or self.transport.is_closing():
             return
@@ -130,8 +141,22 @@ class DataConnection(asyncio.BufferedProtocol):
             self.transport.write(b"".join(small))
 
     def send_reply(self, reply: StoredReply) -> None:
-        if self.state is ConnState.ATTACHED:
-            self.send(reply.header, reply.payload)
+        if self.state is not ConnState.ATTACHED:
+            return
+        header = reply.header
+        if not reply.payload and len(header) == 3 and header.get("ok") is True:
+            # A plain success: coalesce a run of them into one "done" frame.
+            if self._done is not None and self._done[1] + 1 == reply.seq:
+                self._done = (self._done[0], reply.seq)
+                return
+            if self._done is not None:
+                self._queue_done()
+            self._done = (reply.seq, reply.seq)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self.flush)
+            return
+        self.send(header, reply.payload)
 
     def fail(self, exc: AccelmigError) -> None:
         """Answer with an error frame where possible, then close."""
@@ -197,7 +222,7 @@ class DataConnection(asyncio.BufferedProtocol):
                            "expect": session.log.next_seq, "replay": len(replay),
                            "bound_host": session.bound_host})
                 for reply in replay:
-                    self.send(reply.header, reply.payload)
+                    self.send_reply(reply)
             else:
                 raise ProtocolError(reason=f"expected open or resume, got {op.value}")
             return
@@ -214,15 +239,16 @@ class DataConnection(asyncio.BufferedProtocol):
         if "ack" in header:
             self._acknowledge(session, header["ack"])
         seq = header["seq"]
-        digest = dp.command_digest(header, payload)
-        verdict = session.log.classify(seq, digest)
+        identity = dp.CommandIdentity(header, payload)
+        verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
-            session.log.accept(seq, digest)
-            session.submit(Command(seq, op, header, payload))
+            session.log.accept(seq, identity)
+            session.submit(Command(seq, op, header, payload, identity))
             self.flow_changed()
         elif verdict is Verdict.DUPLICATE:
             session.counters.duplicates += 1
             self.pool.metrics.duplicates.inc()
+            self.pool.buffers.put(payload)
             stored = session.log.stored_reply(seq)
             if stored is not None:
                 self.send_reply(stored)

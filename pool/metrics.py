@@ -27,11 +27,15 @@ class PoolMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.device_bytes = Gauge("accelmig_device_bytes", "Device memory allocated, per tenant",
                                   ["tenant"], registry=r)
+        self._by_op: dict = {}
         self.frame_errors = Counter("accelmig_frame_errors_total", "Connections closed for bad frames",
                                     ["code"], registry=r)
 
     def count_command(self, session, command, read_bytes: int) -> None:
-        self.commands.labels(command.op.value).inc()
+        child = self._by_op.get(command.op)
+        if child is None:      # labels() costs microseconds: once per op
+            child = self._by_op[command.op] = self.commands.labels(command.op.value)
+        child.inc()
         if command.op is Op.WRITE:
             self.bytes.labels("up").inc(len(command.payload))
         elif command.op is Op.READ:

@@ -18,6 +18,7 @@ import secrets
 import time
 import uuid
 
+from accelmig.pool.buffers import PayloadBuffers
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
 from accelmig.pool.dataplane import DataConnection
 from accelmig.pool.metrics import PoolMetrics
@@ -66,6 +67,7 @@ class Pool:
         self.tickets = TicketAuthority(config.ticket_ttl)
         self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
         self.metrics = PoolMetrics()
+        self.buffers = PayloadBuffers()
         self.connections: set[DataConnection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._servers: list = []
@@ -216,7 +218,8 @@ class Pool:
         if len(secret) < 16:
             raise BadRequest(reason="open: 'secret' must be 16+ random bytes in hex")
         session = Session(self._new_sid(), tenant, secret, self.backend.new_context(), self.post,
-                          metrics=self.metrics, max_reply_bytes=self.config.max_reply_bytes,
+                          metrics=self.metrics, buffers=self.buffers,
+                          max_reply_bytes=self.config.max_reply_bytes,
                           max_queued_bytes=self.config.max_reply_bytes)
         session.bound_host = conn.peer_host
         session.attach(conn)

@@ -90,13 +90,14 @@ class Command:
     op: Op
     header: dict
     payload: bytes | bytearray | memoryview
+    identity: object = None      # its CommandIdentity, settled before it runs
 
 
 class Session:
     """Everything the pool keeps for one driver session."""
 
     def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
-                 post: Callable[[Callable], None], *, metrics=None,
+                 post: Callable[[Callable], None], *, metrics=None, buffers=None,
                  max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
                  max_unacked: int = 65536):
         self.sid = sid
@@ -109,6 +110,7 @@ class Session:
         self.log = SequenceLog(sid)
         self.counters = SessionCounters()
         self.metrics = metrics
+        self.buffers = buffers          # PayloadBuffers: recycled bulk host memory
         self.connection = None          # the attached DataConnection, if any
         self.deadline: float | None = None
         self.park_retention: float | None = None
@@ -250,6 +252,8 @@ class Session:
     def _completed(self, results: list[tuple[Command, StoredReply]]) -> None:
         for command, reply in results:
             self.queued_bytes -= len(command.payload)
+            if self.buffers is not None and command.payload:
+                self.buffers.put(command.payload)     # ran on the device: reusable
             if self.state is SessionState.RELEASED:
                 continue
             self.log.record_reply(reply)
@@ -261,7 +265,9 @@ class Session:
 
     def acknowledge(self, upto: int) -> None:
         if upto > self.log.acked:
-            self.log.acknowledge(upto)
+            for reply in self.log.acknowledge(upto):
+                if self.buffers is not None and reply.payload:
+                    self.buffers.put(reply.payload)  # the driver has it: reusable
             self.pump()
 
     def describe(self) -> dict:
@@ -347,6 +353,8 @@ def execute(session: Session, command: Command) -> StoredReply:
     fields: dict = {}
     payload: bytes | bytearray = b""
     try:
+        if command.identity is not None:
+            command.identity.settle()   # digest the payload here, off the event loop
         op = command.op
         if op is Op.LAUNCH:
             ctx.launch(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
@@ -355,7 +363,14 @@ def execute(session: Session, command: Command) -> StoredReply:
             ctx.write(h["buf"], h["offset"], command.payload)
             counters.bytes_uploaded += len(command.payload)
         elif op is Op.READ:
-            payload = ctx.read(h["buf"], h["offset"], h["size"])
+            size = h["size"]
+            payload = session.buffers.get(size) if session.buffers is not None and size else bytearray(size)
+            try:
+                ctx.read_into(h["buf"], h["offset"], payload)
+            except BaseException:
+                if session.buffers is not None:
+                    session.buffers.put(payload)
+                raise
             counters.bytes_downloaded += len(payload)
         elif op is Op.ALLOC:
             session.tenant.reserve(h["size"])

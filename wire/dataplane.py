@@ -7,7 +7,9 @@ After that the driver sends *commands*; each carries the session's next
 sequence number ``seq``, the session ``epoch`` it belongs to, and ``ack``, the
 highest reply sequence the driver has received (so the pool may drop older
 replies).  Every command gets exactly one ``reply`` with the same ``seq``, in
-order.  ``ack`` frames carry only an acknowledgement.
+order.  ``ack`` frames carry only an acknowledgement.  Consecutive plain
+successes (no result fields, no payload) may travel as one ``done`` frame
+naming the range ``from``..``to``: it stands for one reply per command.
 
 Handles of buffers and programs are chosen by the driver, so a re-sent
 command names the same object and stays idempotent.
@@ -41,6 +43,7 @@ class Op(str, enum.Enum):
     OPENED = "opened"        # answer to open
     RESUMED = "resumed"      # answer to resume, replayed replies follow
     REPLY = "reply"          # answer to one sequenced command
+    DONE = "done"            # plain success of commands "from".."to" (coalesced replies)
     ERROR = "error"          # connection-level error; the pool closes after it
     # sequenced commands
     INFO = "info"
@@ -202,20 +205,64 @@ def decode_scalar(arg: dict, index: int = 0) -> bytes:
 VOLATILE_FIELDS = frozenset({"seq", "ack", "epoch"})
 
 
-def command_digest(header: dict, payload=b"") -> str:
+def header_digest(header: dict) -> str:
+    stable = {k: v for k, v in header.items() if k not in VOLATILE_FIELDS}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+class CommandIdentity:
     """What a command is, for divergence checks: the same command re-sent
-    after a reconnect has the same digest; an older copy of the guest that
+    after a reconnect has the same identity; an older copy of the guest that
     re-uses the sequence number for something else does not.
 
-    Header fields are hashed with SHA-256; the payload enters by length and
-    CRC-32 (a cheap check, since the peer is a copy of the same driver, not
-    an adversary: the session secret already proves ownership).
+    It compares the header's stable fields (everything but seq/ack/epoch)
+    and the payload's length and CRC-32.  Both are kept cheap for the common
+    case, where nothing is ever compared: the header is kept as it is, and
+    the CRC is computed lazily (``settle()``, on the worker thread, off the
+    event loop).  The peer is a copy of the same driver, not an adversary:
+    the session secret already proves ownership.
     """
-    stable = {k: v for k, v in header.items() if k not in VOLATILE_FIELDS}
-    h = hashlib.sha256(json.dumps(stable, sort_keys=True, separators=(",", ":")).encode())
-    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
-    h.update(struct.pack("!QI", len(view), zlib.crc32(view)))
-    return h.hexdigest()[:32]
+
+    __slots__ = ("_header", "length", "_crc", "_payload")
+
+    def __init__(self, header: dict, payload=b""):
+        self._header = header
+        self.length = len(payload)
+        self._payload = payload if self.length else None
+        self._crc = None if self.length else 0
+
+    def stable_fields(self) -> dict:
+        return {k: v for k, v in self._header.items() if k not in VOLATILE_FIELDS}
+
+    def crc(self) -> int:
+        crc = self._crc
+        if crc is None:
+            payload = self._payload
+            if payload is None:          # settled meanwhile
+                return self._crc
+            crc = zlib.crc32(payload)
+            self._crc = crc
+            self._payload = None         # the payload's buffer may be reused now
+        return crc
+
+    settle = crc
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, CommandIdentity):
+            return NotImplemented
+        return (self.length == other.length and self.stable_fields() == other.stable_fields()
+                and self.crc() == other.crc())
+
+    def __hash__(self):  # identities are compared, never used as keys
+        raise TypeError("CommandIdentity is not hashable")
+
+    def hexdigest(self) -> str:
+        return f"{header_digest(self._header)}-{self.length:x}-{self.crc():08x}"
+
+
+def command_digest(header: dict, payload=b"") -> str:
+    """A command's identity as one string (see CommandIdentity)."""
+    return CommandIdentity(header, payload).hexdigest()
 
 
 def ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int) -> str:

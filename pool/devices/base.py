@@ -70,7 +70,8 @@ class DeviceContext(abc.ABC):
     def write(self, handle: int, offset: int, data) -> None: ...
 
     @abc.abstractmethod
-    def read(self, handle: int, offset: int, nbytes: int) -> bytearray: ...
+    def read_into(self, handle: int, offset: int, out: memoryview) -> None:
+        """Read ``len(out)`` bytes from ``offset`` into ``out``."""
 
     @abc.abstractmethod
     def copy(self, src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None: ...

@@ -19,6 +19,7 @@ from accelmig.wire.errors import (BuildFailed, DeviceError, NoSuchObject, Object
                                   Unavailable)
 
 LOG = logging.getLogger(__name__)
+_DTYPES = {name: np.dtype(numpy_name).newbyteorder("<") for name, numpy_name in NUMPY_NAMES.items()}
 
 
 def _all_devices() -> list[cl.Device]:
@@ -134,16 +135,15 @@ class OpenCLContext(DeviceContext):
             except cl.Error as exc:
                 raise _cl_error(exc) from None
 
-    def read(self, handle: int, offset: int, nbytes: int) -> bytearray:
+    def read_into(self, handle: int, offset: int, out: memoryview) -> None:
         buf, size = self._buffer(handle)
+        nbytes = out.nbytes
         self._check_range(f"read of buffer {handle}", offset, nbytes, size)
-        out = bytearray(nbytes)
         if nbytes:
             try:
                 cl.enqueue_copy(self.queue, out, buf, src_offset=offset, is_blocking=True)
             except cl.Error as exc:
                 raise _cl_error(exc) from None
-        return out
 
     def copy(self, src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None:
         sbuf, ssize = self._buffer(src)
@@ -222,8 +222,7 @@ class OpenCLContext(DeviceContext):
             if isinstance(arg, BufferArg):
                 cl_args.append(self._buffer(arg.handle)[0])
             elif isinstance(arg, ScalarArg):
-                cl_args.append(np.frombuffer(arg.raw, dtype=np.dtype(NUMPY_NAMES[arg.type_name])
-                                             .newbyteorder("<"))[0])
+                cl_args.append(np.frombuffer(arg.raw, dtype=_DTYPES[arg.type_name])[0])
             elif isinstance(arg, LocalArg):
                 cl_args.append(cl.LocalMemory(arg.nbytes))
             else:  # pragma: no cover - the session layer only builds these three

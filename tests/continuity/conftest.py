@@ -90,12 +90,18 @@ class Raw:
         self.sock.sendall(encode_frame(header, payload))
 
     def recv(self) -> dict:
+        """The next frame's header; a "done" range comes as one reply per command."""
         while not self.pending:
             n = self.sock.recv_into(self.reader.get_buffer())
             if n == 0:
                 raise EOFError("closed")
-            self.pending += self.reader.feed(n)
-        return self.pending.pop(0).header
+            for frame in self.reader.feed(n):
+                if frame.op == "done":
+                    self.pending += [{"op": "reply", "seq": seq, "ok": True}
+                                     for seq in range(frame.header["from"], frame.header["to"] + 1)]
+                else:
+                    self.pending.append(frame.header)
+        return self.pending.pop(0)
 
     def open(self, secret=b"s" * 32):
         self.secret = secret

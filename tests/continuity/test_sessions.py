@@ -30,10 +30,16 @@ def test_cut_connections_resume_on_their_own(pool):
         with connect(proxy.endpoint, ALICE, agent=False, timeout=20) as dev:
             prog = dev.build(COUNTER)
             buf = dev.upload(np.zeros(4, dtype=np.uint32))
+            cuts = 0
             for i in range(1, 301):
                 prog.launch("bump", 4, None, buf, u32(1))
                 if i % 60 == 0:
                     assert proxy.cut() == 1
+                    cuts += 1
+                elif i % 60 == 30:          # commands go on meanwhile; wait for the resume
+                    deadline = time.time() + 10
+                    while dev.stats["resumes"] < cuts and time.time() < deadline:
+                        time.sleep(0.01)
             assert set(np.frombuffer(dev.read(buf), dtype=np.uint32)) == {300}
             assert dev.stats["resumes"] >= 5
             state = pool.session(dev.sid)
@@ -81,11 +87,9 @@ def test_a_resent_command_with_other_content_is_refused_as_diverged(pool):
     third.resume(raw.sid, raw.secret, 2, 2)
     third.send({"op": "read", "seq": 3, "epoch": 3, "buf": 1, "offset": 0, "size": 8})
     frames = []
-    while True:
-        n = third.sock.recv_into(third.reader.get_buffer())
-        frames += third.reader.feed(n)
-        if frames:
-            break
+    while not frames:
+        frames = [f for f in third.reader.feed(third.sock.recv_into(third.reader.get_buffer()))
+                  if f.op == "reply"]
     assert bytes(frames[0].payload) == b"original"
 
 

@@ -1,0 +1,212 @@
+"""Remoting overhead: small-command round trip and 64 MiB bulk transfer
+through the driver and a real pool process, beside a raw asyncio socket
+server on the same loopback path (the baseline), in one run.
+
+The baseline server is a separate process, like the pool: an asyncio
+BufferedProtocol that echoes 64-byte messages, sinks uploads with recv_into
+a preallocated buffer and serves downloads from one.  Its client uses a
+blocking socket, like the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from bench.common import Table, median_of, report
+
+MIB = 1 << 20
+SMALL = 64
+
+
+# -- the baseline: a raw asyncio server -----------------------------------------------
+class RawProtocol(asyncio.BufferedProtocol):
+    """Messages: b'E' + 63 bytes -> echoed; b'U' + 8-byte size + data -> b'k';
+    b'D' + 8-byte size -> that many bytes."""
+
+    def __init__(self, blob: bytearray):
+        self.blob = blob
+        self.buf = bytearray(64 * MIB + 4096)
+        self.view = memoryview(self.buf)
+        self.have = 0
+        self.upload_left = 0
+
+    def connection_made(self, transport):
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def get_buffer(self, sizehint):
+        if self.upload_left:
+            return self.view[:min(self.upload_left, len(self.buf))]
+        return self.view[self.have:]
+
+    def buffer_updated(self, n):
+        if self.upload_left:
+            self.upload_left -= n
+            if not self.upload_left:
+                self.transport.write(b"k")
+            return
+        self.have += n
+        out = []
+        pos = 0
+        while self.have - pos >= SMALL:
+            kind = self.buf[pos:pos + 1]
+            if kind == b"E":
+                out.append(bytes(self.buf[pos:pos + SMALL]))
+                pos += SMALL
+            elif kind == b"U":
+                size = int.from_bytes(self.buf[pos + 1:pos + 9], "big")
+                pos += SMALL
+                already = min(self.have - pos, size)
+                self.upload_left = size - already
+                pos += already
+                if not self.upload_left:
+                    out.append(b"k")
+                break
+            elif kind == b"D":
+                size = int.from_bytes(self.buf[pos + 1:pos + 9], "big")
+                pos += SMALL
+                if out:
+                    self.transport.write(b"".join(out))
+                    out = []
+                self.transport.write(memoryview(self.blob)[:size])
+            else:
+                self.transport.close()
+                return
+        if out:
+            self.transport.write(b"".join(out))
+        self.buf[:self.have - pos] = self.buf[pos:self.have]
+        self.have -= pos
+
+
+def serve_raw() -> None:
+    async def main():
+        blob = bytearray(os.urandom(MIB)) * 64
+        server = await asyncio.get_running_loop().create_server(lambda: RawProtocol(blob), "127.0.0.1", 0)
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.Event().wait()
+    asyncio.run(main())
+
+
+class RawClient:
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.small = b"E" + bytes(SMALL - 1)
+        self.rx = bytearray(SMALL)
+
+    def _recv_exact(self, view):
+        got = 0
+        while got < len(view):
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise EOFError
+            got += n
+
+    def round_trip(self):
+        self.sock.sendall(self.small)
+        self._recv_exact(memoryview(self.rx))
+
+    def upload(self, data):
+        self.sock.sendall(b"U" + len(data).to_bytes(8, "big") + bytes(SMALL - 9))
+        self.sock.sendall(data)
+        self._recv_exact(memoryview(bytearray(1)))
+
+    def download(self, out):
+        self.sock.sendall(b"D" + len(out).to_bytes(8, "big") + bytes(SMALL - 9))
+        self._recv_exact(memoryview(out))
+
+    def pipelined(self, count):
+        reader = threading.Thread(target=self._recv_exact, args=(memoryview(bytearray(SMALL * count)),))
+        reader.start()
+        for _ in range(count):
+            self.sock.sendall(self.small)
+        reader.join()
+
+
+# -- the subject: driver + pool ----------------------------------------------------------
+def start_pool(workdir: str):
+    tokens = os.path.join(workdir, "tokens.toml")
+    with open(tokens, "w") as handle:
+        handle.write('[tenants.bench]\ntoken = "bench-token-0001"\nquota = "4GiB"\n')
+    exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
+    proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
+                             "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())["data"]
+
+
+COUNTER = "__kernel void bump(__global uint *x) { x[get_global_id(0)] += 1u; }"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="bench remoting", description=__doc__.split("\n")[0])
+    parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--bulk-mib", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--pipelined", type=int, default=10000)
+    args = parser.parse_args(argv)
+    import numpy as np
+    from accelmig.agent.driver import connect
+
+    workdir = tempfile.mkdtemp(prefix="accelmig-bench-")
+    raw_proc = subprocess.Popen([sys.executable, "-c", "from bench.remoting import serve_raw; serve_raw()"],
+                                stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    raw_port = int(raw_proc.stdout.readline())
+    pool_proc, endpoint = start_pool(workdir)
+    try:
+        raw = RawClient(raw_port)
+        dev = connect(endpoint, "bench-token-0001", agent=False)
+        prog = dev.build(COUNTER)
+        small = dev.upload(bytes(SMALL))
+        bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
+        dbuf = dev.upload(bulk)
+        out = np.empty_like(bulk)
+        table = Table(f"remoting overhead (loopback, {args.bulk_mib} MiB bulk)",
+                      "raw asyncio", "accelmig")
+        n = args.round_trips
+        for _ in range(200):     # warm up both paths
+            raw.round_trip()
+            dev.finish()
+        raw_rt, _ = median_of(lambda: [raw.round_trip() for _ in range(n)], args.repeat)
+        dev_rt, _ = median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)
+        dev_read, _ = median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)
+        table.add("small round trip (finish)", raw_rt / n * 1e6, dev_rt / n * 1e6, "us")
+        table.add("small round trip (64 B read)", raw_rt / n * 1e6, dev_read / n * 1e6, "us")
+        gib = args.bulk_mib / 1024
+        raw_up, _ = median_of(lambda: raw.upload(bulk), args.repeat)
+        dev_up, _ = median_of(lambda: dev.write(dbuf, bulk), args.repeat)
+        table.add(f"upload {args.bulk_mib} MiB", gib / raw_up, gib / dev_up, "GiB/s", "higher")
+        raw_down, _ = median_of(lambda: raw.download(out), args.repeat)
+        dev_down, _ = median_of(lambda: dev.read_into(dbuf, out), args.repeat)
+        assert bytes(out[:4096]) == bytes(bulk[:4096])
+        table.add(f"download {args.bulk_mib} MiB", gib / raw_down, gib / dev_down, "GiB/s", "higher")
+        count = args.pipelined
+        raw_pipe, _ = median_of(lambda: raw.pipelined(count), args.repeat)
+
+        def launches():
+            for _ in range(count):
+                prog.launch("bump", 16, None, small)
+            dev.finish()
+        dev_pipe, _ = median_of(launches, args.repeat)
+        table.add(f"pipelined small commands ({count})", count / raw_pipe, count / dev_pipe,
+                  "ops/s", "higher")
+        dev.close()
+        report(table, "remoting", {"args": vars(args)})
+    finally:
+        for proc in (pool_proc, raw_proc):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
