@@ -17,6 +17,7 @@ APT_PACKAGES=(
   pocl-opencl-icd ocl-icd-libopencl1 ocl-icd-opencl-dev
   iproute2 procps util-linux
   libvirt-dev
+  qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients busybox-static
 )
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

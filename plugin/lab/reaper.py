@@ -1,0 +1,148 @@
+"""A tiny init for one lab libvirt daemon: run as ``python3 -I -S reaper.py
+[--hostname NAME] [--bind SRC:DST]... -- COMMAND...`` inside
+``ip netns exec NS unshare --mount --uts --propagation private``.
+
+Why it exists:
+
+- **Namespaces, set up by the process that lives in them.**  It sets the
+  UTS namespace's hostname and bind-mounts the node's own directories over
+  libvirt's fixed paths (/etc/libvirt, /run/libvirt, ...), then execs
+  nothing: the mounts live exactly as long as this namespace, so the daemon's
+  end unmounts everything without anyone having to.
+- **Immediate zombie reaping.**  It is a child subreaper
+  (``prctl(PR_SET_CHILD_SUBREAPER)``): QEMU processes, which libvirt
+  daemonises, become its children and are reaped the moment they exit.  PID 1
+  on these machines reaps orphans only every 1–2 s, and libvirt treats an
+  unreaped QEMU as alive, which added 1–2 s to every destroy and to the source
+  side of every migration (LAB-NOTES: migration 2.4–2.8 s -> 1.1–1.3 s).
+- **A clean stop.**  SIGTERM/SIGINT/SIGHUP go to the daemon; when the daemon
+  has exited, every remaining child (guests libvirt left running) gets
+  SIGTERM, then SIGKILL, before the reaper exits with the daemon's status.
+
+Standard library only, no accelmig imports: it runs with ``-I -S``.
+"""
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+MS_BIND = 4096
+MS_REC = 16384
+
+
+def log(message):
+    sys.stderr.write(f"accelmig-lab-reaper[{os.getpid()}]: {message}\n")
+    sys.stderr.flush()
+
+
+def bind_mount(libc, source, target):
+    if libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"bind mount {source} -> {target}: {os.strerror(err)}")
+
+
+def children():
+    """PIDs whose parent is this process (orphans adopted as subreaper)."""
+    me = str(os.getpid())
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def reap_all():
+    """Reap every exited child; return the PIDs reaped."""
+    reaped = []
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped.append(pid)
+
+
+def main(argv):
+    hostname, binds = None, []
+    args = list(argv)
+    while args and args[0] != "--":
+        opt = args.pop(0)
+        if opt == "--hostname":
+            hostname = args.pop(0)
+        elif opt == "--bind":
+            source, _, target = args.pop(0).partition(":")
+            binds.append((source, target))
+        else:
+            log(f"unknown option {opt}")
+            return 2
+    if not args or len(args) < 2:
+        log("usage: reaper.py [--hostname NAME] [--bind SRC:DST]... -- COMMAND...")
+        return 2
+    command = args[1:]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hostname:
+        socket.sethostname(hostname)
+    for source, target in binds:
+        bind_mount(libc, source, target)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        log(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+        return 1
+
+    main_pid = os.posix_spawnp(command[0], command, os.environ)
+    log(f"started {command[0]} as {main_pid}")
+
+    def forward(signum, _frame):
+        try:
+            os.kill(main_pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, forward)
+
+    status = 0
+    while True:
+        try:
+            pid, wstatus = os.waitpid(-1, 0)   # reaps QEMUs the moment they exit
+        except ChildProcessError:
+            break
+        if pid == main_pid:
+            status = os.waitstatus_to_exitcode(wstatus)
+            log(f"{command[0]} exited with {status}")
+            break
+
+    # The daemon is gone: end what it left running (QEMU guests), reaping as we go.
+    for signum, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+        left = children()
+        if not left:
+            break
+        for pid in left:
+            log(f"sending {signal.Signals(signum).name} to leftover child {pid}")
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and children():
+            reap_all()
+            time.sleep(0.02)
+    reap_all()
+    return status if status >= 0 else 128 - status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,545 @@
+"""The lab rig: topology + two libvirt daemons (+ optionally a pool) on this
+machine, behind ``Lab.up()`` / ``Lab.down()``.
+
+Crash safety is the point of the design: ``up()`` writes the state file
+(JSON under the lab's directory) **before** each resource is created —
+namespaces, directories, processes — and again once a process's PID is
+known, so a ``down()`` from any later process (``python -m
+accelmig.plugin.lab down``, the next test run) finds and removes everything
+a crashed ``up()`` or a killed test left behind.  ``down()`` is idempotent
+and also sweeps by identity rather than by memory: every process still
+inside one of the lab's network namespaces is stopped (found by namespace
+inode, never by process name), then the namespaces go, then the lab's
+directory.
+
+``env()`` says how to drive the lab by hand with plain ``virsh``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import libvirt
+
+from accelmig.plugin.domain import AGENT_CHANNEL_NAME
+from accelmig.plugin.domain.render import render
+
+from . import netns as labnet
+from .guest import ChannelClient, channel_source
+from .image import DEFAULT_CACHE, GuestImage
+from .libvirtd import LibvirtNode, proc_starttime, stop_process
+
+LOG = logging.getLogger("accelmig.lab.rig")
+
+DEFAULT_BASE = Path(os.environ.get("ACCELMIG_LAB_DIR", "/run/accelmig-lab"))
+POOL_DATA_PORT = 7070
+POOL_CONTROL_PORT = 7071
+DEFAULT_TENANTS = {"alice": ("alice-lab-token-0001", "1GiB"), "bob": ("bob-lab-token-00002", "1GiB")}
+MIGRATION_PORTS = {"hostA": (49152, 49167), "hostB": (49168, 49183)}
+
+
+# ---------------------------------------------------------------- KVM or TCG
+
+def kvm_status() -> tuple[bool, str]:
+    """Whether KVM can boot a stock guest kernel here, and why (not).
+
+    ``/dev/kvm`` existing is not enough: these machines have **kvm-pvm**,
+    which only runs PVM-patched guest kernels (a stock Debian kernel never
+    gets past its decompressor, ``type='kvm'`` hangs or is refused).
+    """
+    if not os.path.exists("/dev/kvm"):
+        return False, "no /dev/kvm"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return False, "/dev/kvm is kvm-pvm (boots only PVM guest kernels)"
+    vendor = next((m for m in ("kvm_intel", "kvm_amd") if os.path.isdir(f"/sys/module/{m}")), None)
+    if vendor is None:
+        return False, "neither kvm_intel nor kvm_amd is loaded"
+    try:
+        os.close(os.open("/dev/kvm", os.O_RDWR))
+    except OSError as exc:
+        return False, f"/dev/kvm: {exc.strerror}"
+    return True, f"{vendor} on /dev/kvm"
+
+
+def probe_kvm_boot(image: GuestImage, timeout: float = 15.0) -> bool:
+    """Boot ``image`` under ``-accel kvm`` for real and see whether its /init
+    speaks within ``timeout`` (the "try and time out" check, for when the
+    heuristics of :func:`kvm_status` are not trusted)."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="accelmig-kvm-probe-") as tmp:
+        console = Path(tmp) / "console.log"
+        cmd = ["qemu-system-x86_64", "-accel", "kvm", "-M", "pc", "-m", "256", "-nodefaults",
+               "-no-user-config", "-display", "none", "-no-reboot", "-kernel", str(image.kernel),
+               "-initrd", str(image.initrd), "-append", "console=ttyS0 panic=-1 accelmig.agent=off",
+               "-serial", f"file:{console}"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and proc.poll() is None:
+                if console.exists() and b"accelmig-guest[init]" in console.read_bytes():
+                    return True
+                time.sleep(0.1)
+            return False
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+def detect_virt_type(setting: str | None = None) -> str:
+    """``qemu`` (TCG) or ``kvm``: ``setting`` (or $ACCELMIG_LAB_VIRT) may be
+    ``qemu``, ``kvm`` or ``auto``; auto picks KVM only when it can boot a
+    stock kernel, TCG when unsure."""
+    setting = (setting or os.environ.get("ACCELMIG_LAB_VIRT") or "auto").lower()
+    if setting in ("qemu", "tcg"):
+        return "qemu"
+    if setting == "kvm":
+        return "kvm"
+    if setting != "auto":
+        raise ValueError(f"virt type {setting!r}: use qemu, kvm or auto")
+    usable, why = kvm_status()
+    LOG.info("KVM %s: %s", "usable" if usable else "not usable", why)
+    return "kvm" if usable else "qemu"
+
+
+def guest_mac(name: str) -> str:
+    """A stable MAC per domain name (QEMU's 52:54:00 prefix, unicast), so a
+    domain keeps its MAC across labs and runs."""
+    digest = hashlib.sha256(name.encode()).digest()
+    return "52:54:00:%02x:%02x:%02x" % (digest[0], digest[1], digest[2])
+
+
+# ---------------------------------------------------------------- the lab
+
+class Lab:
+    """One lab: ``<name>-pool``, ``<name>-hostA``, ``<name>-hostB``.
+
+    ::
+
+        with Lab("lab1") as lab:          # up() ... down()
+            xml = lab.domain_xml("vm1", image, "hostA")
+            lab.connect("hostA").createXML(xml)
+    """
+
+    HOSTS = ("hostA", "hostB")
+
+    def __init__(self, name: str = "lab", *, base_dir: Path | str = DEFAULT_BASE,
+                 cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
+                 pool: bool = False, tenants: dict | None = None):
+        self.name = name
+        self.topology = labnet.Topology(name)
+        self.dir = Path(base_dir) / name
+        self.state_file = self.dir / "state.json"
+        self.cache = Path(cache)
+        self._virt_setting = virt_type
+        self._virt_type: str | None = None
+        self.want_pool = pool
+        self.tenants = dict(tenants or DEFAULT_TENANTS)
+        self.state: dict = {}
+        self.nodes: dict[str, LibvirtNode] = {}
+        self._popens: dict[str, subprocess.Popen] = {}
+        self._conns: dict[str, libvirt.virConnect] = {}
+        self.timings: dict[str, float] = {}
+        if self.state_file.exists():
+            self._load_state()
+
+    # ------------------------------------------------------------ state file
+
+    def _write_state(self):
+        """Atomically (write + rename): a crash never leaves half a state file."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
+        os.replace(tmp, self.state_file)
+
+    def _load_state(self):
+        try:
+            self.state = json.loads(self.state_file.read_text())
+        except (OSError, ValueError) as exc:
+            LOG.warning("unreadable state file %s (%s): down() will sweep by name", self.state_file, exc)
+            self.state = {}
+            return
+        for host, node_state in self.state.get("nodes", {}).items():
+            self.nodes[host] = self._node(host, node_state)
+        if self.state.get("virt_type"):
+            self._virt_type = self.state["virt_type"]
+
+    def _node(self, host: str, saved: dict | None = None) -> LibvirtNode:
+        saved = saved or {}
+        node = LibvirtNode(
+            name=host, root=self.dir / host, netns=self.topology.host_ns[host],
+            hostname=f"{self.name}-{host}", tcp_port=16509,
+            migration_ports=MIGRATION_PORTS[host], etc_hosts=self.topology.etc_hosts(),
+            caps_cache=self.cache / "qemu-capabilities")
+        for key in ("host_uuid", "pid", "pid_starttime", "reaper_pid", "reaper_starttime"):
+            if saved.get(key) is not None:
+                setattr(node, key, saved[key])
+        return node
+
+    def _record_process(self, key: str, pid: int | None, **extra):
+        self.state.setdefault("processes", {})[key] = {"pid": pid, "starttime": proc_starttime(pid) if pid else None,
+                                                      **extra}
+        self._write_state()
+
+    @property
+    def virt_type(self) -> str:
+        if self._virt_type is None:
+            self._virt_type = detect_virt_type(self._virt_setting)
+        return self._virt_type
+
+    # ------------------------------------------------------------ up
+
+    def is_up(self) -> bool:
+        return (self.state.get("status") == "up"
+                and all(node.running() for node in self.nodes.values())
+                and len(self.nodes) == len(self.HOSTS)
+                and set(self.topology.exists()) == set(self.topology.namespaces))
+
+    def up(self) -> "Lab":
+        """Build the topology, start both daemons (and the pool if asked).
+        A lab that is already fully up is left as it is; leftovers of a
+        crashed one are removed first."""
+        if self.is_up():
+            LOG.info("lab %s is already up", self.name)
+            return self
+        if self.state_file.exists() or self.topology.exists():
+            LOG.info("lab %s: cleaning up leftovers first", self.name)
+            self.down()
+        t0 = time.monotonic()
+        self.state = {"name": self.name, "dir": str(self.dir), "status": "starting",
+                      "created": time.time(), "namespaces": self.topology.namespaces,
+                      "netns_dir_before": self._note_netns_dir(), "dirs": [str(self.dir)],
+                      "mounts": [], "processes": {}, "nodes": {}, "virt_type": self.virt_type}
+        self._write_state()           # before anything exists
+        try:
+            self.topology.up()
+            self.timings["topology"] = time.monotonic() - t0
+            self._start_daemons()
+            if self.want_pool:
+                self._start_pool()
+        except BaseException:
+            LOG.error("lab %s failed to come up: tearing down", self.name)
+            with contextlib.suppress(Exception):
+                self.down()
+            raise
+        self.state["status"] = "up"
+        self._write_state()
+        self.timings["up"] = time.monotonic() - t0
+        LOG.info("lab %s up in %.2f s (%s)", self.name, self.timings["up"],
+                 ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items() if k != "up"))
+        return self
+
+    def _start_daemons(self):
+        for host in self.HOSTS:
+            node = self._node(host)
+            self.nodes[host] = node
+            self.state["nodes"][host] = node.state()
+            # libvirt's bind mounts exist only inside the node's own mount
+            # namespace; recorded so down() can verify none leaked out.
+            self.state["mounts"] += [str(node.root / sub) for sub in ("etc", "run", "lib", "cache", "log")]
+        self._write_state()
+        caps = self.cache / "qemu-capabilities"
+        have_caps = caps.is_dir() and any(caps.glob("*.xml"))
+        order = [list(self.HOSTS)] if have_caps else [[self.HOSTS[0]], list(self.HOSTS[1:])]
+        for batch in order:
+            t0 = time.monotonic()
+            for host in batch:
+                node = self.nodes[host]
+                node.start()
+                self.state["nodes"][host] = node.state()
+                self._write_state()
+            for host in batch:
+                node = self.nodes[host]
+                node.wait_ready()
+                self.state["nodes"][host] = node.state()
+                self._write_state()
+            # libvirt probes QEMU lazily, on the first request that needs
+            # it (1.5 s here; ~0.05 s from a valid cache).  Ask now, in
+            # parallel, so no boot or incoming migration pays for it, and
+            # keep the first node's cache for the next lab (libvirt re-probes
+            # by itself when QEMU or libvirt changed).
+            with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(self._warm_caps, batch))
+            self.nodes[batch[0]].save_caps_cache()
+            self.timings["daemons " + "+".join(batch)] = time.monotonic() - t0
+
+    def _warm_caps(self, host: str):
+        with contextlib.closing(self.nodes[host].connect()) as conn:
+            conn.getDomainCapabilities(None, None, None, self.virt_type, 0)
+
+    # ------------------------------------------------------------ processes in namespaces
+
+    def ns_of(self, node: str) -> str:
+        """The network namespace of ``pool``, ``hostA`` or ``hostB``."""
+        return self.topology.pool_ns if node == "pool" else self.topology.host_ns[node]
+
+    def spawn(self, key: str, node: str, argv: list[str], *, log: Path | None = None,
+              stdout=None) -> subprocess.Popen:
+        """Run ``argv`` inside a lab node's network namespace, recorded in the
+        state file (``down()`` stops it)."""
+        self._record_process(key, None, netns=self.ns_of(node), argv=argv)
+        out = open(log, "ab") if log else subprocess.DEVNULL
+        try:
+            proc = subprocess.Popen(["ip", "netns", "exec", self.ns_of(node), *argv],
+                                    stdin=subprocess.DEVNULL, stdout=stdout if stdout is not None else out,
+                                    stderr=out, start_new_session=True)
+        finally:
+            if log:
+                out.close()
+        self._popens[key] = proc
+        self._record_process(key, proc.pid, netns=self.ns_of(node), argv=argv)
+        return proc
+
+    def stop_spawned(self, key: str, timeout: float = 5.0):
+        info = self.state.get("processes", {}).get(key)
+        if info:
+            stop_process(info["pid"], info["starttime"], timeout=timeout, popen=self._popens.get(key))
+            self.state["processes"].pop(key, None)
+            self._popens.pop(key, None)
+            self._write_state()
+
+    def _pool_dir(self) -> Path:
+        return self.dir / "pool"
+
+    def _start_pool(self):
+        t0 = time.monotonic()
+        pdir = self._pool_dir()
+        pdir.mkdir(parents=True, exist_ok=True)
+        tokens = pdir / "tokens.toml"
+        hosts = pdir / "hosts.toml"
+        secrets_by_host = self.state.setdefault("host_secrets", {
+            h: secrets.token_hex(16) for h in self.HOSTS})
+        tokens.write_text("".join(f'[tenants.{name}]\ntoken = "{token}"\nquota = "{quota}"\n\n'
+                                  for name, (token, quota) in self.tenants.items()))
+        hosts.write_text("".join(
+            f'[hosts.{h}]\nsecret = "{secrets_by_host[h]}"\n'
+            f'addresses = ["{self.topology.host(h).guest_subnet}", "{self.topology.host(h).uplink_address}/32"]\n\n'
+            for h in self.HOSTS))
+        exe = Path(sys.executable).with_name("accelmig-pool")
+        ready = pdir / "stdout"
+        ready.write_bytes(b"")
+        argv = [str(exe), "serve", "--listen", f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
+                "--control-listen", f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}",
+                "--tokens", str(tokens), "--hosts", str(hosts),
+                "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text"]
+        with open(ready, "ab") as out:
+            proc = self.spawn("pool", "pool", argv, log=pdir / "pool.log", stdout=out)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            text = ready.read_text()
+            if '"ready"' in text:
+                self.state["pool"] = {"ready": json.loads(text.splitlines()[0]), "dir": str(pdir)}
+                self._write_state()
+                self.timings["pool"] = time.monotonic() - t0
+                return
+            if proc.poll() is not None:
+                raise RuntimeError(f"accelmig-pool exited with {proc.returncode}: "
+                                   f"{(pdir / 'pool.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        raise TimeoutError("accelmig-pool did not report ready within 60 s")
+
+    # ------------------------------------------------------------ down
+
+    def down(self, *, keep_dir: bool = False):
+        """Remove everything this lab created, whatever state it is in."""
+        t0 = time.monotonic()
+        for conn in self._conns.values():
+            with contextlib.suppress(libvirt.libvirtError):
+                conn.close()
+        self._conns.clear()
+        if self.state_file.exists() and not self.state:
+            self._load_state()
+        # 1. processes we recorded (pool, helpers), then the daemons (each
+        #    reaper ends the QEMUs its libvirtd left behind)
+        for key in list(self.state.get("processes", {})):
+            info = self.state["processes"][key]
+            stop_process(info.get("pid"), info.get("starttime"), timeout=5, popen=self._popens.get(key))
+        for host, node in list(self.nodes.items()):
+            node.stop()
+        # 2. anything still inside the lab's namespaces (a crash between
+        #    spawning and recording a PID, a QEMU that outlived its reaper)
+        labnet.kill_namespace_processes(self.topology.exists())
+        # 3. namespaces (links, bridges, addresses go with them)
+        self.topology.down()
+        self._restore_netns_dir()
+        # 4. no mount of ours may be left in this namespace
+        self._unmount_leftovers()
+        # 5. the directory
+        if not keep_dir and self.dir.exists():
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self.state_file.exists():
+            self.state_file.unlink()
+        if not keep_dir:
+            with contextlib.suppress(OSError):
+                self.dir.parent.rmdir()     # the base directory, once no lab uses it
+        self.state = {}
+        self.nodes = {}
+        self._popens = {}
+        LOG.info("lab %s down in %.2f s", self.name, time.monotonic() - t0)
+
+    # Creating the first network namespace makes /run/netns a (self bind)
+    # mount, as `ip netns add` does.  Whichever lab finds it absent notes
+    # that in the base directory, shared by all labs, so that the last lab
+    # to go down removes it even when labs overlap in time.
+
+    @property
+    def _netns_marker(self) -> Path:
+        return self.dir.parent / ".netns-dir-created-by-lab.json"
+
+    def _note_netns_dir(self) -> dict:
+        before = labnet.netns_dir_state()
+        if not before["mounted"] and not self._netns_marker.exists():
+            self._netns_marker.parent.mkdir(parents=True, exist_ok=True)
+            self._netns_marker.write_text(json.dumps(before))
+        return before
+
+    def _restore_netns_dir(self):
+        try:
+            before = json.loads(self._netns_marker.read_text())
+        except (OSError, ValueError):
+            return
+        labnet.restore_netns_dir(before)
+        if not labnet.netns_dir_state()["mounted"]:
+            self._netns_marker.unlink(missing_ok=True)
+
+    def _unmount_leftovers(self):
+        prefix = str(self.dir) + "/"
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f if line.split()[4].startswith(prefix)]
+        for point in sorted(points, key=len, reverse=True):
+            LOG.warning("unmounting leftover %s", point)
+            subprocess.run(["umount", "-l", point], check=False)
+
+    def __enter__(self) -> "Lab":
+        return self.up()
+
+    def __exit__(self, *exc):
+        self.down()
+
+    # ------------------------------------------------------------ using it
+
+    def node(self, host: str) -> LibvirtNode:
+        return self.nodes[host]
+
+    def connect(self, host: str) -> libvirt.virConnect:
+        """A (cached) libvirt connection to ``host``'s daemon."""
+        conn = self._conns.get(host)
+        if conn is None or not conn.isAlive():
+            conn = self._conns[host] = self.nodes[host].connect()
+        return conn
+
+    def uri(self, host: str) -> str:
+        return self.nodes[host].uri
+
+    def migration_address(self, host: str) -> str:
+        return self.topology.host(host).address
+
+    def migration_uris(self, dst: str) -> tuple[str, str]:
+        """(peer-to-peer libvirt URI, QEMU migration URI) to migrate *to* ``dst``."""
+        address = self.migration_address(dst)
+        return self.nodes[dst].tcp_uri(address), f"tcp://{address}"
+
+    def domain_xml(self, name: str, image: GuestImage, host: str = "hostA", *, guest_index: int = 10,
+                   cmdline: str | None = None, mac: str | None = None, memory_mib: int = 256,
+                   **values) -> str:
+        """A lab domain: ``image`` booted directly, the agent channel, a
+        fabric NIC on ``host``'s ``fab0`` with an address of that host's
+        guest subnet on the kernel command line, the serial console in the
+        node's /var/log/libvirt/qemu/<name>-console.log."""
+        if cmdline is None:
+            cmdline = image.cmdline(net=self.topology.host(host).guest_net(guest_index))
+        return render("accelerator-domain.xml.j2", name=name, memory_mib=memory_mib,
+                      virt_type=self.virt_type, kernel=str(image.kernel), initrd=str(image.initrd),
+                      cmdline=cmdline, console_log=f"/var/log/libvirt/qemu/{name}-console.log",
+                      fabric_mac=mac or guest_mac(name), fabric_type="bridge",
+                      fabric_source=labnet.BRIDGE, **values)
+
+    def console_log(self, host: str, name: str) -> Path:
+        return self.nodes[host].host_path(f"/var/log/libvirt/qemu/{name}-console.log")
+
+    def channel_path(self, host: str, domain: str, channel: str = AGENT_CHANNEL_NAME) -> Path:
+        """The per-domain channel socket on ``host``, seen from here (read
+        from the live XML: its domain id changes with every incoming migration)."""
+        dom = self.connect(host).lookupByName(domain)
+        return self.nodes[host].host_path(channel_source(dom.XMLDesc(0), channel))
+
+    def channel(self, host: str, domain: str, timeout: float = 10.0) -> ChannelClient:
+        return ChannelClient(self.channel_path(host, domain), timeout=timeout)
+
+    def migrate(self, domain: str, src: str, dst: str, *, flags: int | None = None,
+                params: dict | None = None) -> dict:
+        """Live-migrate ``domain`` peer-to-peer from ``src`` to ``dst`` over
+        the host link (``--migrateuri tcp://<dst address>``); returns wall
+        time and the destination's completed-job stats (downtime included)."""
+        dest_uri, migrate_uri = self.migration_uris(dst)
+        if flags is None:
+            flags = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER
+        dom = self.connect(src).lookupByName(domain)
+        t0 = time.monotonic()
+        dom.migrateToURI3(dest_uri, {libvirt.VIR_MIGRATE_PARAM_URI: migrate_uri, **(params or {})}, flags)
+        wall = time.monotonic() - t0
+        stats = {}
+        with contextlib.suppress(libvirt.libvirtError):
+            stats = self.connect(dst).lookupByName(domain).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
+        return {"wall": wall, "downtime_ms": stats.get("downtime"), "stats": stats}
+
+    # ------------------------------------------------------------ env
+
+    def env(self) -> dict:
+        """What a person needs to drive the lab by hand with plain virsh.
+
+        Per host: ``uri`` (connect to that host's daemon from anywhere on
+        this machine), ``p2p_uri`` and ``migrate_uri`` (what to pass to
+        ``virsh migrate --live --p2p DOM <p2p_uri> --migrateuri
+        <migrate_uri>`` to move a domain *to* that host), ``hooks_dir``,
+        the guest subnet and gateway, and the host's control-plane secret
+        when a pool runs."""
+        hosts = {}
+        for host in self.HOSTS:
+            plan = self.topology.host(host)
+            node = self.nodes.get(host)
+            dest_uri, migrate_uri = self.migration_uris(host) if node else (None, None)
+            hosts[host] = {
+                "uri": node.uri if node else None,
+                "netns": self.topology.host_ns[host],
+                "hostname": node.hostname if node else None,
+                "host_uuid": node.host_uuid if node else None,
+                "p2p_uri": dest_uri, "migrate_uri": migrate_uri,
+                "hooks_dir": str(node.hooks_dir) if node else None,
+                "dir": str(node.root) if node else None,
+                "log": str(node.log_file) if node else None,
+                "guest_subnet": plan.guest_subnet, "gateway": plan.gateway,
+                "bridge": labnet.BRIDGE, "bridge_mac": plan.bridge_mac,
+                "uplink": plan.uplink, "secret": self.state.get("host_secrets", {}).get(host),
+            }
+        pool = {"netns": self.topology.pool_ns, "address": labnet.POOL_ADDRESS,
+                "data": f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
+                "control": f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}",
+                "running": "pool" in self.state.get("processes", {})}
+        if "pool" in self.state:
+            pdir = Path(self.state["pool"]["dir"])
+            pool.update(admin_socket=str(pdir / "pool.sock"), tokens=str(pdir / "tokens.toml"),
+                        hosts_file=str(pdir / "hosts.toml"), log=str(pdir / "pool.log"),
+                        tenants={n: t for n, (t, _q) in self.tenants.items()})
+        a, b = hosts["hostA"], hosts["hostB"]
+        return {
+            "name": self.name, "dir": str(self.dir), "state_file": str(self.state_file),
+            "status": self.state.get("status", "down"), "virt_type": self._virt_type,
+            "hosts": hosts, "pool": pool,
+            "examples": [
+                f"virsh -c '{a['uri']}' list --all",
+                f"virsh -c '{a['uri']}' migrate --live --p2p DOMAIN {b['p2p_uri']} --migrateuri {b['migrate_uri']}",
+                f"ip netns exec {a['netns']} ip -br addr",
+            ],
+        }
