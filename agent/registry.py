@@ -1,14 +1,32 @@
-"""The driver's side of the guest agent's local socket (filled in by the
-guest-agent work): without a running agent a driver works on its own."""
+"""The driver's side of the guest agent's local socket.
+
+Each ``Device`` registers its session with the agent (if one runs in this
+guest) over a connection of its own, kept open for the session's life: the
+agent notices a driver that dies when that connection closes.  Over it the
+agent asks the driver to ``resume`` (new endpoint, ticket, migration id)
+after a migration, and the driver answers with the outcome.  When the agent
+restarts, the driver registers again.
+
+Standard library only.
+"""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+import socket
+import threading
 
-DEFAULT_AGENT_SOCKET = "/run/accelmig/agent.sock"
+from accelmig.wire import channel as ch
+from accelmig.wire.errors import AccelmigError
+
+LOG = logging.getLogger(__name__)
+DEFAULT_AGENT_SOCKET = ch.DEFAULT_AGENT_SOCKET
 
 
 def agent_socket_path(agent) -> str | None:
+    """``agent``: False (none), a path, or None (the environment or the default)."""
     if agent is False:
         return None
     if isinstance(agent, str):
@@ -16,14 +34,137 @@ def agent_socket_path(agent) -> str | None:
     return os.environ.get("ACCELMIG_AGENT_SOCKET", DEFAULT_AGENT_SOCKET)
 
 
-class AgentRegistration:
-    @classmethod
-    def start(cls, device, agent):
-        path = agent_socket_path(agent)
-        if path is None or not os.path.exists(path):
-            return None
+class _Conn:
+    """A blocking line connection to the agent."""
+
+    def __init__(self, path: str, timeout: float | None = 5.0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.parser = ch.LineParser(name="agent")
+        self.pending: list[dict] = []
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+
+    def send(self, message: dict) -> None:
+        with self.lock:
+            self.sock.sendall(ch.encode(message))
+
+    def recv(self) -> dict | None:
+        while not self.pending:
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.pending.extend(self.parser.feed(data))
+        return self.pending.pop(0)
+
+    def call(self, message: dict) -> dict:
+        message = dict(message, id=next(self.ids))
+        self.send(message)
+        while True:
+            answer = self.recv()
+            if answer is None:
+                raise ConnectionError("the agent closed the connection")
+            if answer.get("type") == "result" and answer.get("id") == message["id"]:
+                return answer
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def endpoint_from_agent(agent=None) -> str | None:
+    """Where the pool is, as the host told this guest's agent (None: no agent
+    or no identity yet)."""
+    path = agent_socket_path(agent)
+    if path is None or not os.path.exists(path):
         return None
+    try:
+        conn = _Conn(path)
+        try:
+            answer = conn.call({"type": "where"})
+        finally:
+            conn.close()
+    except OSError as exc:
+        LOG.info("guest agent at %s does not answer: %s", path, exc)
+        return None
+    return (answer.get("result") or {}).get("endpoint")
 
 
-def endpoint_from_agent(agent) -> str | None:
-    return None
+class AgentRegistration:
+    """Keeps one device's session registered with the guest agent."""
+
+    RETRY = 1.0
+
+    def __init__(self, device, path: str):
+        self.device = device
+        self.path = path
+        self._stop = threading.Event()
+        self._conn: _Conn | None = None
+        self.registered = threading.Event()
+        self.resumes = 0
+        self._thread = threading.Thread(target=self._run, name=f"accelmig-{device.sid}-agent", daemon=True)
+
+    @classmethod
+    def start(cls, device, agent) -> "AgentRegistration | None":
+        path = agent_socket_path(agent)
+        if path is None or (agent is None and not os.path.exists(path)):
+            return None      # no agent in this guest: the driver works on its own
+        registration = cls(device, path)
+        registration._thread.start()
+        registration.registered.wait(2.0)
+        return registration
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn = _Conn(self.path, timeout=None)
+            except OSError:
+                self._stop.wait(self.RETRY)
+                continue
+            self._conn = conn
+            try:
+                d = self.device
+                conn.send({"type": "register", "id": next(conn.ids), "sid": d.sid, "endpoint": d.endpoint,
+                           "pid": os.getpid(), "name": d.name, "epoch": d.epoch})
+                while not self._stop.is_set():
+                    message = conn.recv()
+                    if message is None:
+                        break
+                    if message.get("type") == "result":
+                        if (message.get("result") or {}).get("registered"):
+                            self.registered.set()
+                        continue
+                    if message.get("type") == "resume":
+                        self._resume(conn, message)
+            except OSError:
+                pass
+            finally:
+                self._conn = None
+                self.registered.clear()
+                conn.close()
+            if not self._stop.is_set():
+                LOG.info("session %s: the guest agent went away; registering again", self.device.sid)
+                self._stop.wait(self.RETRY)
+
+    def _resume(self, conn: _Conn, message: dict) -> None:
+        try:
+            outcome = self.device.resume(message.get("endpoint"), message.get("ticket"))
+            self.resumes += 1
+            answer = ch.result(message.get("id"), result=outcome)
+        except AccelmigError as exc:
+            answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
+        conn.send(answer)
+
+    def stop(self) -> None:
+        self._stop.set()
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.send({"type": "unregister", "id": next(conn.ids), "sid": self.device.sid})
+            except OSError:
+                pass
+            conn.close()

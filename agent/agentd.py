@@ -1,0 +1,476 @@
+"""``accelmig-agent run``: the guest agent daemon.
+
+It is the guest end of the host channel and the hub of the guest's
+drivers.  One thread polls the channel port, the local socket and every
+registered driver's connection; a rehome runs on a thread of its own (it
+waits for drivers) while polling goes on.
+
+Channel state machine (the guest's view)::
+
+    NO_HOST --host writes--> CONNECTED --sync--> SYNCED --host goes--> NO_HOST
+
+A ``rehome`` is applied once per migration id: delivered again (the host
+reconnected, reconciled, or fell back to guest-exec), it gets the same
+answer.  Sessions come and go with their drivers' connections: a driver
+that dies is noticed when its socket closes.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import itertools
+import json
+import logging
+import os
+import select
+import socket
+import stat
+import threading
+import time
+
+from accelmig.agent.netconfig import NetworkConfigurator
+from accelmig.agent.port import PortClosed, open_port
+from accelmig.wire import channel as ch
+from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, UnknownOp
+from accelmig.wire.identity import HostIdentity
+
+LOG = logging.getLogger(__name__)
+AGENT_VERSION = "0.1.0"
+
+
+class ChannelState(enum.Enum):
+    NO_HOST = "no_host"
+    CONNECTED = "connected"
+    SYNCED = "synced"
+
+
+class DriverLink:
+    """One driver's connection to the agent; its registered sessions."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.parser = ch.LineParser(name="driver")
+        self.sessions: dict[str, dict] = {}
+        self.pending: dict[int, dict] = {}       # request id -> {"event", "reply"}
+        self.lock = threading.Lock()
+        self.peer_pid = None
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            self.peer_pid = int.from_bytes(creds[:4], "little")
+        except OSError:
+            pass
+
+    def send(self, message: dict, timeout: float = 5.0) -> None:
+        """Send from any thread (the socket stays non-blocking for the poller)."""
+        view = memoryview(ch.encode(message))
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while view:
+                try:
+                    view = view[self.sock.send(view):]
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("driver not reading") from None
+                    select.select([], [self.sock], [], 0.05)
+
+
+class Rehome:
+    def __init__(self, migration_id: str):
+        self.migration_id = migration_id
+        self.done = threading.Event()
+        self.result: dict | None = None
+
+
+class Agent:
+    def __init__(self, port_path: str, socket_path: str = ch.DEFAULT_AGENT_SOCKET, *,
+                 state_dir: str = "/run/accelmig", identity: HostIdentity | None = None,
+                 rehome_timeout: float = 30.0, network: NetworkConfigurator | None = None):
+        self.port_path = port_path
+        self.socket_path = socket_path
+        self.state_dir = state_dir
+        self.rehome_timeout = rehome_timeout
+        self.network = network or NetworkConfigurator()
+        self.port = None
+        self.listener: socket.socket | None = None
+        self.state = ChannelState.NO_HOST
+        self.parser = ch.LineParser(name="channel")
+        self.drivers: dict[int, DriverLink] = {}
+        self.rehomes: collections.OrderedDict[str, Rehome] = collections.OrderedDict()
+        self.identity = identity or self._load_identity()
+        self.static_identity = identity is not None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._port_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self.started = time.time()
+        self.stats = collections.Counter()
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def identity_file(self) -> str:
+        return os.path.join(self.state_dir, "identity.json")
+
+    def _load_identity(self) -> HostIdentity | None:
+        try:
+            with open(self.identity_file) as handle:
+                return HostIdentity.from_wire(json.load(handle))
+        except (OSError, ValueError, AccelmigError):
+            return None
+
+    def _store_identity(self, identity: HostIdentity) -> None:
+        self.identity = identity
+        try:
+            os.makedirs(self.state_dir, exist_ok=True)
+            tmp = self.identity_file + ".tmp"
+            with open(tmp, "w") as handle:
+                json.dump(identity.to_wire(), handle)
+            os.replace(tmp, self.identity_file)
+        except OSError as exc:
+            LOG.warning("cannot keep the identity in %s: %s", self.identity_file, exc)
+
+    def sessions(self) -> list[dict]:
+        with self._lock:
+            return [dict(info, sid=sid) for link in self.drivers.values()
+                    for sid, info in link.sessions.items()]
+
+    def guest_identity(self) -> dict:
+        out = {"hostname": socket.gethostname(), "pid": os.getpid()}
+        for key, path in (("boot_id", "/proc/sys/kernel/random/boot_id"), ("machine_id", "/etc/machine-id")):
+            try:
+                with open(path) as handle:
+                    out[key] = handle.read().strip()
+            except OSError:
+                pass
+        return out
+
+    def status(self) -> dict:
+        return {"agent_version": AGENT_VERSION, "protocol": ch.CHANNEL_PROTOCOL,
+                "channel": self.state.value, "identity": self.identity.to_wire() if self.identity else None,
+                "sessions": self.sessions(), "uptime": round(time.time() - self.started, 3),
+                "rehomes": [{"migration_id": r.migration_id, "done": r.done.is_set(),
+                             "result": r.result} for r in self.rehomes.values()],
+                "stats": dict(self.stats), "dropped": self.parser.dropped[-10:]}
+
+    # -- lifecycle --------------------------------------------------------------------
+    def open(self) -> None:
+        self.port = open_port(self.port_path)
+        os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
+        if os.path.exists(self.socket_path) and stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
+            os.unlink(self.socket_path)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o666)   # any application in the guest may register
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        LOG.info("agent %s: channel %s, drivers at %s", AGENT_VERSION, self.port_path, self.socket_path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        for link in list(self.drivers.values()):
+            link.sock.close()
+        self.drivers.clear()
+        if self.listener is not None:
+            self.listener.close()
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+        if self.port is not None:
+            self.port.close()
+
+    def run(self) -> None:
+        if self.port is None:
+            self.open()
+        try:
+            while not self._stop.is_set():
+                self._poll_once()
+        finally:
+            self.close()
+
+    def _poll_once(self) -> None:
+        poller = select.poll()
+        fds = {}
+        port_fd = self.port.fileno()
+        if port_fd is not None:
+            poller.register(port_fd, self.port.poll_events())
+            fds[port_fd] = "port"
+        poller.register(self.listener.fileno(), select.POLLIN)
+        fds[self.listener.fileno()] = "listener"
+        poller.register(self._wake_r, select.POLLIN)
+        fds[self._wake_r] = "wake"
+        with self._lock:
+            links = dict(self.drivers)
+        for fd in links:
+            poller.register(fd, select.POLLIN)
+        wait = self.port.next_look_in()
+        for fd, revents in poller.poll(int((wait if wait is not None else 1.0) * 1000)):
+            kind = fds.get(fd)
+            try:
+                if kind == "port":
+                    self._on_port(revents)
+                elif kind == "listener":
+                    self._accept_driver()
+                elif kind == "wake":
+                    os.read(self._wake_r, 64)
+                elif fd in links:
+                    self._on_driver(links[fd])
+            except Exception:   # the agent must outlive anything one peer does
+                LOG.exception("agent: handling %s failed", kind or "a driver")
+
+    # -- the channel ------------------------------------------------------------------
+    def _on_port(self, revents: int) -> None:
+        data = self.port.read(revents)
+        if data is None:
+            if self.state is not ChannelState.NO_HOST:
+                self.state = ChannelState.NO_HOST
+            self.parser.reset()
+            return
+        if not data:
+            return
+        if self.state is ChannelState.NO_HOST:
+            self.state = ChannelState.CONNECTED
+        for message in self.parser.feed(data):
+            self._on_host_message(message)
+
+    def send_host(self, message: dict, resync: bool = False) -> bool:
+        data = ch.encode(message)
+        if resync:
+            data = ch.SENTINEL + data
+        with self._port_lock:
+            try:
+                self.port.write(data)
+                return True
+            except PortClosed as exc:
+                LOG.info("channel: could not send %s: %s", message.get("type"), exc)
+                return False
+
+    def _on_host_message(self, message: dict) -> None:
+        kind, request_id = message.get("type"), message.get("id")
+        self.stats[f"host_{kind}"] += 1
+        try:
+            if kind == "sync":
+                self.state = ChannelState.SYNCED
+                self.send_host({"type": "sync", "id": request_id, "nonce": message.get("nonce")},
+                               resync=True)
+                self.send_host(self.hello())
+            elif kind == "ping":
+                self.send_host(ch.result(request_id, result={"pong": True, "time": time.time()}))
+            elif kind == "status":
+                self.send_host(ch.result(request_id, result=self.status()))
+            elif kind == "identity":
+                identity = HostIdentity.from_wire(message.get("identity"))
+                self._store_identity(identity)
+                LOG.info("identity from host %s: pool at %s", identity.host_id, identity.pool_endpoint)
+                self.send_host(ch.result(request_id, result={"accepted": True}))
+            elif kind == "rehome":
+                threading.Thread(target=self._rehome_and_answer, args=(message,),
+                                 name=f"rehome-{request_id}", daemon=True).start()
+            else:
+                raise UnknownOp(op=kind)
+        except AccelmigError as exc:
+            LOG.warning("channel: %s refused: %s", kind, exc)
+            self.send_host(ch.result(request_id, ok=False, error=exc.to_wire()))
+
+    def hello(self) -> dict:
+        return {"type": "hello", "id": next(self._ids), "agent_version": AGENT_VERSION,
+                "protocol": ch.CHANNEL_PROTOCOL, "guest": self.guest_identity(),
+                "sessions": self.sessions(),
+                "identity": self.identity.to_wire() if self.identity else None}
+
+    def _rehome_and_answer(self, message: dict) -> None:
+        try:
+            outcome = ch.result(message.get("id"), result=self.rehome(message))
+        except AccelmigError as exc:
+            outcome = ch.result(message.get("id"), ok=False, error=exc.to_wire())
+        except Exception as exc:  # never leave the host without an answer
+            LOG.exception("rehome failed")
+            outcome = ch.result(message.get("id"), ok=False,
+                                error=InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire())
+        self.send_host(outcome)
+
+    # -- rehome ------------------------------------------------------------------------
+    def rehome(self, message: dict) -> dict:
+        """Apply a rehome (once per migration id) and return its outcome."""
+        migration_id, identity, tickets = ch.parse_rehome(message)
+        with self._lock:
+            existing = self.rehomes.get(migration_id)
+            if existing is None:
+                existing = self.rehomes[migration_id] = Rehome(migration_id)
+                while len(self.rehomes) > 64:
+                    self.rehomes.popitem(last=False)
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            self.stats["rehome_repeated"] += 1
+            if not existing.done.wait(self.rehome_timeout + 10):
+                raise Timeout(what=f"rehome {migration_id} (still running)", timeout=self.rehome_timeout)
+            return existing.result
+        try:
+            existing.result = self._do_rehome(migration_id, identity, tickets)
+        except AccelmigError as exc:
+            existing.result = {"migration_id": migration_id, "ok": False, "error": exc.to_wire(),
+                               "sessions": {}, "network": []}
+        finally:
+            existing.done.set()
+        return existing.result
+
+    def _do_rehome(self, migration_id: str, identity: HostIdentity, tickets: dict) -> dict:
+        started = time.monotonic()
+        LOG.info("rehome %s: host %s, pool at %s, %d ticket(s)", migration_id, identity.host_id,
+                 identity.pool_endpoint, len(tickets))
+        network, network_error = [], None
+        if identity.guest_nic is not None:
+            try:
+                network = self.network.apply(identity.guest_nic)
+                LOG.info("rehome %s: network: %s", migration_id, "; ".join(network) or "unchanged")
+            except AccelmigError as exc:
+                network_error = exc.to_wire()
+                LOG.error("rehome %s: guest network not applied: %s", migration_id, exc)
+        network_s = time.monotonic() - started
+        self._store_identity(identity)
+        waits = []
+        with self._lock:
+            targets = [(link, sid) for link in self.drivers.values() for sid in link.sessions]
+        for link, sid in targets:
+            request_id = next(self._ids)
+            slot = {"event": threading.Event(), "reply": None, "sent": time.monotonic()}
+            link.pending[request_id] = slot
+            try:
+                link.send({"type": "resume", "id": request_id, "sid": sid,
+                           "endpoint": identity.pool_endpoint, "ticket": tickets.get(sid),
+                           "migration_id": migration_id})
+            except OSError as exc:
+                slot["reply"] = {"ok": False, "error": {"code": "UNAVAILABLE",
+                                                        "message": f"driver unreachable: {exc}"}}
+                slot["done"] = time.monotonic()
+                slot["event"].set()
+            waits.append((sid, slot))
+        deadline = time.monotonic() + self.rehome_timeout
+        sessions = {}
+        for sid, slot in waits:
+            if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
+                sessions[sid] = {"ok": False, "error": {"code": "TIMEOUT", "message":
+                                 f"the driver did not resume within {self.rehome_timeout:.0f} s"}}
+                continue
+            reply = slot["reply"] or {}
+            outcome = {"ok": bool(reply.get("ok")), "seconds": round(slot.get("done", 0) - slot["sent"], 6)}
+            if reply.get("ok"):
+                outcome.update(reply.get("result") or {})
+            else:
+                outcome["error"] = reply.get("error")
+            sessions[sid] = outcome
+        for sid in tickets:
+            sessions.setdefault(sid, {"ok": False, "error": {
+                "code": "NO_SUCH_OBJECT", "message": "no driver in this guest holds that session"}})
+        result = {"migration_id": migration_id, "ok": network_error is None and all(
+                      s["ok"] for s in sessions.values()),
+                  "host_id": identity.host_id, "network": network, "network_error": network_error,
+                  "network_seconds": round(network_s, 6), "sessions": sessions,
+                  "seconds": round(time.monotonic() - started, 6)}
+        LOG.info("rehome %s done in %.1f ms: %d/%d session(s) resumed", migration_id,
+                 result["seconds"] * 1000, sum(s["ok"] for s in sessions.values()), len(sessions))
+        return result
+
+    # -- drivers ------------------------------------------------------------------------
+    def _accept_driver(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        link = DriverLink(sock)
+        with self._lock:
+            self.drivers[sock.fileno()] = link
+
+    def _drop_driver(self, link: DriverLink) -> None:
+        with self._lock:
+            self.drivers.pop(link.sock.fileno(), None)
+        for slot in link.pending.values():
+            slot["reply"] = {"ok": False, "error": {"code": "UNAVAILABLE",
+                                                    "message": "the driver went away"}}
+            slot["done"] = time.monotonic()
+            slot["event"].set()
+        for sid in link.sessions:
+            LOG.info("session %s closed (its driver, pid %s, went away)", sid, link.peer_pid)
+            self.send_host({"type": "session_closed", "id": next(self._ids), "sid": sid,
+                            "reason": "driver gone"})
+        link.sock.close()
+
+    def _on_driver(self, link: DriverLink) -> None:
+        try:
+            data = link.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_driver(link)
+            return
+        for message in link.parser.feed(data):
+            try:
+                self._on_driver_message(link, message)
+            except AccelmigError as exc:
+                try:
+                    link.send(ch.result(message.get("id"), ok=False, error=exc.to_wire()))
+                except OSError:
+                    pass
+            except OSError as exc:       # the driver went away while we answered
+                LOG.info("driver pid %s: %s", link.peer_pid, exc)
+                self._drop_driver(link)
+                return
+
+    def _on_driver_message(self, link: DriverLink, message: dict) -> None:
+        kind, request_id = message.get("type"), message.get("id")
+        if kind == "register":
+            sid = message.get("sid")
+            if not isinstance(sid, str) or not sid:
+                raise BadRequest(reason="register: sid must be a string")
+            info = {k: message.get(k) for k in ("endpoint", "pid", "name", "epoch")}
+            info["pid"] = info["pid"] or link.peer_pid
+            with self._lock:
+                link.sessions[sid] = info
+            LOG.info("session %s opened by pid %s (%s)", sid, info["pid"], info.get("name"))
+            self.send_host({"type": "session_opened", "id": next(self._ids), "sid": sid, **info})
+            link.send(ch.result(request_id, result={"registered": sid}))
+        elif kind == "unregister":
+            sid = message.get("sid")
+            with self._lock:
+                known = link.sessions.pop(sid, None)
+            if known is not None:
+                self.send_host({"type": "session_closed", "id": next(self._ids), "sid": sid,
+                                "reason": "closed"})
+            link.send(ch.result(request_id, result={"unregistered": sid}))
+        elif kind == "where":
+            identity = self.identity
+            link.send(ch.result(request_id, result={
+                "endpoint": identity.pool_endpoint if identity else None,
+                "identity": identity.to_wire() if identity else None}))
+        elif kind == "result":
+            slot = link.pending.pop(request_id, None)
+            if slot is not None:
+                slot["reply"] = message
+                slot["done"] = time.monotonic()
+                slot["event"].set()
+        elif kind == "rehome_local":
+            # accelmig-agent rehome --stdin, relayed from qemu-guest-agent's guest-exec
+            threading.Thread(target=self._local_rehome, args=(link, message), daemon=True).start()
+        elif kind == "status":
+            link.send(ch.result(request_id, result=self.status()))
+        else:
+            raise UnknownOp(op=kind)
+
+    def _local_rehome(self, link: DriverLink, message: dict) -> None:
+        try:
+            answer = ch.result(message.get("id"), result=self.rehome(message.get("document") or {}))
+        except AccelmigError as exc:
+            answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
+        try:
+            link.send(answer)
+        except OSError:
+            pass

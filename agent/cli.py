@@ -1,0 +1,122 @@
+"""``accelmig-agent``: the guest agent (standard library only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+
+from accelmig.wire import channel as ch
+from accelmig.wire import logs
+from accelmig.wire.errors import AccelmigError, BadRequest
+
+DEFAULT_PORT = "/dev/virtio-ports/" + ch.CHANNEL_NAME
+
+DESCRIPTION = """\
+The accelmig guest agent.  It runs inside the VM: it is the guest end of the
+host's virtio-serial channel (org.accelmig.agent.0) and the hub of the
+accelerator drivers of the guest's applications.  After a live migration the
+destination host tells it the new host's identity (where the pool is from
+there, and for host-bound fabrics the guest NIC's new address); it applies
+the guest network change and tells every driver to resume its session.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="accelmig-agent", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the agent daemon",
+                         description="Serve the host channel and the guest's drivers until SIGTERM.")
+    run.add_argument("--port", default=DEFAULT_PORT,
+                     help=f"the channel: a virtio-serial device, or a unix socket path to listen on "
+                          f"(tests, trials without a VM) [default {DEFAULT_PORT}]")
+    run.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET,
+                     help=f"where drivers register [default {ch.DEFAULT_AGENT_SOCKET}]")
+    run.add_argument("--state-dir", default="/run/accelmig", help="where the last identity is kept")
+    run.add_argument("--endpoint", metavar="HOST:PORT",
+                     help="a static pool endpoint (without a host that tells one)")
+    run.add_argument("--rehome-timeout", type=float, default=30.0,
+                     help="seconds a rehome waits for the drivers [default 30]")
+    run.add_argument("--log-format", choices=["json", "text"], default="text")
+    run.add_argument("--log-level", default="INFO")
+
+    rehome = sub.add_parser("rehome", help="rehome from a JSON document (qemu-guest-agent guest-exec)",
+                            description="Do what a 'rehome' on the channel does, from a JSON document "
+                                        "{migration_id, identity, tickets}; for VMs that only have "
+                                        "qemu-guest-agent (OpenStack Nova).  Prints the outcome as JSON.")
+    rehome.add_argument("--stdin", action="store_true", required=True, help="read the document from stdin")
+    rehome.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET, help="the running agent's socket")
+
+    status = sub.add_parser("status", help="what the running agent knows")
+    status.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET)
+    return parser
+
+
+def _ask_agent(socket_path: str, message: dict, timeout: float = 60.0) -> dict:
+    from accelmig.agent.registry import _Conn
+    try:
+        conn = _Conn(socket_path, timeout=timeout)
+    except OSError as exc:
+        print(f"accelmig-agent: no agent answers at {socket_path}: {exc.strerror or exc}", file=sys.stderr)
+        sys.exit(3)
+    try:
+        return conn.call(message)
+    finally:
+        conn.close()
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        from accelmig.agent.agentd import Agent
+        from accelmig.wire.identity import HostIdentity
+        logs.setup("accelmig-agent", args.log_format, args.log_level)
+        identity = None
+        if args.endpoint:
+            try:
+                identity = HostIdentity(host_id="static", pool_endpoint=args.endpoint)
+            except AccelmigError as exc:
+                print(f"accelmig-agent: --endpoint: {exc}", file=sys.stderr)
+                return 2
+        agent = Agent(args.port, args.socket, state_dir=args.state_dir, identity=identity,
+                      rehome_timeout=args.rehome_timeout)
+        try:
+            agent.open()
+        except OSError as exc:
+            print(f"accelmig-agent: cannot open {exc.filename or args.port}: {exc.strerror}", file=sys.stderr)
+            return 2
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: agent.stop())
+        agent.run()
+        return 0
+    if args.command == "rehome":
+        raw = sys.stdin.read()
+        try:
+            document = json.loads(raw)
+            if not isinstance(document, dict):
+                raise BadRequest(reason="the document must be a JSON object")
+            ch.parse_rehome(document)          # refuse a broken document before bothering the agent
+        except ValueError as exc:
+            print(f"accelmig-agent: the rehome document is not JSON: {exc}", file=sys.stderr)
+            return 2
+        except AccelmigError as exc:
+            print(f"accelmig-agent: bad rehome document: {exc}", file=sys.stderr)
+            return 2
+        answer = _ask_agent(args.socket, {"type": "rehome_local", "document": document})
+        print(json.dumps(answer.get("result") if answer.get("ok") else answer, indent=2))
+        if not answer.get("ok"):
+            return 1
+        return 0 if answer["result"].get("ok") else 1
+    if args.command == "status":
+        answer = _ask_agent(args.socket, {"type": "status"})
+        print(json.dumps(answer.get("result"), indent=2))
+        return 0 if answer.get("ok") else 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

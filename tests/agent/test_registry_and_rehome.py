@@ -1,0 +1,193 @@
+"""The agent's driver registry (real driver processes, one of which dies),
+rehome of real sessions (idempotent per migration id), and the --stdin path."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from accelmig.agent.agentd import Agent
+from accelmig.agent.driver import connect
+from accelmig.plugin.channel import GuestChannel
+from tests.conftest import ALICE, run_cli
+from tests.continuity.conftest import TwoHosts, make_pool
+
+DRIVER = textwrap.dedent("""
+    import sys, time, json
+    from accelmig.agent.driver import connect
+    dev = connect(sys.argv[1], sys.argv[2], agent=sys.argv[3], timeout=20)
+    buf = dev.upload(b"x" * 64)
+    print(json.dumps({"sid": dev.sid}), flush=True)
+    for line in sys.stdin:         # each line: do one read, report the state
+        dev.read(buf)
+        print(json.dumps(dev.describe()), flush=True)
+""")
+
+
+@pytest.fixture
+def agent(tmp_path):
+    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
+                  state_dir=str(tmp_path / "state"), rehome_timeout=15)
+    agent.open()
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    yield agent
+    agent.stop()
+    thread.join(5)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def test_registry_with_driver_processes_one_of_which_dies(agent, shared_pool):
+    procs = [subprocess.Popen([sys.executable, "-c", DRIVER, shared_pool.endpoint, ALICE, agent.socket_path],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        sids = [json.loads(p.stdout.readline())["sid"] for p in procs]
+        with GuestChannel(agent.port_path) as host:
+            hello = host.connect()
+            listed = wait_for(lambda: len(agent.sessions()) == 3 and agent.sessions())
+            assert {s["sid"] for s in listed} == set(sids)
+            assert {s["pid"] for s in listed} == {p.pid for p in procs}
+            assert {s["sid"] for s in hello["sessions"]} <= set(sids)
+            procs[1].send_signal(signal.SIGKILL)            # a driver dies
+            procs[1].wait(5)
+            closed = host.events.get(timeout=5)
+            while closed.get("type") != "session_closed":
+                closed = host.events.get(timeout=5)
+            assert closed["sid"] == sids[1] and closed["reason"] == "driver gone"
+            assert {s["sid"] for s in agent.sessions()} == {sids[0], sids[2]}
+            # the survivors are unaffected
+            for p in (procs[0], procs[2]):
+                p.stdin.write("go\n")
+                p.stdin.flush()
+                assert json.loads(p.stdout.readline())["state"] == "connected"
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(5)
+
+
+def test_a_new_session_is_reported_to_the_host(agent, shared_pool):
+    with GuestChannel(agent.port_path) as host:
+        host.connect()
+        with connect(shared_pool.endpoint, ALICE, agent=agent.socket_path) as dev:
+            opened = host.events.get(timeout=5)
+            while opened.get("type") != "session_opened":
+                opened = host.events.get(timeout=5)
+            assert opened["sid"] == dev.sid and opened["pid"] == os.getpid()
+        closed = host.events.get(timeout=5)
+        assert closed["type"] == "session_closed" and closed["reason"] == "closed"
+
+
+def _migrate_two_sessions(hosts, agent, domain):
+    """Two sessions on hostA, registered with the agent; their tickets for B."""
+    devs = [connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15) for _ in range(2)]
+    wait_for(lambda: len(agent.sessions()) == 2)
+    for dev in devs:
+        hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+    done = hosts.migrate(domain, hosts.a, hosts.b)
+    return devs, done
+
+
+def test_rehome_moves_every_session_and_is_idempotent_per_migration(agent):
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs, done = _migrate_two_sessions(hosts, agent, "dom-rehome")
+        bufs = [dev.upload(b"state-%d" % i) for i, dev in enumerate(devs)]
+        identity = {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}
+        message = {"migration_id": done["record"]["migration_id"], "identity": identity,
+                   "tickets": done["tickets"]}
+        with GuestChannel(agent.port_path) as host:
+            host.connect()
+            first = host.request("rehome", **message)
+            second = host.request("rehome", **message)      # delivered again
+        assert first["ok"] and set(first["sessions"]) == {d.sid for d in devs}
+        assert all(s["ok"] and s["ticket"] for s in first["sessions"].values())
+        assert second == first
+        assert agent.stats["rehome_repeated"] == 1
+        for dev, buf, i in zip(devs, bufs, range(2)):
+            assert dev.stats["resumes"] == 1                  # applied once
+            assert dev.read(buf) == b"state-%d" % i
+            assert pool.session(dev.sid)["bound_host"] == "hostB"
+            dev.close()
+        hosts.close()
+
+
+def test_rehome_reports_sessions_it_cannot_move(agent):
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs, done = _migrate_two_sessions(hosts, agent, "dom-partial")
+        tickets = dict(done["tickets"])
+        tickets["s-not-here"] = "v1.x.y"
+        del tickets[devs[1].sid]                      # one session gets no ticket
+        with GuestChannel(agent.port_path) as host:
+            host.connect()
+            result = host.request("rehome", migration_id="m-partial", tickets=tickets,
+                                  identity={"host_id": "hostB", "pool_endpoint": hosts.b.endpoint})
+        assert result["ok"] is False
+        assert result["sessions"][devs[0].sid]["ok"]
+        assert result["sessions"][devs[1].sid]["error"]["code"] == "TICKET_REQUIRED"
+        assert result["sessions"]["s-not-here"]["error"]["code"] == "NO_SUCH_OBJECT"
+        for dev in devs:
+            dev.close()
+        hosts.close()
+
+
+def test_rehome_from_stdin(agent):
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs, done = _migrate_two_sessions(hosts, agent, "dom-stdin")
+        document = {"migration_id": done["record"]["migration_id"], "tickets": done["tickets"],
+                    "identity": {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}}
+        out = run_cli("accelmig-agent", "rehome", "--stdin", "--socket", agent.socket_path,
+                      input=json.dumps(document), timeout=60)
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["ok"] and len(result["sessions"]) == 2
+        for dev in devs:
+            dev.finish()
+            assert pool.session(dev.sid)["bound_host"] == "hostB"
+            dev.close()
+        hosts.close()
+
+
+@pytest.mark.parametrize("document, words", [
+    ("{not json", "is not JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"migration_id": "m", "identity": {"host_id": "B"}}', "identity lacks 'pool_endpoint'"),
+    ('{"identity": {"host_id": "B", "pool_endpoint": "h:1"}}', "migration_id must be a non-empty"),
+    ('{"migration_id": "m", "identity": {"host_id": "B", "pool_endpoint": "h:1"}, "tickets": [1]}',
+     "tickets must map"),
+])
+def test_a_broken_rehome_document_is_a_clear_error(agent, document, words):
+    out = run_cli("accelmig-agent", "rehome", "--stdin", "--socket", agent.socket_path, input=document)
+    assert out.returncode == 2 and words in out.stderr
+
+
+def test_rehome_without_a_running_agent(tmp_path):
+    out = run_cli("accelmig-agent", "rehome", "--stdin", "--socket", str(tmp_path / "none.sock"),
+                  input='{"migration_id": "m", "identity": {"host_id": "B", "pool_endpoint": "h:1"}}')
+    assert out.returncode == 3 and "no agent answers" in out.stderr
+
+
+def test_cli_help_explains(tmp_path):
+    out = run_cli("accelmig-agent", "--help")
+    assert out.returncode == 0 and "virtio-serial" in out.stdout
+    out = run_cli("accelmig-agent", "run", "--help")
+    assert "--port" in out.stdout and "unix socket" in out.stdout
