@@ -32,8 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the agent daemon",
                          description="Serve the host channel and the guest's drivers until SIGTERM.")
     run.add_argument("--port", default=DEFAULT_PORT,
-                     help=f"the channel: a virtio-serial device, or a unix socket path to listen on "
-                          f"(tests, trials without a VM) [default {DEFAULT_PORT}]")
+                     help=f"the channel: a virtio-serial device, a unix socket path to listen on "
+                          f"(tests, trials without a VM), or 'none' (a VM with only qemu-guest-agent: "
+                          f"hosts rehome it through 'accelmig-agent rehome --stdin') [default {DEFAULT_PORT}]")
     run.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET,
                      help=f"where drivers register [default {ch.DEFAULT_AGENT_SOCKET}]")
     run.add_argument("--state-dir", default="/run/accelmig", help="where the last identity is kept")

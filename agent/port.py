@@ -194,8 +194,37 @@ class UnixPort:
             pass
 
 
+class NullPort:
+    """No channel at all: a VM that has only qemu-guest-agent (what OpenStack
+    Nova builds) reaches the agent through ``accelmig-agent rehome --stdin``."""
+
+    host_connected = False
+    path = "none"
+
+    def fileno(self):
+        return None
+
+    def next_look_in(self):
+        return 1.0
+
+    def poll_events(self) -> int:
+        return 0
+
+    def read(self, revents: int = 0):
+        return None
+
+    def write(self, data: bytes) -> None:
+        raise PortClosed("this agent has no host channel")
+
+    def close(self) -> None:
+        pass
+
+
 def open_port(path: str):
-    """A VirtioPort for a character device, a UnixPort for anything else."""
+    """A VirtioPort for a character device, NullPort for "none", a UnixPort
+    for anything else."""
+    if path == "none":
+        return NullPort()
     if os.path.exists(path) and stat.S_ISCHR(os.stat(path).st_mode):
         return VirtioPort(path)
     return UnixPort(path)

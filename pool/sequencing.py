@@ -45,12 +45,12 @@ class SequenceLog:
         self.next_seq = 1
         self.acked = 0
         self.highest_reply = 0
-        self.digests: dict[int, str] = {}
+        self.digests: dict[int, object] = {}   # seq -> CommandIdentity (or any ==-comparable)
         self.replies: collections.OrderedDict[int, StoredReply] = collections.OrderedDict()
         self.reply_bytes = 0
 
     # -- commands ----------------------------------------------------------------
-    def classify(self, seq: int, digest: str) -> Verdict:
+    def classify(self, seq: int, digest) -> Verdict:
         if seq == self.next_seq:
             return Verdict.NEW
         if seq > self.next_seq:
@@ -61,7 +61,7 @@ class SequenceLog:
             return Verdict.DIVERGED
         return Verdict.DUPLICATE if self.digests.get(seq) == digest else Verdict.DIVERGED
 
-    def accept(self, seq: int, digest: str) -> None:
+    def accept(self, seq: int, digest) -> None:
         if seq != self.next_seq:
             raise ProtocolError(reason=f"accept of seq {seq}, expected {self.next_seq}")
         self.digests[seq] = digest
@@ -82,22 +82,23 @@ class SequenceLog:
     def stored_reply(self, seq: int) -> StoredReply | None:
         return self.replies.get(seq)
 
-    def acknowledge(self, upto: int) -> int:
-        """Drop replies up to ``upto``; return the bytes freed."""
+    def acknowledge(self, upto: int) -> list[StoredReply]:
+        """Drop replies up to ``upto``; return them (their buffers are free)."""
         if upto > self.highest_reply:
             raise ProtocolError(reason=f"ack {upto} of a reply not yet sent "
                                        f"(highest reply is {self.highest_reply})")
-        freed = 0
+        dropped = []
         while self.replies:
             seq = next(iter(self.replies))
             if seq > upto:
                 break
-            freed += self.replies.popitem(last=False)[1].nbytes
+            reply = self.replies.popitem(last=False)[1]
+            self.reply_bytes -= reply.nbytes
+            dropped.append(reply)
         for seq in range(self.acked + 1, upto + 1):
             self.digests.pop(seq, None)
         self.acked = max(self.acked, upto)
-        self.reply_bytes -= freed
-        return freed
+        return dropped
 
     # -- resume ------------------------------------------------------------------
     def check_resume(self, last_seen: int, next_seq: int | None = None) -> list[StoredReply]:

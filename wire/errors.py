@@ -279,6 +279,15 @@ class Unavailable(AccelmigError):
     code = ErrorCode.UNAVAILABLE
 
 
+class LibvirtFailure(AccelmigError):
+    msg_fmt = "libvirt (%(kind)s): %(what)s"
+    code = ErrorCode.LIBVIRT_ERROR
+
+    @property
+    def kind(self) -> str:
+        return self.details.get("kind") or self.kwargs.get("kind", "other")
+
+
 class InternalError(AccelmigError):
     msg_fmt = "internal error: %(reason)s"
     code = ErrorCode.INTERNAL

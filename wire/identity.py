@@ -44,8 +44,9 @@ def _check_mac(value, what: str):
 def _check_mtu(value, what: str):
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or not 68 <= value <= 65535:
-        raise BadRequest(reason=f"identity: {what} {value!r} is not an MTU (68-65535)")
+    # 68 is IPv4's minimum; loopback has 65536, jumbo-capable drivers allow more
+    if not isinstance(value, int) or isinstance(value, bool) or not 68 <= value <= 2**31 - 1:
+        raise BadRequest(reason=f"identity: {what} {value!r} is not an MTU (68 or more)")
     return value
 
 

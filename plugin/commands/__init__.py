@@ -1,0 +1,1 @@
+"""One module per ``accelmig`` command (imported lazily by accelmig.plugin.cli)."""

@@ -1,0 +1,66 @@
+"""``accelmig hostd``: run the host daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import click
+
+from accelmig.wire import logs
+from accelmig.wire.errors import AccelmigError
+
+
+@click.command()
+@click.option("--config", "config_path", metavar="FILE", envvar="ACCELMIG_CONFIG",
+              help="Host config (TOML) [default /etc/accelmig/host.toml; $ACCELMIG_CONFIG].")
+@click.option("--rehome-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
+              help="How long a rehome may take (the guest agent waits for every driver).")
+@click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
+@click.option("--log-level", default="INFO", show_default=True)
+def hostd(config_path, rehome_timeout, log_format, log_level):
+    """Follow libvirt and rehome migrated guests' accelerator sessions.
+
+    One per hypervisor host.  It follows libvirt's domain events, talks to
+    the pool's control plane (HMAC with this host's secret), opens the
+    guests' agent channels (nobody else may: a QEMU chardev serves one
+    client), renews the leases of its migration records, and reconciles
+    whatever it missed whenever it (or libvirt) restarts.  The hook and the
+    CLI reach it on [hostd] socket.
+
+    The host config, e.g. /etc/accelmig/host.toml:
+
+    \b
+      [host]
+      id = "hostA"
+      [pool]
+      endpoint = "10.88.0.1:7070"      # data plane, as guests here reach it
+      control = "10.88.0.1:7071"
+      secret_file = "/etc/accelmig/host.secret"
+      [fabric]
+      mode = "bridge"                  # bridge | direct | none
+      bridge = "fab0"
+      guest_subnet = "10.89.1.0/24"    # a host-bound fabric: guests re-addressed here
+      [hostd]
+      socket = "/run/accelmig/hostd.sock"
+      strict = true
+      libvirt_uri = "qemu:///system"
+    """
+    from accelmig.plugin.config import HostConfig
+    from accelmig.plugin.hostd import HostDaemon
+    logs.setup("accelmig-hostd", log_format, log_level)
+    try:
+        config = HostConfig.load(config_path)
+        daemon = HostDaemon(config, rehome_timeout=rehome_timeout)
+    except AccelmigError as exc:
+        click.echo(f"accelmig hostd: {exc}", err=True)
+        sys.exit(2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.stop)
+        await daemon.run()
+
+    asyncio.run(main())

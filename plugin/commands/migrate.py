@@ -1,0 +1,190 @@
+"""``accelmig migrate``: live migration with the operator's intent and a summary.
+
+Plain ``virsh migrate --live`` works just as well (the hook and hostd do the
+work); this command adds a pause policy, a progress bar, waits until every
+session is rebound at the destination, and reports what it cost.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+
+import click
+
+from accelmig.wire.errors import AccelmigError
+
+
+def _fail(message: str, code: int = 1):
+    click.echo(f"accelmig migrate: {message}", err=True)
+    sys.exit(code)
+
+
+def _pool_sessions(config, domain_uuid: str) -> dict:
+    from accelmig.wire.control import ControlClient
+    try:
+        with ControlClient(config.pool.control, config.host_id, config.read_secret()) as pool:
+            return {s["sid"]: s for s in pool.call("list_sessions", domain_uuid=domain_uuid)["sessions"]}
+    except AccelmigError:
+        return {}
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@click.command()
+@click.argument("domain")
+@click.argument("dest_uri")
+@click.option("--pause-policy", type=click.Choice(["none", "switchover", "start"]), default="none",
+              show_default=True, help="When the pool stops executing the domain's commands: never (the "
+              "reply log keeps it exact), at switchover, or as soon as the migration starts.")
+@click.option("--postcopy", is_flag=True, help="Switch to post-copy after the first pass (the guest runs "
+              "on the destination while pages arrive; no way back to the source).")
+@click.option("--migrate-uri", metavar="URI", help="Where QEMU sends the memory (e.g. tcp://10.88.3.2), "
+              "when the destination's hostname is not the address to use.")
+@click.option("--dest-host", metavar="NAME", help="The destination's host id at the pool (checked "
+              "when its hostd opens the record).")
+@click.option("--timeout", type=float, default=300.0, show_default=True, metavar="SECONDS",
+              help="For the migration and the rehome together.")
+@click.option("--connect", "connect_uri", metavar="URI", help="Source libvirt URI [default: [hostd] libvirt_uri].")
+@click.option("--config", "config_path", metavar="FILE", envvar="ACCELMIG_CONFIG")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, timeout, connect_uri,
+            config_path, as_json):
+    """Live-migrate DOMAIN to DEST_URI (peer to peer) with its accelerator sessions.
+
+    Registers the intent at the pool (pause policy), runs libvirt's
+    migrateToURI3 with a progress bar, waits until every session is
+    rebound at the destination, then prints VM downtime (libvirt's job
+    stats), accelerator blackout per session, sessions resumed and bytes
+    sent to the pool meanwhile (0 for a hot move of a steady workload).
+
+    Example: accelmig migrate vm1 qemu+tcp://hostB/system --migrate-uri tcp://10.88.3.2
+    """
+    import libvirt
+
+    from accelmig.plugin.config import HostConfig
+    from accelmig.plugin.localapi import LocalClient
+    try:
+        config = HostConfig.load(config_path)
+    except AccelmigError as exc:
+        _fail(str(exc), 2)
+    try:
+        conn = libvirt.open(connect_uri or config.hostd.libvirt_uri)
+        try:
+            dom = conn.lookupByName(domain)
+        except libvirt.libvirtError:
+            dom = conn.lookupByUUIDString(domain)
+    except libvirt.libvirtError as exc:
+        _fail(f"{domain}: {exc.get_error_message()}", 2)
+    uuid = dom.UUIDString()
+    hostd = LocalClient(config.hostd.socket, timeout=10)
+    try:
+        intent = hostd.call("intent", uuid=uuid, policy=pause_policy, dest_host=dest_host)
+    except AccelmigError as exc:
+        _fail(f"cannot register the migration at the pool through hostd: {exc}")
+    before = _pool_sessions(config, uuid)
+
+    flags = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER
+    if postcopy:
+        flags |= libvirt.VIR_MIGRATE_POSTCOPY
+    params = {}
+    if migrate_uri:
+        params[libvirt.VIR_MIGRATE_PARAM_URI] = migrate_uri
+    outcome: dict = {}
+
+    def run():
+        try:
+            dom.migrateToURI3(dest_uri, params, flags)
+            outcome["ok"] = True
+        except libvirt.libvirtError as exc:
+            outcome["error"] = exc.get_error_message()
+
+    started = time.monotonic()
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    switched_postcopy = False
+    shown = -1
+    while worker.is_alive():
+        worker.join(0.2)
+        try:
+            stats = dom.jobStats()
+        except libvirt.libvirtError:
+            continue
+        total, done = stats.get("memory_total") or stats.get("data_total"), stats.get("memory_processed") \
+            or stats.get("data_processed")
+        if total and not as_json:
+            percent = min(100, int(100 * (done or 0) / total))
+            if percent != shown:
+                shown = percent
+                bar = "#" * (percent // 4)
+                click.echo(f"\rmigrating {domain}: [{bar:<25}] {percent:3d}% "
+                           f"({_fmt_bytes(done or 0)} of {_fmt_bytes(total)})", nl=False, err=True)
+        if postcopy and not switched_postcopy and (stats.get("memory_iteration") or 0) >= 1:
+            try:
+                dom.migrateStartPostCopy(0)
+                switched_postcopy = True
+                if not as_json:
+                    click.echo(f"\nswitched {domain} to post-copy", err=True)
+            except libvirt.libvirtError:
+                pass
+        if time.monotonic() - started > timeout:
+            try:
+                dom.abortJob()
+            except libvirt.libvirtError:
+                pass
+    if not as_json:
+        click.echo("", err=True)
+    migration_s = time.monotonic() - started
+    if "error" in outcome:
+        _fail(f"the migration of {domain} failed: {outcome['error']} (the VM goes on at the source)")
+    try:
+        wait = max(5.0, timeout - migration_s)
+        rehomed = hostd.call("wait_rehomed", timeout=wait + 5, uuid=uuid,
+                             migration_id=intent["migration_id"], wait=wait)
+    except AccelmigError as exc:
+        rehomed = {"error": str(exc), "record": None, "job": None}
+    record = rehomed.get("record") or {}
+    job = rehomed.get("job") or {}
+    if not job.get("downtime"):
+        try:
+            dest = libvirt.open(dest_uri)
+            job = dest.lookupByUUIDString(uuid).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED) or job
+            dest.close()
+        except libvirt.libvirtError:
+            pass
+    after = _pool_sessions(config, uuid)
+    resent = 0
+    for sid, session in after.items():
+        was = before.get(sid, {}).get("counters", {})
+        now = session.get("counters", {})
+        resent += (now.get("bytes_uploaded", 0) - was.get("bytes_uploaded", 0)) + \
+                  (now.get("source_bytes", 0) - was.get("source_bytes", 0))
+    summary = {
+        "domain": domain, "uuid": uuid, "migration_id": intent["migration_id"], "policy": pause_policy,
+        "postcopy": postcopy, "migration_s": round(migration_s, 3),
+        "downtime_ms": job.get("downtime"), "rehomed": rehomed.get("rehomed", False),
+        "sessions": len(record.get("sessions") or []), "resumed": len(record.get("resumed") or {}),
+        "blackout_s": record.get("resumed") or {}, "bytes_sent_to_pool_meanwhile": resent,
+        "record_state": record.get("state"), "error": rehomed.get("error"),
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
+    else:
+        click.echo(f"migrated {domain} in {migration_s:.2f} s (migration {intent['migration_id']}, "
+                   f"policy {pause_policy}{', post-copy' if postcopy else ''})")
+        click.echo(f"  VM downtime (libvirt):      {job.get('downtime', '?')} ms")
+        for sid, blackout in (record.get("resumed") or {}).items():
+            click.echo(f"  accelerator blackout {sid[-8:]}: {blackout * 1000:.0f} ms")
+        click.echo(f"  sessions resumed:           {summary['resumed']} of {summary['sessions']}")
+        click.echo(f"  bytes sent to the pool meanwhile (uploads + programs): {resent}")
+        if rehomed.get("error"):
+            click.echo(f"  NOT REHOMED: {rehomed['error']}")
+    sys.exit(0 if summary["rehomed"] else 1)

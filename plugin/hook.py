@@ -1,0 +1,125 @@
+"""The libvirt qemu hook: ``/etc/libvirt/hooks/qemu.d/50-accelmig``.
+
+libvirt runs it as ``HOOK DOMAIN OPERATION SUB-OPERATION EXTRA`` with the
+domain XML on stdin, for every domain and every lifecycle step (libvirt >=
+6.5 runs every executable in qemu.d, in order, chaining their XML output).
+
+Rules it lives by (LAB-NOTES measured why):
+- it acts only on accelmig domains (its metadata or its agent channel) and
+  exits 0 at once, silently, for every other domain;
+- it never calls libvirt (that deadlocks the daemon) and leaves no child
+  behind; it talks only to hostd, over a unix socket, within a time budget;
+- only ``migrate begin`` and ``restore begin`` may fail: in strict mode
+  (default) when hostd or, through it, the pool is unreachable — a refused
+  migration beats a VM that arrives without its accelerator.  Every other
+  operation exits 0 whatever happens: a failing ``prepare``/``start`` stops
+  a boot, a failing ``reconnect`` makes libvirt kill a running QEMU;
+- at ``migrate begin``/``restore begin`` it prints the domain XML rewritten
+  for this host, on a model, only where a host-bound part (the fabric NIC's
+  bridge or macvtap device) differs; printing nothing keeps libvirt's XML.
+
+It imports little (no libvirt, no click): libvirt waits for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+GATED = {("migrate", "begin"), ("restore", "begin")}
+
+
+def _log(message: str) -> None:
+    # libvirt shows a failing hook's stderr to the client; keep it one line.
+    print(f"accelmig hook: {message}", file=sys.stderr)
+
+
+def main(argv=None, stdin=None, stdout=None) -> int:
+    started = time.monotonic()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    stdin = stdin if stdin is not None else sys.stdin.buffer
+    stdout = stdout if stdout is not None else sys.stdout
+    # Always drain stdin: libvirt writes the XML whether we want it or not.
+    try:
+        xml = stdin.read()
+    except OSError:
+        xml = b""
+    if len(argv) < 3:
+        _log(f"expected DOMAIN OPERATION SUB-OPERATION [EXTRA], got {argv!r}; ignoring")
+        return 0
+    domain, operation, sub = argv[0], argv[1], argv[2]
+    gated = (operation, sub) in GATED
+    # Cheap filter first: most domains on a host are not ours.
+    if b"accelmig" not in xml:
+        return 0
+    try:
+        return _run(domain, operation, sub, xml, gated, started, stdout)
+    except Exception as exc:  # never a traceback into libvirt's logs for an ungated step
+        if gated:
+            _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
+            return 1
+        _log(f"{operation} {sub} of {domain}: ignored internal error {type(exc).__name__}: {exc}")
+        return 0
+
+
+def _run(domain: str, operation: str, sub: str, xml: bytes, gated: bool, started: float, stdout) -> int:
+    from accelmig.plugin.config import HostConfig
+    from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
+    from accelmig.plugin.localapi import LocalClient
+    from accelmig.wire.errors import AccelmigError
+
+    try:
+        model = DomainXML.parse(xml)
+    except AccelmigError as exc:
+        if gated:
+            _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
+            return 1
+        return 0
+    if not model.is_accelmig():
+        return 0
+    try:
+        config = HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))
+    except AccelmigError as exc:
+        if gated:
+            # Without a config there is no way to know this host's pool or
+            # fabric: strict is the only safe default.
+            _log(f"refusing {operation} of {domain}: {exc}")
+            return 1
+        return 0
+    budget = config.hostd.hook_timeout
+    client = LocalClient(config.hostd.socket, timeout=budget)
+    if not gated:
+        try:
+            client.call("hook", timeout=min(0.5, budget), op=operation, sub=sub, uuid=model.uuid,
+                        name=model.name)
+        except AccelmigError:
+            pass        # hostd follows libvirt events and reconciles: a lost note costs nothing
+        return 0
+
+    rewritten, changes = None, []
+    try:
+        rewritten, changes = rewrite_for_host(xml.decode("utf-8"), config.fabric)
+    except AccelmigError as exc:
+        if config.hostd.strict:
+            _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc}")
+            return 1
+        _log(f"{operation} of {domain}: the XML was not adapted to this host: {exc}")
+    try:
+        client.call("hook", timeout=max(0.1, budget - (time.monotonic() - started)), op=operation,
+                    sub=sub, uuid=model.uuid, name=model.name, changes=[str(c) for c in changes])
+    except AccelmigError as exc:
+        if config.hostd.strict:
+            _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc} "
+                 f"(strict mode: set [hostd] strict = false to migrate anyway and rehome later)")
+            return 1
+        _log(f"{operation} of {domain} goes ahead without accelmig (lenient mode): {exc}; "
+             f"hostd will reconcile and rehome when it is back")
+    if rewritten is not None:
+        stdout.write(rewritten)
+        stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""hostd's event handling and reconciliation against libvirt's in-process
+test:///default driver (real libvirt events and domain states; it has no
+migration, so migrations are in tests/e2e), and a real pool."""
+
+from __future__ import annotations
+
+import time
+import uuid as uuid_module
+from pathlib import Path
+
+import libvirt
+import pytest
+
+from accelmig.agent.driver import connect
+from accelmig.plugin.localapi import LocalClient
+from accelmig.pool.harness import PoolThread
+from accelmig.wire.control import ControlClient
+from accelmig.wire.errors import Unavailable
+from tests.conftest import ALICE, TENANTS
+from tests.plugin.conftest import SECRET, HostdThread, write_config
+
+GOLDEN = Path(__file__).parent / "golden" / "rewrite"
+SECRET_B = "hostB-secret-9876543210"
+
+
+def accel_domain_xml(name: str, uuid: str) -> str:
+    """A test-driver domain carrying accelmig's metadata (test:///default has no QEMU devices)."""
+    return f"""<domain type='test'>
+  <name>{name}</name><uuid>{uuid}</uuid><memory>65536</memory><vcpu>1</vcpu>
+  <metadata><accelmig:domain xmlns:accelmig="http://accelmig.dev/xmlns/domain/1">
+    <accelmig:interfaces owner="accelmig"/></accelmig:domain></metadata>
+  <os><type arch='x86_64'>hvm</type></os>
+</domain>"""
+
+
+def wait_for(predicate, timeout=10.0, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not reached in {timeout} s")
+
+
+@pytest.fixture
+def world(tmp_path):
+    hosts = {"hostA": (SECRET, ["127.0.0.0/8"]), "hostB": (SECRET_B, ["::1/128"])}
+    with PoolThread(TENANTS, hosts, listen="127.0.0.1:0,[::1]:0") as pool:
+        config = write_config(tmp_path, pool)
+        conn = libvirt.open("test:///default")
+        created = []
+        try:
+            yield pool, config, conn, created
+        finally:
+            for dom in created:
+                try:
+                    dom.destroy()
+                except libvirt.libvirtError:
+                    pass
+                try:
+                    dom.undefine()
+                except libvirt.libvirtError:
+                    pass
+            conn.close()
+
+
+def control(pool, host="hostA"):
+    return ControlClient(pool.control_endpoint, host, (SECRET if host == "hostA" else SECRET_B).encode())
+
+
+def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    dom = conn.defineXML(accel_domain_xml("accel-save", uuid))
+    created.append(dom)
+    dom.create()
+    hostd = HostdThread(config).start()
+    try:
+        dev = connect(pool.endpoint, ALICE, agent=False, timeout=5, auto_reconnect=False)
+        with control(pool) as a:
+            a.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+        image = str(tmp_path / "accel-save.img")
+        dom.save(image)
+        wait_for(lambda: pool.session(dev.sid)["parked"], what="the session parked")
+        conn.restore(image)
+        wait_for(lambda: not pool.session(dev.sid)["parked"], what="the session unparked")
+        status = LocalClient(str(tmp_path / "hostd.sock")).call("status")
+        watched = {d["uuid"]: d for d in status["domains"]}
+        assert [e[1] for e in watched[uuid]["events"]][-2:] == ["STOPPED_SAVED", "STARTED_RESTORED"]
+        dev.close()
+    finally:
+        hostd.stop()
+
+
+def test_reconciliation_finishes_what_hostd_missed(world):
+    """Records left open while hostd was away: hostd's start settles them."""
+    pool, config, conn, created = world
+    running, absent_in, absent_out = (str(uuid_module.uuid4()) for _ in range(3))
+    dom = conn.defineXML(accel_domain_xml("accel-here", running))
+    created.append(dom)
+    dom.create()
+    with control(pool, "hostA") as a, control(pool, "hostB") as b:
+        # 1. an incoming migration to this host that completed while hostd was down
+        a.call("register_intent", domain_uuid=running, policy="none", source_host="hostB")
+        arrived = a.call("open_migration", domain_uuid=running)
+        # 2. an incoming migration whose domain never arrived
+        lost = a.call("open_migration", domain_uuid=absent_in)
+        # 3. an outgoing migration of a domain that is no longer here
+        b.call("register_intent", domain_uuid=absent_out, source_host="hostA")
+        gone = b.call("open_migration", domain_uuid=absent_out)
+        a.call("switchover", domain_uuid=absent_out)
+        b.call("complete", domain_uuid=absent_out, migration_id=gone["migration_id"])
+    hostd = HostdThread(config, rehome_timeout=2.0).start()
+    try:
+        def state_of(uuid, mid):
+            with control(pool) as a:
+                return next(r for r in a.call("list_records", domain_uuid=uuid)["records"]
+                            if r["migration_id"] == mid)["state"]
+        wait_for(lambda: state_of(absent_in, lost["migration_id"]) == "aborted", what="abort")
+        wait_for(lambda: state_of(absent_out, gone["migration_id"]) == "closed", what="close")
+        # the domain that did arrive: completed (its rehome has no channel to go through here)
+        wait_for(lambda: state_of(running, arrived["migration_id"]) == "completed", what="complete")
+    finally:
+        hostd.stop()
+
+
+def test_the_source_aborts_a_migration_whose_guest_still_runs_here(world):
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    dom = conn.defineXML(accel_domain_xml("accel-stayed", uuid))
+    created.append(dom)
+    dom.create()
+    with control(pool, "hostB") as b:
+        b.call("register_intent", domain_uuid=uuid, source_host="hostA")
+        record = b.call("open_migration", domain_uuid=uuid)
+    hostd = HostdThread(config).start()
+    try:
+        def state():
+            with control(pool) as a:
+                return a.call("list_records", domain_uuid=uuid)["records"][0]
+        final = wait_for(lambda: state()["state"] == "aborted" and state(), what="abort")
+        assert "runs on the source" in final["abort_reason"]
+        assert final["migration_id"] == record["migration_id"]
+    finally:
+        hostd.stop()
+
+
+def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
+    pool, config, conn, created = world
+    hostd = HostdThread(config).start()
+    try:
+        client = LocalClient(str(tmp_path / "hostd.sock"))
+        wait_for(lambda: client.call("ping")["pool"], what="hostd reached the pool")
+        ping = client.call("ping")
+        assert ping["host"] == "hostA" and ping["libvirt"] is True
+        intent = client.call("intent", uuid="dom-x", policy="switchover", dest_host="hostB")
+        assert intent["policy"] == "switchover" and intent["migration_id"]
+        status = client.call("status")
+        assert status["libvirt"]["connected"] and status["pool"]["reachable"]
+        assert status["identity"]["host_id"] == "hostA"
+        assert status["identity"]["pool_endpoint"].startswith("127.0.0.1:")
+        # the pool knows this host's addresses now
+        with control(pool) as a:
+            hosts = {h["host"]: h for h in a.call("list_hosts")["hosts"]}
+        assert "127.0.0.1/32" in hosts["hostA"]["networks"]
+    finally:
+        hostd.stop()
+    with pytest.raises(Unavailable, match="hostd at"):
+        LocalClient(str(tmp_path / "hostd.sock")).call("ping")
