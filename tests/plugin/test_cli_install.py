@@ -1,0 +1,418 @@
+"""``accelmig install`` / ``uninstall``: the hook script, the reload, the record.
+
+The unit tests write into a temporary hooks directory and reload a stand-in
+daemon: a shell script *named* ``libvirtd`` (its ``/proc/<pid>/comm`` says
+libvirtd) that logs every SIGHUP it gets, so they prove the signal reached
+that very pid.  The lab tests do it for real: a real libvirtd (in the lab's
+namespaces) that started with an empty ``hooks/qemu.d`` runs the installed
+hook after the SIGHUP — the hook's notes arrive at a stand-in hostd socket
+the test listens on — and stops running it after ``uninstall``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from accelmig.plugin.cli import main as cli
+from accelmig.plugin.commands import install as inst
+from accelmig.plugin.localapi import LocalServer
+from tests.conftest import run_cli
+
+# ---------------------------------------------------------------- helpers (also used by
+# test_cli_status_doctor.py)
+
+
+def write_config(directory: Path, *, socket: str | None = None, control: str = "127.0.0.1:7071",
+                 libvirt_uri: str = "test:///default", secret: str | None = "hostA-secret-0123456789",
+                 host: str = "hostA") -> Path:
+    """A host.toml (and its secret file, mode 0600) under ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    secret_file = directory / "host.secret"
+    if secret is not None:
+        secret_file.write_text(secret + "\n")
+        secret_file.chmod(0o600)
+    path = directory / "host.toml"
+    path.write_text(
+        f'[host]\nid = "{host}"\n'
+        f'[pool]\nendpoint = "127.0.0.1:7070"\ncontrol = "{control}"\nsecret_file = "{secret_file}"\n'
+        f'[hostd]\nsocket = "{socket or directory / "hostd.sock"}"\nstate_dir = "{directory / "state"}"\n'
+        f'libvirt_uri = "{libvirt_uri}"\nhook_timeout = 2.0\n')
+    return path
+
+
+class FakeLibvirtd:
+    """A process whose comm is ``libvirtd`` (a script of that name) that
+    appends a line to ``hups`` on every SIGHUP, with a pid file."""
+
+    def __init__(self, directory: Path):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.exe = directory / "libvirtd"
+        self.hups = directory / "hups.log"
+        self.pid_file = directory / "libvirtd.pid"
+        self.exe.write_text(f"#!/bin/sh\ntrap 'echo hup >> {self.hups}' HUP\n"
+                            "while :; do sleep 0.05; done\n")
+        self.exe.chmod(0o755)
+        self.proc = subprocess.Popen([str(self.exe)], start_new_session=True)
+        self.pid = self.proc.pid
+        self.pid_file.write_text(f"{self.pid}\n")
+        deadline = time.monotonic() + 5
+        while inst.daemon_name(self.pid) != "libvirtd":
+            assert time.monotonic() < deadline, "the stand-in libvirtd did not start"
+            time.sleep(0.01)
+        self.starttime = inst.proc_stat(self.pid)[1]
+
+    def hup_count(self, settle: float = 0.3) -> int:
+        time.sleep(settle)            # the trap runs once the current sleep ends
+        return len(self.hups.read_text().splitlines()) if self.hups.exists() else 0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()     # our own child, by its Popen
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def fake_libvirtd(tmp_path):
+    daemon = FakeLibvirtd(tmp_path / "daemon")
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+class HostdStub:
+    """A real ``LocalServer`` (hostd's local API) on its own thread serving
+    canned answers and recording every request it gets."""
+
+    def __init__(self, path: str | Path, answers: dict | None = None):
+        self.path = str(path)
+        self.answers = dict(answers or {})
+        self.requests: list[dict] = []
+        self._lock = threading.Lock()
+        self.loop = asyncio.new_event_loop()
+        kinds = set(self.answers) | {"hook", "ping", "status"}
+        self.server = LocalServer(self.path, {kind: self._handler(kind) for kind in kinds})
+        ready = threading.Event()
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.server.start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, name="hostd-stub", daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def _handler(self, kind):
+        async def handle(message):
+            with self._lock:
+                self.requests.append(message)
+            answer = self.answers.get(kind, {"noted": True})
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        return handle
+
+    def received(self, kind: str) -> list[dict]:
+        with self._lock:
+            return [m for m in self.requests if m.get("type") == kind]
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+def invoke(*args):
+    """The CLI in-process (click's runner: stdout and stderr apart)."""
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def installed(hooks: Path, name: str = "50-accelmig") -> Path:
+    return hooks / "qemu.d" / name
+
+
+# ---------------------------------------------------------------- the script
+
+
+def test_install_writes_an_executable_hook_and_is_idempotent(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()                                   # qemu.d does not exist yet
+    config = write_config(tmp_path / "etc")
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(config), "--no-reload")
+    assert result.exit_code == 0, result.output
+    script = installed(hooks)
+    text = script.read_text()
+    assert text.startswith(f"#!{os.path.abspath(sys.executable)} -I\n")
+    assert f"os.environ['ACCELMIG_CONFIG'] = '{config}'" in text
+    assert "from accelmig.plugin.hook import main" in text
+    assert stat.S_IMODE(script.stat().st_mode) == 0o755
+    assert f"hook {script}: written" in result.stdout
+    assert "not reloaded (--no-reload)" in result.stdout
+    assert list((hooks / "qemu.d").iterdir()) == [script]     # no temporary file left
+    inode, mtime = script.stat().st_ino, script.stat().st_mtime_ns
+
+    again = invoke("install", "--hooks-dir", str(hooks), "--config", str(config), "--no-reload", "--json")
+    assert again.exit_code == 0, again.output
+    data = json.loads(again.stdout)
+    assert data["action"] == "unchanged" and data["hook"] == str(script)
+    assert (script.stat().st_ino, script.stat().st_mtime_ns) == (inode, mtime)
+
+    # a different config is a different script: rewritten, atomically (a new inode)
+    other = write_config(tmp_path / "etc2")
+    third = invoke("install", "--hooks-dir", str(hooks), "--config", str(other), "--no-reload", "--json")
+    assert json.loads(third.stdout)["action"] == "written"
+    assert script.stat().st_ino != inode
+    assert f"'{other}'" in script.read_text()
+
+
+def test_the_hook_runs_with_only_libvirts_environment(tmp_path):
+    """The real console script installs it; the script then runs as libvirt
+    would run it: no PYTHONPATH, no venv on PATH, a foreign domain on stdin."""
+    hooks = tmp_path / "hooks"
+    config = write_config(tmp_path / "etc")
+    proc = run_cli("accelmig", "install", "--hooks-dir", str(hooks), "--config", str(config),
+                   "--no-reload", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    script = installed(hooks)
+    interpreter = script.read_text().split("\n", 1)[0][2:].split()[0]
+    assert interpreter == os.path.join(os.path.dirname(sys.executable), "python3") or \
+        os.path.samefile(os.path.dirname(interpreter), os.path.dirname(sys.executable))
+    env = {"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/"}
+    foreign = "<domain type='kvm'><name>web1</name><uuid>11111111-2222-4333-8444-555555555555</uuid></domain>"
+    run = subprocess.run([str(script), "web1", "started", "begin", "-"], input=foreign, env=env, cwd="/",
+                         capture_output=True, text=True, timeout=30)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
+
+
+def test_missing_config_is_a_warning_and_qemu_d_is_created(tmp_path):
+    hooks = tmp_path / "hooks"                      # neither hooks nor qemu.d exist
+    missing = tmp_path / "nowhere" / "host.toml"
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(missing), "--no-reload")
+    assert result.exit_code == 0, result.output
+    assert f"warning: config {missing} not found" in result.stderr
+    assert installed(hooks).is_file()
+    assert f"'{missing}'" in installed(hooks).read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--name", "../evil"], "hook name '../evil': a plain file name"),
+    (["--name", ".hidden"], "a plain file name"),
+])
+def test_bad_names(tmp_path, args, message):
+    result = invoke("install", "--hooks-dir", str(tmp_path), "--no-reload", *args)
+    assert result.exit_code == 1
+    assert result.stderr.startswith("accelmig: ") and message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_hooks_dir_without_libvirt(tmp_path):
+    result = invoke("install", "--hooks-dir", str(tmp_path / "no-libvirt" / "hooks"), "--no-reload")
+    assert result.exit_code == 1
+    assert "does not exist (is libvirt installed?" in result.stderr
+
+
+# ---------------------------------------------------------------- the reload
+
+
+def test_install_reloads_the_daemon_and_records_it(tmp_path, fake_libvirtd):
+    hooks = tmp_path / "hooks"
+    config = write_config(tmp_path / "etc")
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(config),
+                    "--libvirtd-pid-file", str(fake_libvirtd.pid_file), "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["reload"]["action"] == "reloaded"
+    assert (data["reload"]["pid"], data["reload"]["starttime"]) == (fake_libvirtd.pid, fake_libvirtd.starttime)
+    assert fake_libvirtd.hup_count() == 1                    # the signal reached that pid
+    state = json.loads((tmp_path / "etc" / "state" / "hook-install.json").read_text())
+    record = state["hooks"][str(installed(hooks))]
+    assert record["reload"]["pid"] == fake_libvirtd.pid
+    assert record["reload"]["starttime"] == fake_libvirtd.starttime
+    assert abs(record["reload"]["at"] - time.time()) < 30
+    assert record["pid_file"] == str(fake_libvirtd.pid_file)
+
+    # unchanged, and this daemon already reloaded since: nothing to do
+    again = invoke("install", "--hooks-dir", str(hooks), "--config", str(config),
+                   "--libvirtd-pid-file", str(fake_libvirtd.pid_file))
+    assert again.exit_code == 0, again.output
+    assert "unchanged" in again.stdout and "already sees this hook, not reloaded" in again.stdout
+    assert fake_libvirtd.hup_count() == 1
+
+    # uninstall removes it and reloads again; a second uninstall has nothing to do
+    gone = invoke("uninstall", "--hooks-dir", str(hooks), "--config", str(config),
+                  "--libvirtd-pid-file", str(fake_libvirtd.pid_file))
+    assert gone.exit_code == 0, gone.output
+    assert "removed" in gone.stdout and "reloaded (SIGHUP)" in gone.stdout
+    assert not installed(hooks).exists()
+    assert fake_libvirtd.hup_count() == 2
+    state = json.loads((tmp_path / "etc" / "state" / "hook-install.json").read_text())
+    assert state["hooks"] == {}
+    twice = invoke("uninstall", "--hooks-dir", str(hooks), "--config", str(config), "--json",
+                   "--libvirtd-pid-file", str(fake_libvirtd.pid_file))
+    assert twice.exit_code == 0 and json.loads(twice.stdout)["action"] == "not installed"
+    assert fake_libvirtd.hup_count(settle=0.1) == 2
+
+
+def test_no_daemon_is_a_clear_error(tmp_path):
+    hooks = tmp_path / "hooks"
+    config = write_config(tmp_path / "etc")
+    pid_file = tmp_path / "libvirtd.pid"
+
+    pid_file.write_text(f"{os.getpid()}\n")          # a live process, but not libvirtd
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(config),
+                    "--libvirtd-pid-file", str(pid_file))
+    assert result.exit_code == 1
+    assert f"names pid {os.getpid()}, which is not libvirtd or virtqemud" in result.stderr
+    assert "the hook is installed, but libvirt does not see it yet" in result.stderr
+    assert installed(hooks).is_file()                 # written all the same
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pid_file.write_text(f"{dead.pid}\n")
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(config),
+                    "--libvirtd-pid-file", str(pid_file))
+    assert result.exit_code == 1 and "stale pid file" in result.stderr
+
+    result = invoke("install", "--hooks-dir", str(hooks), "--config", str(config),
+                    "--libvirtd-pid-file", str(tmp_path / "absent.pid"))
+    assert result.exit_code == 1 and "absent.pid: no such file" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_uninstall_leaves_a_foreign_script_alone(tmp_path):
+    qemu_d = tmp_path / "hooks" / "qemu.d"
+    qemu_d.mkdir(parents=True)
+    other = qemu_d / "50-accelmig"
+    other.write_text("#!/bin/sh\nexit 0\n")
+    result = invoke("uninstall", "--hooks-dir", str(tmp_path / "hooks"), "--no-reload")
+    assert result.exit_code == 1 and "does not run accelmig's hook: left alone" in result.stderr
+    assert other.exists()
+
+
+def test_help_explains():
+    for command in ("install", "uninstall"):
+        result = invoke(command, "--help")
+        assert result.exit_code == 0
+        assert "SIGHUP" in result.stdout and "--hooks-dir" in result.stdout
+
+
+# ---------------------------------------------------------------- a real libvirt daemon
+
+libvirt = None
+LAB_TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox"]
+
+
+@pytest.fixture(scope="module")
+def lab(request):
+    """One lab per test module (two real libvirt daemons in namespaces) and the guest image."""
+    global libvirt
+    if os.geteuid() != 0:
+        pytest.skip("SKIPPED LOUDLY: the lab needs root")
+    missing = [t for t in LAB_TOOLS if shutil.which(t) is None and not os.path.exists(t)]
+    if missing:
+        pytest.skip(f"SKIPPED LOUDLY: not installed: {missing}")
+    libvirt = pytest.importorskip("libvirt")
+    from accelmig.plugin.lab.image import build_image
+    from accelmig.plugin.lab.rig import Lab
+    tag = request.module.__name__.rsplit("_", 1)[-1][:6]          # install / doctor
+    lab = Lab(f"cli{tag}{os.getpid() % 100000}")
+    try:
+        lab.up()
+        lab.image = build_image()
+        yield lab
+    finally:
+        lab.down()
+
+
+def start_paused(lab, name: str, host: str = "hostA", **values):
+    """A real accelmig domain, started paused: every start hook runs, the guest never does."""
+    xml = lab.domain_xml(name, lab.image, host, **values)
+    return lab.connect(host).createXML(xml, libvirt.VIR_DOMAIN_START_PAUSED)
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.mark.root
+@pytest.mark.libvirt
+@pytest.mark.timeout(120)
+def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab, tmp_path):
+    node = lab.node("hostA")
+    assert list(node.hooks_dir.iterdir()) == []          # the daemon started without hooks
+    stub = HostdStub(tmp_path / "hostd.sock")
+    config = write_config(tmp_path / "etc", socket=stub.path, libvirt_uri=node.uri)
+    hooks_dir = node.hooks_dir.parent                      # <node>/etc/libvirt/hooks
+    name = "cli-hook-" + uuid.uuid4().hex[:6]
+    try:
+        # without the reload libvirt does not run the new hook (it looked at start only)
+        proc = run_cli("accelmig", "install", "--hooks-dir", str(hooks_dir), "--config", str(config),
+                       "--no-reload", timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        dom = start_paused(lab, name + "-0")
+        time.sleep(0.7)
+        dom.destroy()
+        assert stub.requests == [], "libvirtd ran a hook it should not know of yet"
+
+        # the real console script, as an operator runs it: the same file, now reloaded
+        proc = run_cli("accelmig", "install", "--hooks-dir", str(hooks_dir), "--config", str(config),
+                       "--libvirtd-pid-file", str(node.pid_file), "--json", timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(proc.stdout)
+        assert data["action"] == "unchanged"
+        assert data["reload"]["action"] == "reloaded"
+        assert data["reload"]["comm"] == "libvirtd"
+        assert (data["reload"]["pid"], data["reload"]["starttime"]) == (node.pid, node.pid_starttime)
+        time.sleep(0.5)                                    # libvirtd handles SIGHUP asynchronously
+
+        dom = start_paused(lab, name)
+        dom_uuid = dom.UUIDString()
+        notes = wait_for(lambda: [(m["op"], m["sub"]) for m in stub.received("hook")
+                                  if m.get("uuid") == dom_uuid and m.get("op") == "started"])
+        seen = [(m["op"], m["sub"]) for m in stub.received("hook") if m.get("uuid") == dom_uuid]
+        assert notes, f"libvirtd never ran the installed hook (notes: {stub.requests}); {node.tail()}"
+        assert seen[:3] == [("prepare", "begin"), ("start", "begin"), ("started", "begin")], seen
+        assert all(m.get("name") == name for m in stub.received("hook") if m.get("uuid") == dom_uuid)
+        dom.destroy()
+        assert wait_for(lambda: ("release", "end") in [(m["op"], m["sub"]) for m in stub.received("hook")
+                                                       if m.get("uuid") == dom_uuid])
+
+        # uninstall: removed and reloaded; the next domain start runs no accelmig hook
+        proc = run_cli("accelmig", "uninstall", "--hooks-dir", str(hooks_dir), "--config", str(config),
+                       "--libvirtd-pid-file", str(node.pid_file), "--json", timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["reload"]["pid"] == node.pid
+        assert list(node.hooks_dir.iterdir()) == []
+        time.sleep(0.5)
+        before = len(stub.requests)
+        dom = start_paused(lab, name + "b")
+        time.sleep(0.5)
+        dom.destroy()
+        assert len(stub.requests) == before, stub.requests[before:]
+        assert node.running() and os.kill(node.pid, 0) is None     # SIGHUP did not stop it
+    finally:
+        stub.close()
+        for leftover in node.hooks_dir.iterdir():
+            leftover.unlink()
