@@ -162,6 +162,8 @@ DOMAIN_VALUES = {
                               "who owns the interface XML (external: Nova/Neutron)"),
     "tenant": Value(_optional(TENANT), None, "the pool tenant of this domain"),
     "qemu_guest_agent": Value(_bool, False, "add qemu-guest-agent's channel too"),
+    "agent_channel": Value(_bool, True, "add the accelmig agent's channel (false: a VM like Nova's, "
+                                        "with only qemu-guest-agent's, rehomed through guest-exec)"),
     # the fabric NIC is optional in a whole domain
     **{k: (Value(_optional(_mac), None, v.doc) if k == "fabric_mac" else v) for k, v in FABRIC_VALUES.items()},
 }

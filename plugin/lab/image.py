@@ -19,7 +19,13 @@ Why this shape (measured, see LAB-NOTES):
 The guest runs every executable in ``/etc/accelmig/init.d/`` in name order
 (``50-agent`` starts ``python3 -m accelmig.agent run --port
 /dev/virtio-ports/org.accelmig.agent.0`` when the image's ``accelmig.agent``
-has a ``__main__``; ``60-app`` an optional demo application).  Services read
+has a ``__main__``, or ``--port none`` with ``accelmig.agent_port=none``
+for a VM that has only qemu-guest-agent; ``60-app`` an optional demo
+application).  Images built ``with_qemu_ga`` also carry Debian's
+``qemu-ga`` (unpacked from the ``qemu-guest-agent`` package with
+``apt-get download``, like the kernel: the host never installs it), which
+``45-qemu-ga`` starts on ``org.qemu.guest_agent.0`` when the domain has
+that port.  Services read
 their settings from ``/etc/accelmig/guest.conf`` (baked in) overridden by
 ``accelmig.*`` words on the kernel command line (see :func:`guest_cmdline`).
 
@@ -51,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from accelmig.plugin.domain import AGENT_CHANNEL_NAME
+from accelmig.plugin.domain import AGENT_CHANNEL_NAME, QEMU_GA_CHANNEL_NAME
 
 LOG = logging.getLogger("accelmig.lab.image")
 
@@ -351,6 +357,69 @@ def module_load_order(kernel: Kernel, modules=DEFAULT_MODULES) -> list[str]:
     return order
 
 
+# ---------------------------------------------------------------- qemu-guest-agent
+
+QEMU_GA_PACKAGE = "qemu-guest-agent"
+
+
+def _cached_qemu_gas(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("*") if (p / "qemu-ga").is_file()), key=lambda p: p.stat().st_mtime)
+
+
+def prepare_qemu_ga(cache: Path = DEFAULT_CACHE, *, deb: str | os.PathLike | None = None) -> Path:
+    """``/usr/sbin/qemu-ga`` of Debian's qemu-guest-agent package, unpacked
+    once under ``<cache>/qemu-ga/<version>/`` (``apt-get download``, never
+    installed); returns the binary's path.
+
+    ``deb`` uses a ``.deb`` already on disk.  Which version apt offers is
+    remembered together with the apt lists' mtime (as for the kernel);
+    without apt (or offline) the newest cached binary is used.
+    """
+    root = Path(cache) / "qemu-ga"
+    root.mkdir(parents=True, exist_ok=True)
+    memo = root / "current.json"
+    with tempfile.TemporaryDirectory(dir=root, prefix=".dl-") as tmp:
+        if deb is None:
+            try:
+                lists_mtime = APT_LISTS.stat().st_mtime_ns
+            except OSError:
+                lists_mtime = None
+            try:
+                saved = json.loads(memo.read_text())
+                if saved.get("apt_lists_mtime_ns") == lists_mtime and (Path(saved["dir"]) / "qemu-ga").is_file():
+                    return Path(saved["dir"]) / "qemu-ga"
+            except (OSError, ValueError, KeyError):
+                pass
+            try:
+                _run(["apt-get", "download", QEMU_GA_PACKAGE], cwd=tmp)
+            except ImageError as exc:
+                cached = _cached_qemu_gas(root)
+                if not cached:
+                    raise ImageError(f"cannot get qemu-ga for the guest image: {exc}") from None
+                LOG.warning("cannot download %s (%s): using the cached %s", QEMU_GA_PACKAGE, exc, cached[-1].name)
+                return cached[-1] / "qemu-ga"
+            deb = next(Path(tmp).glob("*.deb"))
+        else:
+            lists_mtime = None
+        version = _run(["dpkg-deb", "-f", str(deb), "Version"]).stdout.strip()
+        final = root / re.sub(r"[^A-Za-z0-9.+~-]", "_", version)
+        if not (final / "qemu-ga").is_file():
+            unpacked = Path(tmp) / "x"
+            _run(["dpkg-deb", "-x", str(deb), str(unpacked)])
+            binary = unpacked / "usr" / "sbin" / "qemu-ga"
+            if not binary.is_file():
+                raise ImageError(f"{deb} holds no usr/sbin/qemu-ga")
+            staged = Path(tmp) / "final"
+            staged.mkdir()
+            shutil.copy2(binary, staged / "qemu-ga")
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staged, final)
+            LOG.info("unpacked %s %s into %s", QEMU_GA_PACKAGE, version, final)
+        if lists_mtime is not None:
+            memo.write_text(json.dumps({"dir": str(final), "apt_lists_mtime_ns": lists_mtime}))
+        return final / "qemu-ga"
+
+
 # ---------------------------------------------------------------- the image
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +461,11 @@ class ImageSpec:
     hostname: str = "accelmig-guest"
     kernel_package: str | None = None
     kernel_deb: str | None = None
+    #: add qemu-guest-agent (``/usr/sbin/qemu-ga``, started by 45-qemu-ga
+    #: when the domain has its channel): the guest of a VM without
+    #: accelmig's channel, rehomed through ``guest-exec``
+    with_qemu_ga: bool = False
+    qemu_ga_deb: str | None = None    # a qemu-guest-agent .deb on disk (default: apt-get download)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +485,9 @@ class GuestImage:
 
 
 def guest_cmdline(*, net: str | None = None, agent: bool | None = None, app: bool | None = None,
-                  hostname: str | None = None, quiet: bool = True, extra: str = "") -> str:
+                  hostname: str | None = None, quiet: bool = True, extra: str = "",
+                  agent_port: str | None = None, qemu_ga: bool | None = None,
+                  qemu_ga_block: str | None = None) -> str:
     """The kernel command line for a lab guest.
 
     ``net="10.89.1.10/24,10.89.1.1"`` configures the fabric NIC (eth0) with
@@ -419,6 +495,11 @@ def guest_cmdline(*, net: str | None = None, agent: bool | None = None, app: boo
     guest agent / demo app from starting (a test that talks on the agent's
     own port, say).  ``console=ttyS0``: the domain's serial console is a
     file, which is the boot log a failing test prints.
+
+    ``agent_port="none"`` runs the agent without a host channel (a VM with
+    only qemu-guest-agent); ``qemu_ga=False`` keeps qemu-ga from starting;
+    ``qemu_ga_block="guest-exec,..."`` disables those commands in qemu-ga
+    (``--block-rpcs``, as distributions' policies do).
     """
     # tsc=reliable no_timer_check: the emulated TSC is stable, and skipping
     # the clocksource checks saves ~0.5 s of boot under TCG (measured).
@@ -435,6 +516,16 @@ def guest_cmdline(*, net: str | None = None, agent: bool | None = None, app: boo
         words.append(f"accelmig.app={'on' if app else 'off'}")
     if hostname:
         words.append(f"accelmig.hostname={hostname}")
+    if agent_port is not None:
+        if not re.fullmatch(r"none|[A-Za-z0-9._-]+", agent_port):
+            raise ValueError(f"agent_port {agent_port!r} is not 'none' or a virtio port name")
+        words.append(f"accelmig.agent_port={agent_port}")
+    if qemu_ga is not None:
+        words.append(f"accelmig.qemu_ga={'on' if qemu_ga else 'off'}")
+    if qemu_ga_block:
+        if not re.fullmatch(r"[a-z0-9-]+(,[a-z0-9-]+)*", qemu_ga_block):
+            raise ValueError(f"qemu_ga_block {qemu_ga_block!r} is not a comma-separated list of commands")
+        words.append(f"accelmig.qemu_ga_block={qemu_ga_block}")
     if extra:
         words.append(extra)
     return " ".join(words)
@@ -486,15 +577,32 @@ def _stdlib_files(stdlib: Path):
                 yield Path(dirpath) / name
 
 
-def _ldd(paths) -> list[str]:
-    """The shared libraries (as ldd names them, loader included) of ``paths``."""
+def _ldd(paths, required=()) -> list[str]:
+    """The shared libraries (as ldd names them, loader included) of ``paths``.
+    A library of one of the ``required`` binaries that this host lacks is an
+    error (the guest would fail to start it)."""
     libs: set[str] = set()
-    out = _run(["ldd", *map(str, paths)]).stdout
+    paths = [str(p) for p in paths]
+    required = {str(p) for p in required}
+    out = _run(["ldd", *paths]).stdout
+    current = paths[0] if len(paths) == 1 else None
     for line in out.splitlines():
+        if not line.startswith(("\t", " ")) and line.endswith(":"):
+            current = line[:-1]        # ldd of several files: "path:" heads each one's list
+            continue
         line = line.strip()
+        if line.endswith("=> not found") and current in required:
+            raise ImageError(f"{current} needs {line.split()[0]}, which is not installed on this host")
         match = re.match(r"\S+ => (/\S+) \(0x", line) or re.match(r"(/\S+) \(0x", line)
         if match:
             libs.add(match.group(1))
+    # glibc dlopen()s libgcc_s when a thread exits (pthread_exit unwinds);
+    # ldd cannot see that, and without it every Python thread's exit aborts.
+    for lib in libs.copy():
+        if os.path.basename(lib).startswith("libc.so"):
+            gcc_s = os.path.join(os.path.dirname(lib), "libgcc_s.so.1")
+            if os.path.exists(gcc_s):
+                libs.add(gcc_s)
     return sorted(libs)
 
 
@@ -619,6 +727,8 @@ AGENT_SH = r"""#!/bin/sh
 # The accelmig guest agent on its virtio-serial port, restarted if it exits.
 # Not started when accelmig.agent=off, or when this image's accelmig.agent
 # has no __main__ (an image built before the agent existed).
+# accelmig.agent_port=none: no host channel (a VM with only qemu-guest-agent,
+# rehomed through guest-exec of 'accelmig-agent rehome --stdin').
 . /etc/accelmig/lib.sh
 load_settings
 case "${ACCELMIG_AGENT:-auto}" in off|0|no) log "agent disabled (accelmig.agent=off)"; exit 0;; esac
@@ -626,11 +736,38 @@ if [ ! -f "$ACCELMIG_SITE/accelmig/agent/__main__.py" ]; then
     log "no accelmig/agent/__main__.py in this image: agent not started"
     exit 0
 fi
+port_name=${ACCELMIG_AGENT_PORT:-@PORT@}
 (
-    wait_port @PORT@ 30 || { log "no virtio port @PORT@: agent not started"; exit 1; }
+    if [ "$port_name" = none ]; then
+        port=none
+    else
+        wait_port "$port_name" 30 || { log "no virtio port $port_name: agent not started"; exit 1; }
+        port=/dev/virtio-ports/$port_name
+    fi
     while :; do
-        python3 -m accelmig.agent run --port /dev/virtio-ports/@PORT@
+        python3 -m accelmig.agent run --port "$port"
         log "agent exited (status $?): restarting in 1 s"
+        sleep 1
+    done
+) </dev/null >/dev/console 2>&1 &
+"""
+
+QEMU_GA_SH = r"""#!/bin/sh
+# qemu-guest-agent on its virtio-serial port (images built with_qemu_ga),
+# when the domain has that port; restarted if it exits.  accelmig.qemu_ga=off
+# keeps it from starting; accelmig.qemu_ga_block=cmd,... disables commands
+# (qemu-ga --block-rpcs), as some distributions do by policy for guest-exec.
+. /etc/accelmig/lib.sh
+load_settings
+case "${ACCELMIG_QEMU_GA:-on}" in off|0|no) log "qemu-ga disabled (accelmig.qemu_ga=off)"; exit 0;; esac
+(
+    wait_port @PORT@ 5 || { log "no virtio port @PORT@: qemu-ga not started"; exit 0; }
+    set -- -m virtio-serial -p /dev/virtio-ports/@PORT@ -t /run -f /run/qemu-ga.pid
+    [ -n "$ACCELMIG_QEMU_GA_BLOCK" ] && set -- "$@" --block-rpcs "$ACCELMIG_QEMU_GA_BLOCK"
+    log "qemu-ga $*"
+    while :; do
+        /usr/sbin/qemu-ga "$@"
+        log "qemu-ga exited (status $?): restarting in 1 s"
         sleep 1
     done
 ) </dev/null >/dev/console 2>&1 &
@@ -656,7 +793,11 @@ def _generated_files(spec: ImageSpec, modules: list[str]) -> list[ExtraFile]:
                   f"ACCELMIG_HOSTNAME={shlex.quote(spec.hostname)}"]
     if spec.app_command:
         guest_conf.append(f"ACCELMIG_APP_COMMAND={shlex.quote(spec.app_command)}")
+    qemu_ga = [ExtraFile("/etc/accelmig/init.d/45-qemu-ga",
+                         QEMU_GA_SH.replace("@PORT@", QEMU_GA_CHANNEL_NAME).encode(), 0o755)
+               ] if spec.with_qemu_ga else []
     return [
+        *qemu_ga,
         ExtraFile("/init", INIT_SH.replace("@HOSTNAME@", spec.hostname).encode(), 0o755),
         ExtraFile("/etc/inittab", INITTAB.encode()),
         ExtraFile("/etc/accelmig/lib.sh", LIB_SH.replace("@SITE@", GUEST_SITE).encode()),
@@ -681,7 +822,7 @@ def _hash_file(h, path: Path):
 
 
 def image_key(spec: ImageSpec, kernel: Kernel, generated: list[ExtraFile],
-              stdlib: Path, agent_src: Path, wire_src: Path) -> str:
+              stdlib: Path, agent_src: Path, wire_src: Path, qemu_ga: Path | None = None) -> str:
     """A hash of every input: change any of them and the image is rebuilt."""
     h = hashlib.sha256()
     h.update(json.dumps({
@@ -691,6 +832,8 @@ def image_key(spec: ImageSpec, kernel: Kernel, generated: list[ExtraFile],
     }, sort_keys=True).encode())
     _hash_file(h, Path(spec.python).resolve())
     _hash_file(h, Path(spec.busybox).resolve())
+    if qemu_ga is not None:
+        _hash_file(h, qemu_ga)
     # The stdlib by listing (path, size, mtime): cheap, and it changes with
     # every package upgrade.
     # (sources only: root running Python keeps adding bytecode to the host's
@@ -797,6 +940,7 @@ class _Plan:
     stdlib: Path
     generated: list
     key: str
+    qemu_ga: Path | None = None      # the qemu-ga binary (images built with_qemu_ga)
 
 
 def _plan(spec: ImageSpec, cache: Path) -> _Plan:
@@ -809,8 +953,9 @@ def _plan(spec: ImageSpec, cache: Path) -> _Plan:
     wire_src = Path(spec.wire_src) if spec.wire_src else _package_dir("accelmig.wire")
     stdlib = _stdlib_dir(spec.python)
     generated = _generated_files(spec, modules)
-    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src)
-    return _Plan(kernel, modules, agent_src, wire_src, stdlib, generated, key)
+    qemu_ga = prepare_qemu_ga(cache, deb=spec.qemu_ga_deb) if spec.with_qemu_ga else None
+    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src, qemu_ga)
+    return _Plan(kernel, modules, agent_src, wire_src, stdlib, generated, key, qemu_ga)
 
 
 def image_key_for(spec: ImageSpec = ImageSpec(), cache: Path = DEFAULT_CACHE) -> str:
@@ -846,7 +991,7 @@ def build_image(spec: ImageSpec = ImageSpec(), cache: Path = DEFAULT_CACHE, *,
         tmp = Path(tempfile.mkdtemp(dir=images, prefix=f".build-{key}-"))
         try:
             _build(key, spec, plan.kernel, plan.modules, plan.generated, plan.stdlib,
-                   plan.agent_src, plan.wire_src, tmp)
+                   plan.agent_src, plan.wire_src, tmp, plan.qemu_ga)
             seconds = time.monotonic() - t_build
             meta = json.loads((tmp / "image.json").read_text())
             meta["build_seconds"] = round(seconds, 3)
@@ -888,7 +1033,7 @@ def _load_image(path: Path, build_seconds: float | None) -> GuestImage:
 
 
 def _build(key: str, spec: ImageSpec, kernel: Kernel, modules: list[str], generated: list[ExtraFile],
-           stdlib: Path, agent_src: Path, wire_src: Path, out: Path):
+           stdlib: Path, agent_src: Path, wire_src: Path, out: Path, qemu_ga: Path | None = None):
     step = time.monotonic()
 
     def progress(what: str):
@@ -918,7 +1063,8 @@ def _build(key: str, spec: ImageSpec, kernel: Kernel, modules: list[str], genera
     _run([spec.python, "-m", "compileall", "-q", "-j", "0", "-s", str(stage), "-p", "/",
           str(guest_stdlib), str(site.parent)])
     progress("precompiled")
-    libs = _ldd([spec.python, *dynload])
+    libs = _ldd([spec.python, *dynload, *([qemu_ga] if qemu_ga else [])],
+                required=[qemu_ga] if qemu_ga else [])
     progress(f"ldd: {len(libs)} shared libraries")
 
     # 2. The archive.
@@ -943,6 +1089,8 @@ def _build(key: str, spec: ImageSpec, kernel: Kernel, modules: list[str], genera
         python_name = Path(spec.python).name
         cpio.file(f"usr/bin/{python_name}", Path(spec.python).resolve(), mode=0o755)
         cpio.symlink("usr/bin/python3", python_name)
+        if qemu_ga is not None:
+            cpio.file("usr/sbin/qemu-ga", qemu_ga, mode=0o755)
         for lib in libs:
             parent = str(Path(lib).parent).lstrip("/")
             if parent not in cpio.names:
@@ -974,6 +1122,6 @@ def _build(key: str, spec: ImageSpec, kernel: Kernel, modules: list[str], genera
         "kernel_package": kernel.package, "kernel_version": kernel.version,
         "kernel_release": kernel.release, "modules": modules, "python": spec.python,
         "initramfs_bytes": size, "extra_files": sorted(e.path for e in spec.extra_files),
-        "app_command": spec.app_command,
+        "app_command": spec.app_command, "qemu_ga": qemu_ga is not None,
     }, indent=1))
     progress("done")
