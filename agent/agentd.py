@@ -264,9 +264,13 @@ class Agent:
                 self.send_host(ch.result(request_id, result=self.status()))
             elif kind == "identity":
                 identity = HostIdentity.from_wire(message.get("identity"))
+                # The host assigns the fabric NIC's address (host-bound
+                # fabrics): apply it before anyone connects through it.
+                network = self.network.apply(identity.guest_nic) if identity.guest_nic else []
                 self._store_identity(identity)
-                LOG.info("identity from host %s: pool at %s", identity.host_id, identity.pool_endpoint)
-                self.send_host(ch.result(request_id, result={"accepted": True}))
+                LOG.info("identity from host %s: pool at %s%s", identity.host_id, identity.pool_endpoint,
+                         f"; network: {'; '.join(network)}" if network else "")
+                self.send_host(ch.result(request_id, result={"accepted": True, "network": network}))
             elif kind == "rehome":
                 threading.Thread(target=self._rehome_and_answer, args=(message,),
                                  name=f"rehome-{request_id}", daemon=True).start()

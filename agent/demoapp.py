@@ -107,7 +107,7 @@ class JacobiSolver:
 
 
 def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, pause: float = 0.0,
-        on_step=None) -> dict:
+        on_step=None, prefix: str = "") -> dict:
     solver = JacobiSolver(device, n)
     started = time.monotonic()
     while solver.step < steps:
@@ -115,7 +115,7 @@ def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, paus
         residual = solver.measure()
         line = {"step": solver.step, "residual": residual, "t": round(time.monotonic() - started, 3)}
         if out is not None:
-            print(json.dumps(line), file=out, flush=True)
+            print(prefix + json.dumps(line), file=out, flush=True)
         if on_step is not None:
             on_step(solver)
         if pause:
@@ -124,7 +124,7 @@ def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, paus
               "residual": solver.residual, "seconds": round(time.monotonic() - started, 3),
               "sid": device.sid, "epoch": device.epoch, "resumes": device.stats["resumes"]}
     if out is not None:
-        print(json.dumps(result), file=out, flush=True)
+        print(prefix + json.dumps(result), file=out, flush=True)
     return result
 
 
@@ -139,14 +139,26 @@ def main(argv=None) -> int:
     parser.add_argument("--pause", type=float, default=0.0, help="seconds to sleep between reports")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="how long a call may wait (covers a migration's blackout)")
+    parser.add_argument("--prefix", default="", help="put this before every output line "
+                        "(to find them on a shared console)")
+    parser.add_argument("--wait-endpoint", type=float, default=0.0, metavar="SECONDS",
+                        help="without --endpoint, wait this long for the host to tell the guest "
+                             "agent where the pool is (a guest that just booted)")
     args = parser.parse_args(argv)
     from accelmig.agent.driver import connect
+    from accelmig.agent.registry import endpoint_from_agent
     from accelmig.wire.errors import AccelmigError
+    endpoint = args.endpoint
+    deadline = time.monotonic() + args.wait_endpoint
+    while endpoint is None and time.monotonic() < deadline:
+        endpoint = endpoint_from_agent()
+        if endpoint is None:
+            time.sleep(0.2)
     try:
-        with connect(args.endpoint, args.token, timeout=args.timeout) as device:
-            run(device, args.steps, args.size, args.report, pause=args.pause)
+        with connect(endpoint, args.token, timeout=args.timeout) as device:
+            run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix)
     except AccelmigError as exc:
-        print(json.dumps({"done": False, "error": exc.to_wire()}), flush=True)
+        print(args.prefix + json.dumps({"done": False, "error": exc.to_wire()}), flush=True)
         print(f"accelmig-demoapp: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -126,8 +126,9 @@ class NetworkConfigurator:
             self._ip("addr", "add", nic.cidr, "dev", ifname)
             changes += [f"{ifname}: removed {c}" for c in current if c != target]
             changes.append(f"{ifname}: added {target}")
+        # Up in any case: a guest that booted without an address has it down.
+        self._ip("link", "set", "dev", ifname, *(("mtu", str(nic.mtu)) if nic.mtu else ()), "up")
         if nic.mtu:
-            self._ip("link", "set", "dev", ifname, "mtu", str(nic.mtu), "up")
             changes.append(f"{ifname}: mtu {nic.mtu}")
         if nic.gateway:
             for dst in nic.routes or ("default",):

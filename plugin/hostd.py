@@ -443,6 +443,8 @@ class HostDaemon:
             record = await self._find_or_open(watch)
         mid = record["migration_id"]
         log_extra = {"domain": watch.name, "migration": mid}
+        if not watch.agent_channel and watch.guest_agent:
+            await self._attest_through_guest_agent(dom, watch)
         if postcopy:
             await self._pool_call("commit", domain_uuid=watch.uuid, migration_id=mid)
         done = await self._pool_call("complete", domain_uuid=watch.uuid, migration_id=mid)
@@ -470,6 +472,21 @@ class HostDaemon:
             summary["total_s"] * 1000, summary["complete_s"] * 1000, summary["deliver_s"] * 1000,
             "all sessions resumed" if ok else f"NOT all resumed: {result}", extra=log_extra)
         return summary
+
+    async def _attest_through_guest_agent(self, dom, watch: DomainWatch) -> None:
+        """A VM without the accelmig channel cannot report its sessions: ask
+        its agent through qemu-guest-agent (guest-exec), and attest them as
+        the destination of this migration, before the record freezes them."""
+        from accelmig.plugin import qga
+        loop = asyncio.get_running_loop()
+        try:
+            status = await loop.run_in_executor(None, lambda: qga.agent_status(dom, timeout=15.0))
+        except AccelmigError as exc:
+            LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
+                        watch.name, exc)
+            return
+        for session in status.get("sessions") or []:
+            await self._bind(watch, session.get("sid"))
 
     async def _find_or_open(self, watch: DomainWatch) -> dict:
         """The record of this incoming migration; opened now if the hook's note
@@ -609,6 +626,10 @@ class HostDaemon:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self.renew_interval)
+            if self.libvirt.conn is None:
+                # Blind to our domains: vouch for no record.  Their leases run
+                # out, and the pool aborts (or completes) them by itself.
+                continue
             try:
                 records = (await self._pool_call("list_records", open_only=True))["records"]
                 mine = [[r["domain_uuid"], r["migration_id"]] for r in records

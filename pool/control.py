@@ -151,7 +151,13 @@ class ControlServer:
 
     def do_bind_session(self, caller, sid, domain_uuid, domain_name=None):
         session = self._session(sid)
-        if session.bound_host not in (None, caller) and session.pending_move is None:
+        # The destination of an in-flight migration of this domain may attest
+        # too (a VM without the accelmig channel reports its sessions through
+        # guest-exec only there).  Binding moves nothing: a ticket still needs
+        # the session's own secret.
+        incoming = any(r.domain_uuid == domain_uuid and r.dest_host == caller
+                       for r in self.pool.open_records())
+        if session.bound_host not in (None, caller) and session.pending_move is None and not incoming:
             raise Conflict(reason=f"session {sid} is bound to host {session.bound_host}, "
                                   f"not {caller}")
         if session.domain_uuid not in (None, domain_uuid):
@@ -159,7 +165,8 @@ class ControlServer:
         session.domain_uuid = domain_uuid
         if session.bound_host is None:
             session.bound_host = caller
-        self.pool.domain_hosts.setdefault(domain_uuid, caller)
+        if not incoming:
+            self.pool.domain_hosts.setdefault(domain_uuid, caller)
         # a session opened while its domain migrates joins the migration
         now = time.time()
         for record in self.pool.open_records():

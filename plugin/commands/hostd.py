@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 
@@ -50,6 +51,7 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
     from accelmig.plugin.config import HostConfig
     from accelmig.plugin.hostd import HostDaemon
     logs.setup("accelmig-hostd", log_format, log_level)
+    logging.getLogger("pyroute2").setLevel(logging.WARNING)   # its debug output is per message
     try:
         config = HostConfig.load(config_path)
         daemon = HostDaemon(config, rehome_timeout=rehome_timeout)

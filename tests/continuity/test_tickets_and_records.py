@@ -290,10 +290,17 @@ def test_control_plane_authentication(hosts, domain):
 def test_only_the_parties_of_a_record_act_on_it(hosts, domain):
     with on_host(hosts, hosts.a) as dev:
         attest(hosts.a, dev, domain)
+        with pytest.raises(Conflict, match="bound to host hostA"):
+            hosts.b.call("bind_session", sid=dev.sid, domain_uuid=domain)
         record = hosts.b.call("open_migration", domain_uuid=domain)
+        # the destination of an in-flight migration of this domain may attest
+        # (a VM with only qemu-guest-agent reports its sessions there)
+        assert hosts.b.call("bind_session", sid=dev.sid, domain_uuid=domain)["bound_host"] == "hostA"
+        with pytest.raises(Conflict, match="bound to host hostA"):    # B migrates no other domain
+            hosts.b.call("bind_session", sid=dev.sid, domain_uuid="another-domain")
+        with pytest.raises(Conflict, match="belongs to domain"):
+            hosts.a.call("bind_session", sid=dev.sid, domain_uuid="another-domain")
         with pytest.raises(Conflict, match="is the destination"):
             hosts.b.call("switchover", domain_uuid=domain)
         with pytest.raises(Conflict, match="goes to hostB, not hostA"):
             hosts.a.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
-        with pytest.raises(Conflict, match="bound to host hostA"):
-            hosts.b.call("bind_session", sid=dev.sid, domain_uuid=domain)
