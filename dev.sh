@@ -2,7 +2,9 @@
 # accelmig's front door on a Debian 12 machine.  Idempotent: it installs what
 # is missing (apt packages, a virtualenv in .venv) and then does the job.
 #
-#   ./dev.sh demo          the main job: the local lab demo (a pool demo until the lab exists)
+#   ./dev.sh demo          the main job: the local lab demo (a VM live-migrating while it
+#                          computes on the pool); as non-root, the pool demo
+#   ./dev.sh pool-demo     the pool alone: a solver whose connection is cut five times
 #   ./dev.sh test          every test tier, as CI runs it (.ci/run calls exactly this)
 #   ./dev.sh test --fast   the seconds-long tier: no root, no VM
 #   ./dev.sh bench [NAME]  benchmarks under bench/ (tables + PNG plots in bench/results/)
@@ -67,6 +69,13 @@ case "$cmd" in
     setup ;;
   demo)
     setup
+    if [ "$(id -u)" -ne 0 ]; then
+      say "the lab demo needs root (namespaces, libvirt daemons): running the pool demo instead"
+      exec "$VENV/bin/python" -m accelmig.pool.demo "$@"
+    fi
+    exec "$VENV/bin/accelmig" lab demo "$@" ;;
+  pool-demo)
+    setup
     exec "$VENV/bin/python" -m accelmig.pool.demo "$@" ;;
   test)
     setup
@@ -81,6 +90,6 @@ case "$cmd" in
     shift || true
     exec "$VENV/bin/python" -m bench "$name" "$@" ;;
   *)
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     [ "$cmd" = help ] || exit 2 ;;
 esac
