@@ -90,6 +90,6 @@ case "$cmd" in
     shift || true
     exec "$VENV/bin/python" -m bench "$name" "$@" ;;
   *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     [ "$cmd" = help ] || exit 2 ;;
 esac
