@@ -39,7 +39,7 @@ class Table:
         lines = [self.title, "=" * len(head), head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r['label']:34} {_fmt(r['baseline'], r['unit']):>16} "
-                         f"{_fmt(r['subject'], r['unit']):>16} {r['ratio']:>7.2f}x")
+                         f"{_fmt(r['subject'], r['unit']):>16} {_fmt_ratio(r['ratio']):>8}")
         lines.append("(ratio = %s / %s; %s)" % (self.subject_name, self.baseline_name,
                      "; ".join(f"{r['label']}: {r['better']} is better" for r in self.rows[:1])))
         return "\n".join(lines)
@@ -80,6 +80,10 @@ class Table:
         return path
 
 
+def _fmt_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}x" if ratio >= 0.1 or ratio == 0 else f"{ratio:.2g}x"
+
+
 def _fmt(value: float, unit: str) -> str:
     if value >= 100:
         return f"{value:,.0f} {unit}"
@@ -99,3 +103,115 @@ def report(table: Table, name: str, extra: dict | None = None) -> None:
     json_path = table.save(name, extra)
     png = table.plot(name)
     print(f"\nwrote {json_path}" + (f" and {png}" if png else ""))
+
+
+# -- a real pool process with two emulated hypervisor hosts ---------------------------
+# hostA is IPv4 loopback (127.0.0.0/8), hostB is IPv6 loopback (::1): the pool
+# listens on both, so a driver "moves" from A to B by reconnecting over the
+# other address family (as tests/continuity/conftest.py does, without root).
+BENCH_TOKEN = "bench-token-0001"
+HOST_SECRETS = {"hostA": "hostA-bench-secret-0123456789", "hostB": "hostB-bench-secret-9876543210"}
+HOST_NETWORKS = {"hostA": "127.0.0.0/8", "hostB": "::1/128"}
+
+
+class TwoHostPool:
+    """``accelmig-pool serve`` in its own process, listening on 127.0.0.1 and
+    [::1], with hostA/hostB in its hosts file.  ``env`` adds to its
+    environment (e.g. ``{"POCL_KERNEL_CACHE": "0"}``)."""
+
+    def __init__(self, workdir: str, *, quota: str = "16GiB", env: dict | None = None,
+                 extra_args: tuple = ()):
+        import subprocess
+        import sys
+        self.workdir = workdir
+        tokens = os.path.join(workdir, "tokens.toml")
+        with open(tokens, "w") as handle:
+            handle.write(f'[tenants.bench]\ntoken = "{BENCH_TOKEN}"\nquota = "{quota}"\n')
+        hosts = os.path.join(workdir, "hosts.toml")
+        with open(hosts, "w") as handle:
+            for name, secret in HOST_SECRETS.items():
+                handle.write(f'[hosts.{name}]\nsecret = "{secret}"\naddresses = ["{HOST_NETWORKS[name]}"]\n')
+        self.log_path = os.path.join(workdir, "pool.log")
+        exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
+        argv = [exe, "serve", "--listen", "127.0.0.1:0,[::1]:0", "--control-listen", "127.0.0.1:0",
+                "--hosts", hosts, "--tokens", tokens, "--admin-socket", os.path.join(workdir, "pool.sock"),
+                "--log-level", "WARNING", "--log-format", "text", *extra_args]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env={**os.environ, **(env or {})})
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError(f"accelmig-pool did not start: {self.log_tail()}")
+        self.ready = json.loads(line)
+        port = self.ready["data"].rsplit(":", 1)[1]
+        self.endpoints = {"hostA": f"127.0.0.1:{port}", "hostB": f"[::1]:{port}"}
+        self.control_endpoint = self.ready["control"]
+        self.admin_socket = os.path.join(workdir, "pool.sock")
+
+    def host(self, name: str) -> "BenchHost":
+        return BenchHost(self, name)
+
+    def admin_call(self, method: str, **args):
+        from accelmig.wire.control import ControlClient
+        with ControlClient("unix:" + self.admin_socket, "admin", None) as client:
+            return client.call(method, **args)
+
+    def session(self, sid: str) -> dict:
+        return next(s for s in self.admin_call("list_sessions")["sessions"] if s["sid"] == sid)
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as handle:
+                return handle.read()[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+class BenchHost:
+    """A hypervisor host's side of the control plane (what hostd does, by hand)."""
+
+    def __init__(self, pool: TwoHostPool, name: str):
+        from accelmig.wire.control import ControlClient
+        self.name = name
+        self.endpoint = pool.endpoints[name]
+        self.client = ControlClient(pool.control_endpoint, name, HOST_SECRETS[name].encode())
+
+    def call(self, method: str, **args):
+        return self.client.call(method, **args)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def migrate_record(domain: str, src: BenchHost, dst: BenchHost, close: bool = True):
+    """Open, switch over and complete a migration record of ``domain`` from
+    ``src`` to ``dst`` (what the hosts' hooks do), then close it (the
+    source's QEMU stopped): the resume tickets, by session id.  With
+    ``close=False``: (tickets, a function that closes the record)."""
+    record = dst.call("open_migration", domain_uuid=domain)
+    src.call("switchover", domain_uuid=domain)
+    done = dst.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
+
+    def close_record():
+        src.call("close", domain_uuid=domain, migration_id=record["migration_id"])
+    if not close:
+        return done["tickets"], close_record
+    close_record()
+    return done["tickets"]
+
+
+def stop_process(proc, timeout: float = 10) -> None:
+    """SIGTERM the process we started (by its PID), then SIGKILL if it lingers."""
+    import subprocess
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
