@@ -105,9 +105,10 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, gated: bool, started
             _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc}")
             return 1
         _log(f"{operation} of {domain}: the XML was not adapted to this host: {exc}")
+    remaining = max(0.1, budget - (time.monotonic() - started))
     try:
-        client.call("hook", timeout=max(0.1, budget - (time.monotonic() - started)), op=operation,
-                    sub=sub, uuid=model.uuid, name=model.name, changes=[str(c) for c in changes])
+        client.call("hook", timeout=remaining, op=operation, sub=sub, uuid=model.uuid, name=model.name,
+                    changes=[str(c) for c in changes], budget=remaining * 0.8)
     except AccelmigError as exc:
         if config.hostd.strict:
             _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc} "

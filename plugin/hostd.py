@@ -55,6 +55,9 @@ LOG = logging.getLogger("accelmig.hostd")
 
 GATED = {("migrate", "begin"), ("restore", "begin")}
 IN_FLIGHT = {"open", "switched_over", "committed"}
+#: s after a record opened before its absence of progress is a verdict (the
+#: destination's prepare and the source's first job stats take a moment)
+VOUCH_GRACE = 5.0
 
 
 class Phase(enum.Enum):
@@ -259,10 +262,12 @@ class HostDaemon:
             except NoSuchRecord:
                 LOG.warning("domain %s left this host without a migration record", watch.name)
             watch.phase, watch.record = Phase.GONE, None
-        elif what == "STOPPED_FAILED":
+        elif what.startswith("STOPPED") and what != "STOPPED_SAVED" and \
+                watch.phase in (Phase.INCOMING, Phase.REHOMING):
+            # Whatever the reason libvirt gives (FAILED, CRASHED, DESTROYED), a
+            # domain that stops while still arriving is a failed migration.
             await self._close_channel(watch)
-            if watch.phase in (Phase.INCOMING, Phase.REHOMING):
-                await self._abort(watch, "the incoming migration failed on the destination")
+            await self._abort(watch, f"the incoming migration failed on the destination ({what})")
             watch.phase = Phase.GONE
         elif what == "STOPPED_SAVED":
             await self._close_channel(watch)
@@ -478,15 +483,28 @@ class HostDaemon:
         its agent through qemu-guest-agent (guest-exec), and attest them as
         the destination of this migration, before the record freezes them."""
         from accelmig.plugin import qga
-        loop = asyncio.get_running_loop()
         try:
-            status = await loop.run_in_executor(None, lambda: qga.agent_status(dom, timeout=15.0))
+            status = await self._qga(lambda: qga.agent_status(dom, timeout=15.0))
         except AccelmigError as exc:
             LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
                         watch.name, exc)
             return
         for session in status.get("sessions") or []:
             await self._bind(watch, session.get("sid"))
+
+    async def _qga(self, call):
+        """A blocking qemu-guest-agent call, off the loop, retried while qemu-ga
+        is not connected yet (right after a migration libvirt sees it tens of
+        milliseconds after the guest resumed)."""
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.rehome_timeout
+        while True:
+            try:
+                return await loop.run_in_executor(None, call)
+            except AccelmigError as exc:
+                if not exc.retriable or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def _find_or_open(self, watch: DomainWatch) -> dict:
         """The record of this incoming migration; opened now if the hook's note
@@ -517,11 +535,9 @@ class HostDaemon:
             raise Timeout(what=f"rehome of {watch.name} ({last_error})", timeout=self.rehome_timeout)
         if watch.guest_agent:
             from accelmig.plugin import qga
-            loop = asyncio.get_running_loop()
             LOG.warning("domain %s has no accelmig channel: rehoming through qemu-guest-agent guest-exec "
                         "(libvirt marks the domain tainted: custom-ga-command)", watch.name)
-            return await loop.run_in_executor(None, lambda: qga.deliver_rehome(dom, document,
-                                                                               timeout=self.rehome_timeout))
+            return await self._qga(lambda: qga.deliver_rehome(dom, document, timeout=self.rehome_timeout))
         raise Unavailable(what=f"the guest of {watch.name}",
                           reason="it has neither the accelmig channel nor qemu-guest-agent")
 
@@ -632,12 +648,56 @@ class HostDaemon:
                 continue
             try:
                 records = (await self._pool_call("list_records", open_only=True))["records"]
-                mine = [[r["domain_uuid"], r["migration_id"]] for r in records
-                        if self.host in (r["source_host"], r["dest_host"])]
+                mine = []
+                for record in records:
+                    if self.host not in (record["source_host"], record["dest_host"]):
+                        continue
+                    if await self._vouch(record):
+                        mine.append([record["domain_uuid"], record["migration_id"]])
                 if mine:
                     await self._pool_call("renew", records=mine)
             except AccelmigError as exc:
                 LOG.debug("lease renewal: %s", exc)
+
+    async def _vouch(self, record: dict) -> bool:
+        """Renew a record only while this host sees its migration going on.
+
+        libvirt emits no event for everything that ends a migration (an
+        incoming QEMU that dies during prepare vanishes silently; a job that
+        fails before switchover leaves the source running): a record nobody
+        can vouch for is aborted here, or left to its lease.
+        """
+        age = time.time() - record["times"]["opened"]
+        in_flight = record["state"] in ("open", "switched_over")
+        try:
+            dom = await self.libvirt.call(self.libvirt.conn.lookupByUUIDString, record["domain_uuid"])
+        except LibvirtFailure as exc:
+            dom = None if exc.kind == "no-domain" else False
+        if dom is False:
+            return True                      # libvirt trouble: not a verdict
+        if record["dest_host"] == self.host:
+            if dom is None:
+                if in_flight and age > VOUCH_GRACE:
+                    await self._abort_quiet(record["domain_uuid"], record,
+                                            "the incoming domain is gone from the destination")
+                return False
+            return True
+        # the source
+        if dom is None:
+            return True                      # it left: the destination completes the record
+        if in_flight and age > VOUCH_GRACE:
+            try:
+                job = (await self.libvirt.call(dom.jobInfo))[0]
+            except LibvirtFailure:
+                return True
+            if job == libvirt.VIR_DOMAIN_JOB_NONE:
+                state = (await self.libvirt.call(dom.state, 0))[0]
+                if state == libvirt.VIR_DOMAIN_RUNNING:
+                    await self._abort_quiet(record["domain_uuid"], record,
+                                            "no migration job on the source any more: the migration "
+                                            "ended without reaching the destination")
+                    return False
+        return True
 
     # -- local API ---------------------------------------------------------------------
     async def _api_ping(self, message: dict) -> dict:
@@ -667,15 +727,25 @@ class HostDaemon:
         watch = self._watch(uuid, name or uuid)
         watch.accelmig = True
         watch.events.append((round(time.time(), 3), f"hook {op} {sub}"))
+        budget = float(message.get("budget") or 5.0)      # what the hook can still wait
         if (op, sub) == ("migrate", "begin"):
             # No libvirt call here: libvirt is waiting for this hook.
-            record = await self._pool_call("open_migration", domain_uuid=uuid, domain_name=name)
+            try:
+                record = await asyncio.wait_for(
+                    self._pool_call("open_migration", domain_uuid=uuid, domain_name=name), budget)
+            except asyncio.TimeoutError:
+                raise Unavailable(what="the pool's control plane",
+                                  reason=f"no answer within the hook's {budget:.1f} s") from None
             watch.record, watch.phase = record, Phase.INCOMING
             LOG.info("domain %s incoming: record %s opened (policy %s)", name, record["migration_id"],
                      record["policy"], extra={"domain": name, "migration": record["migration_id"]})
             return {"record": record}
         if (op, sub) == ("restore", "begin"):
-            await self._pool_call("ping")      # strict mode: the pool must be there to unpark
+            try:                               # strict mode: the pool must be there to unpark
+                await asyncio.wait_for(self._pool_call("ping"), budget)
+            except asyncio.TimeoutError:
+                raise Unavailable(what="the pool's control plane",
+                                  reason=f"no answer within the hook's {budget:.1f} s") from None
             return {"restoring": uuid}
         return {"noted": True}
 

@@ -180,12 +180,12 @@ libvirt_uri = "qemu:///system"
         with self.admin() as admin:
             return admin.call("list_records", domain_uuid=domain_uuid)["records"]
 
-    def counters(self, domain_uuid: str) -> dict:
-        total = {"builds": 0, "bytes_uploaded": 0, "source_bytes": 0}
-        for session in self.sessions(domain_uuid):
-            for key in total:
-                total[key] += session["counters"][key]
-        return total
+    COUNTED = ("builds", "bytes_uploaded", "source_bytes")
+
+    def counters(self) -> dict:
+        """Per session id (every session: a VM without the accelmig channel
+        has its sessions attested to its domain only at its destination)."""
+        return {s["sid"]: {k: s["counters"][k] for k in self.COUNTED} for s in self.sessions()}
 
     # -- guests --------------------------------------------------------------------------
     def image(self, *, app_command: str | None = None, **spec) -> GuestImage:
@@ -258,7 +258,7 @@ libvirt_uri = "qemu:///system"
     def migrate_virsh(self, name: str, src: str, dst: str, *extra) -> dict:
         """``virsh migrate --live --p2p`` — no accelmig command involved."""
         uuid = self.lab.connect(src).lookupByName(name).UUIDString()
-        before = self.counters(uuid)
+        before = self.counters()
         dest_uri, migrate_uri = self.lab.migration_uris(dst)
         started = time.monotonic()
         out = self.virsh(src, "migrate", "--live", "--p2p", *extra, name, dest_uri, "--migrateuri", migrate_uri)
@@ -269,7 +269,7 @@ libvirt_uri = "qemu:///system"
 
     def migrate_accelmig(self, name: str, src: str, dst: str, *extra) -> dict:
         uuid = self.lab.connect(src).lookupByName(name).UUIDString()
-        before = self.counters(uuid)
+        before = self.counters()
         dest_uri, migrate_uri = self.lab.migration_uris(dst)
         started = time.monotonic()
         out = subprocess.run([venv_bin("accelmig"), "migrate", name, dest_uri, "--migrate-uri", migrate_uri,
@@ -302,14 +302,18 @@ libvirt_uri = "qemu:///system"
         stats = {}
         with contextlib.suppress(libvirt.libvirtError):
             stats = self.lab.connect(dst).lookupByName(name).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
-        after = self.counters(uuid)
-        resent = sum(after[k] - before[k] for k in after)
+        after = self.counters()
+        mine = {s["sid"] for s in self.sessions(uuid)}
+        zero = dict.fromkeys(self.COUNTED, 0)
+        delta = {k: sum(after[sid][k] - before.get(sid, zero)[k] for sid in mine if sid in after)
+                 for k in self.COUNTED}
+        resent = delta["bytes_uploaded"] + delta["source_bytes"]
         resumed = (record or {}).get("resumed") or {}
         return {"ok": record is not None and record["state"] != "aborted", "via": via, "to": dst,
                 "wall_s": round(wall, 3), "downtime_ms": stats.get("downtime"),
                 "blackout_ms": {sid[-6:]: round(v * 1000, 1) for sid, v in resumed.items()},
                 "sessions": len((record or {}).get("sessions") or []), "resumed": len(resumed),
-                "bytes_resent": resent, "rebuilds": after["builds"] - before["builds"],
+                "bytes_resent": resent, "rebuilds": delta["builds"],
                 "record": record}
 
     # -- by hand -------------------------------------------------------------------------

@@ -136,7 +136,7 @@ class Lab:
 
     def __init__(self, name: str = "lab", *, base_dir: Path | str = DEFAULT_BASE,
                  cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
-                 pool: bool = False, tenants: dict | None = None):
+                 pool: bool = False, tenants: dict | None = None, pool_args: list | None = None):
         self.name = name
         self.topology = labnet.Topology(name)
         self.dir = Path(base_dir) / name
@@ -145,6 +145,7 @@ class Lab:
         self._virt_setting = virt_type
         self._virt_type: str | None = None
         self.want_pool = pool
+        self.pool_args = list(pool_args or [])     # extra 'accelmig-pool serve' flags (e.g. --lease-ttl)
         self.tenants = dict(tenants or DEFAULT_TENANTS)
         self.state: dict = {}
         self.nodes: dict[str, LibvirtNode] = {}
@@ -332,7 +333,7 @@ class Lab:
         argv = [str(exe), "serve", "--listen", f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
                 "--control-listen", f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}",
                 "--tokens", str(tokens), "--hosts", str(hosts),
-                "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text"]
+                "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text", *self.pool_args]
         with open(ready, "ab") as out:
             proc = self.spawn("pool", "pool", argv, log=pdir / "pool.log", stdout=out)
         deadline = time.monotonic() + 60

@@ -1,0 +1,342 @@
+"""End to end: real libvirt daemons, real QEMU guests (TCG) computing on a
+real pool, real live migrations — and every way they go wrong.
+
+One lab for the module: pool + hostA + hostB, hostd and the hook on each.
+Each test boots its own VM running the demo solver (state in device
+memory, intermediate variables in the guest) and checks its final result
+against a run that never migrated.  Tests that abort or kill something
+mid-migration first slow the migration down (virsh migrate-setspeed), so
+they are not races.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import libvirt
+import pytest
+
+from accelmig.plugin.lab.accel import AccelLab, demo_command
+from accelmig.plugin.lab.image import ImageSpec, build_image
+
+pytestmark = [pytest.mark.root, pytest.mark.libvirt, pytest.mark.vm, pytest.mark.slow]
+
+STEPS = 1000
+PAUSE = 0.3          # seconds between progress reports: the solver runs ~15-20 s (outlives
+                     # a second VM's boot and a migration or two)
+LEASE = 6            # the lab pool's record lease, for the tests that wait it out
+
+
+@pytest.fixture(scope="module")
+def accel():
+    lab = AccelLab(f"e2e{os.getpid() % 10000}", pool_args=["--lease-ttl", str(LEASE)])
+    try:
+        lab.up()
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.fixture(scope="module")
+def reference(accel):
+    return accel.reference(steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def image(accel):
+    return accel.demo_image(steps=STEPS, pause=PAUSE)
+
+
+@pytest.fixture
+def vms(accel):
+    """Names of VMs a test boots; destroyed afterwards wherever they are."""
+    names: list[str] = []
+    yield names
+    for host in accel.lab.HOSTS:
+        for name in names:
+            with contextlib.suppress(libvirt.libvirtError):
+                accel.lab.connect(host).lookupByName(name).destroy()
+
+
+def boot(accel, vms, name, image, host="hostA", **values):
+    vms.append(name)
+    accel.boot(name, image, host, **values)
+    return accel.wait_demo(name, lambda ls: [l for l in ls if "step" in l], timeout=120,
+                           what=f"{name}'s solver to start")
+
+
+def uuid_of(accel, name):
+    return accel.lab.connect(accel.where(name)).lookupByName(name).UUIDString()
+
+
+def diagnosis(accel, *vms) -> str:
+    out = [f"--- hostd {h} ---\n" + "\n".join(accel.hostd_log(h).splitlines()[-30:]) for h in accel.lab.HOSTS]
+    for vm in vms:
+        out.append(f"--- console {vm} ---\n" + "\n".join(accel.console(vm)[-40:]))
+    return "\n".join(out)
+
+
+def check_hot(result, accel, *vms):
+    """What a hot move must be: rehomed, nothing re-sent, nothing rebuilt."""
+    assert result["ok"], f"{result}\n{diagnosis(accel, *vms)}"
+    assert result["resumed"] == result["sessions"] >= 1, f"{result}\n{diagnosis(accel, *vms)}"
+    assert result["bytes_resent"] == 0 and result["rebuilds"] == 0, result
+
+
+def slow(accel, host, name, mib_per_s=4):
+    out = accel.virsh(host, "migrate-setspeed", name, str(mib_per_s))
+    assert out.returncode == 0, out.stderr
+
+
+def start_migration(accel, name, src, dst, *extra):
+    dest_uri, migrate_uri = accel.lab.migration_uris(dst)
+    return subprocess.Popen(["virsh", "-c", accel.lab.uri(src), "migrate", "--live", "--p2p", *extra, name,
+                             dest_uri, "--migrateuri", migrate_uri],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_job(accel, host, name, timeout=20):
+    dom = accel.lab.connect(host).lookupByName(name)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE:
+            return dom
+        time.sleep(0.05)
+    raise AssertionError(f"no migration job on {host} for {name}")
+
+
+def record_of(accel, uuid, predicate, timeout=30, what="record state"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = accel.records(uuid)
+        if records:
+            latest = max(records, key=lambda r: r["times"]["opened"])
+            if predicate(latest):
+                return latest
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: {accel.records(uuid)}\n{diagnosis(accel)}")
+
+
+def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, image, reference):
+    boot(accel, vms, "vm-aba", image)
+    uuid = uuid_of(accel, "vm-aba")
+    moves = [accel.migrate_virsh("vm-aba", "hostA", "hostB"),
+             accel.migrate_virsh("vm-aba", "hostB", "hostA"),
+             accel.migrate_accelmig("vm-aba", "hostA", "hostB")]
+    for move in moves:
+        check_hot(move, accel)
+        assert move["downtime_ms"] is not None and max(move["blackout_ms"].values()) > 0
+    assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1
+    done = accel.demo_done("vm-aba")
+    assert done["sha256"] == reference["sha256"], "the result differs from a run that never migrated"
+    assert done["resumes"] == 3 and done["epoch"] == 4
+    session = accel.sessions(uuid) or [s for s in accel.sessions() if s["sid"] == done["sid"]]
+    counters = session[0]["counters"] if session else None
+    if counters:      # still there (grace): one build, the initial uploads only
+        assert counters["builds"] == 1
+
+
+def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference):
+    boot(accel, vms, "vm-post", image)
+    uuid = uuid_of(accel, "vm-post")
+    slow(accel, "hostA", "vm-post", 8)
+    migration = start_migration(accel, "vm-post", "hostA", "hostB", "--postcopy")
+    wait_job(accel, "hostA", "vm-post")
+    time.sleep(1.0)
+    switch = accel.virsh("hostA", "migrate-postcopy", "vm-post")
+    assert switch.returncode == 0, switch.stderr
+    out, err = migration.communicate(timeout=180)
+    assert migration.returncode == 0, err
+    record = record_of(accel, uuid, lambda r: r["state"] in ("completed", "closed") and r["resumed"],
+                       what="post-copy rehome")
+    assert "committed" in record["times"], "post-copy must commit the record (no way back)"
+    assert accel.where("vm-post") == "hostB"
+    assert accel.demo_done("vm-post")["sha256"] == reference["sha256"]
+
+
+def test_an_aborted_precopy_leaves_the_vm_running_at_the_source(accel, vms, image, reference):
+    boot(accel, vms, "vm-abort", image)
+    uuid = uuid_of(accel, "vm-abort")
+    slow(accel, "hostA", "vm-abort", 4)
+    migration = start_migration(accel, "vm-abort", "hostA", "hostB")
+    wait_job(accel, "hostA", "vm-abort")
+    time.sleep(0.5)
+    abort = accel.virsh("hostA", "domjobabort", "vm-abort")
+    assert abort.returncode == 0, abort.stderr
+    migration.communicate(timeout=60)
+    assert migration.returncode != 0
+    assert accel.where("vm-abort") == "hostA"
+    record = record_of(accel, uuid, lambda r: r["state"] == "aborted", what="abort")
+    assert record["dest_host"] == "hostB" and not record["tickets"] if "tickets" in record else True
+    done = accel.demo_done("vm-abort")
+    assert done["sha256"] == reference["sha256"] and done["resumes"] == 0   # never even reconnected
+
+
+def test_the_destination_qemu_dies_mid_migration(accel, vms, image, reference):
+    boot(accel, vms, "vm-qemu", image)
+    uuid = uuid_of(accel, "vm-qemu")
+    slow(accel, "hostA", "vm-qemu", 4)
+    migration = start_migration(accel, "vm-qemu", "hostA", "hostB")
+    wait_job(accel, "hostA", "vm-qemu")
+    pid_file = accel.lab.node("hostB").host_path("/run/libvirt/qemu/vm-qemu.pid")
+    deadline = time.monotonic() + 20
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+    migration.communicate(timeout=60)
+    assert migration.returncode != 0
+    assert accel.where("vm-qemu") == "hostA"
+    record = record_of(accel, uuid, lambda r: r["state"] == "aborted", what="abort by B's hostd")
+    assert any(reason in record["abort_reason"] for reason in (
+        "failed on the destination", "gone from the destination", "no migration job on the source",
+        "lease expired")), record["abort_reason"]
+    assert accel.demo_done("vm-qemu")["sha256"] == reference["sha256"]
+
+
+def test_the_destination_libvirtd_dies_mid_migration(accel, vms, image, reference):
+    boot(accel, vms, "vm-lvd", image)
+    uuid = uuid_of(accel, "vm-lvd")
+    slow(accel, "hostA", "vm-lvd", 4)
+    migration = start_migration(accel, "vm-lvd", "hostA", "hostB")
+    wait_job(accel, "hostA", "vm-lvd")
+    record_of(accel, uuid, lambda r: r["state"] == "open", what="record opened by B")
+    node = accel.lab.node("hostB")
+    os.kill(node.pid, signal.SIGKILL)
+    try:
+        migration.communicate(timeout=60)
+        assert migration.returncode != 0
+        assert accel.where("vm-lvd") == "hostA"
+        # B's hostd cannot see its libvirt and vouches for nothing; A's sees its
+        # migration job gone: the record is aborted (by A, or else by the lease)
+        record = record_of(accel, uuid, lambda r: r["state"] == "aborted", timeout=LEASE * 4,
+                           what="abort")
+        assert any(reason in record["abort_reason"] for reason in (
+            "no migration job on the source", "lease expired")), record["abort_reason"]
+    finally:
+        node.stop()
+        node.start()
+        node.wait_ready()
+        accel.lab.state["nodes"]["hostB"] = node.state()
+        accel.lab._write_state()
+        accel.lab._conns.pop("hostB", None)
+    accel.wait_hostd("hostB")     # reconnected and reconciled
+    assert accel.demo_done("vm-lvd")["sha256"] == reference["sha256"]
+
+
+def test_hostd_down_strict_refuses_lenient_reconciles_later(accel, vms, image, reference):
+    boot(accel, vms, "vm-hostd", image)
+    uuid = uuid_of(accel, "vm-hostd")
+    accel.stop_hostd("hostB")
+    try:
+        refused = accel.migrate_virsh("vm-hostd", "hostA", "hostB")
+        assert not refused["ok"] and "refusing migrate of vm-hostd to host hostB" in refused["error"]
+        assert accel.where("vm-hostd") == "hostA"
+        accel.set_strict("hostB", False)
+        dest_uri, migrate_uri = accel.lab.migration_uris("hostB")
+        out = accel.virsh("hostA", "migrate", "--live", "--p2p", "vm-hostd", dest_uri, "--migrateuri", migrate_uri)
+        assert out.returncode == 0, out.stderr
+        assert accel.where("vm-hostd") == "hostB"
+    finally:
+        accel.set_strict("hostB", True)
+        accel.start_hostd("hostB")
+    accel.wait_hostd("hostB")
+    record = record_of(accel, uuid, lambda r: r["dest_host"] == "hostB" and r["resumed"], timeout=60,
+                       what="rehome after reconciliation")
+    assert record["state"] in ("completed", "closed")
+    assert accel.demo_done("vm-hostd")["sha256"] == reference["sha256"]
+
+
+def test_save_restore_and_a_second_restore_refused_as_diverged(accel, vms, reference, tmp_path):
+    # a solver that runs long enough for the first restored copy to still be
+    # computing when the second copy comes
+    image = accel.demo_image(steps=4000, pause=PAUSE)
+    boot(accel, vms, "vm-save", image)
+    uuid = uuid_of(accel, "vm-save")
+    saved = accel.lab.dir / "vm-save.img"
+    out = accel.virsh("hostA", "save", "vm-save", str(saved))
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 20          # hostd parks at the STOPPED_SAVED event
+    while time.monotonic() < deadline:
+        parked = accel.sessions(uuid)
+        if parked and all(s["parked"] for s in parked):
+            break
+        time.sleep(0.1)
+    assert parked and all(s["parked"] for s in parked), parked
+    sid = parked[0]["sid"]
+    out = accel.virsh("hostA", "restore", str(saved))
+    assert out.returncode == 0, out.stderr
+    # the first copy resumes and computes on
+    # (the restored guest's console log starts afresh: its lines are all new)
+    accel.wait_demo("vm-save", lambda ls: len([l for l in ls if "step" in l]) >= 3, timeout=120,
+                    what="the restored solver computing on")
+    epoch = next(s for s in accel.sessions(uuid) if s["sid"] == sid)["epoch"]
+    assert epoch >= 2 and not next(s for s in accel.sessions(uuid) if s["sid"] == sid)["parked"]
+    # the same image restored a second time: an older copy of the session
+    accel.lab.connect("hostA").lookupByName("vm-save").destroy()
+    out = accel.virsh("hostA", "restore", str(saved))
+    assert out.returncode == 0, out.stderr
+    refusal = accel.wait_demo("vm-save", lambda ls: next((l for l in ls if l.get("done") is False), None),
+                              timeout=120, what="the second copy refused")
+    assert refusal["error"]["code"] == "SESSION_DIVERGED" and "older copy" in refusal["error"]["message"]
+    # loudly: the pool logs the refusal (the driver's own reconnect or hostd's
+    # resume after the restore, whichever comes first, meets it)
+    pool_log = (accel.lab.dir / "pool" / "pool.log").read_text()
+    assert f"resume of {sid}" in pool_log and "SESSION_DIVERGED" in pool_log
+    # the pool's session is untouched by the refusal
+    after = next((s for s in accel.sessions() if s["sid"] == sid), None)
+    assert after is not None, (sid, accel.sessions(), pool_log[-3000:])
+    assert after["epoch"] == epoch
+
+
+def test_two_vms_migrated_at_once(accel, vms, image, reference):
+    boot(accel, vms, "vm-e1", image)
+    boot(accel, vms, "vm-e2", image)
+    results = {}
+
+    def move(name):
+        results[name] = accel.migrate_virsh(name, "hostA", "hostB")
+
+    threads = [threading.Thread(target=move, args=(n,)) for n in ("vm-e1", "vm-e2")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for name in ("vm-e1", "vm-e2"):
+        check_hot(results[name], accel, name)
+        assert accel.where(name) == "hostB"
+        assert accel.demo_done(name)["sha256"] == reference["sha256"]
+
+
+def test_a_vm_with_two_applications(accel, vms, reference):
+    one = demo_command(accel.token, STEPS, 128, 20, PAUSE)
+    image = accel.image(app_command=f"({one}) & ({one}); wait")
+    boot(accel, vms, "vm-two", image)
+    uuid = uuid_of(accel, "vm-two")
+    deadline = time.monotonic() + 60
+    while len(accel.sessions(uuid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    result = accel.migrate_virsh("vm-two", "hostA", "hostB")
+    check_hot(result, accel)
+    assert result["sessions"] == 2
+    dones = accel.wait_demo("vm-two", lambda ls: [l for l in ls if "done" in l] if
+                            len([l for l in ls if "done" in l]) == 2 else None, timeout=300, what="both apps")
+    assert {d["sha256"] for d in dones} == {reference["sha256"]} and len({d["sid"] for d in dones}) == 2
+
+
+def test_a_vm_with_only_qemu_guest_agent_is_rehomed_through_guest_exec(accel, vms, reference):
+    from accelmig.plugin.lab import netns as labnet
+    app = demo_command(accel.token, STEPS, 128, 20, PAUSE).replace(
+        "--wait-endpoint 120", f"--endpoint {labnet.POOL_ADDRESS}:7070")
+    image = build_image(ImageSpec(app_command=app, with_qemu_ga=True), cache=accel.lab.cache)
+    plan = accel.lab.topology.host("hostA")
+    boot(accel, vms, "vm-nova", image, agent_channel=False, qemu_guest_agent=True,
+         cmdline_options={"agent_port": "none", "net": f"{plan.guest_address(50)},{plan.gateway}"})
+    result = accel.migrate_virsh("vm-nova", "hostA", "hostB")
+    check_hot(result, accel)
+    assert "custom-ga-command" in accel.hostd_log("hostB") or "guest-exec" in accel.hostd_log("hostB")
+    assert accel.demo_done("vm-nova")["sha256"] == reference["sha256"]
