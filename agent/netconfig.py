@@ -42,11 +42,8 @@ def choose_interface(links: list[tuple[str, str]], mac: str | None) -> str:
 class NetworkConfigurator:
     def __init__(self, use_pyroute2: bool | None = None, ip_tool: str | None = None):
         if use_pyroute2 is None:
-            try:
-                import pyroute2  # noqa: F401
-                use_pyroute2 = True
-            except ImportError:
-                use_pyroute2 = False
+            import importlib.util
+            use_pyroute2 = importlib.util.find_spec("pyroute2") is not None
         self.use_pyroute2 = use_pyroute2
         self.ip_tool = ip_tool or shutil.which("ip") or "/sbin/ip"
 

@@ -42,7 +42,7 @@ def skip_reason() -> str | None:
     if not os.path.exists("/usr/sbin/libvirtd") and shutil.which("libvirtd") is None:
         missing.append("libvirtd")
     if missing:
-        return f"missing {', '.join(missing)} (Debian: libvirt-daemon-system qemu-system-x86 iproute2)"
+        return f"missing {', '.join(missing)} (Debian: libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 iproute2; ./dev.sh setup)"
     try:
         import libvirt  # noqa: F401
     except ImportError:

@@ -73,15 +73,22 @@ class Table:
             ax.bar_label(bars, labels=[_fmt(row["baseline"], row["unit"]), _fmt(row["subject"], row["unit"])],
                          fontsize=7)
         fig.suptitle(self.title, fontsize=10)
-        fig.tight_layout()
-        path = os.path.join(RESULTS, f"{name}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+        return save_figure(fig, name)
 
 
 def _fmt_ratio(ratio: float) -> str:
     return f"{ratio:.2f}x" if ratio >= 0.1 or ratio == 0 else f"{ratio:.2g}x"
+
+
+def save_figure(fig, name: str) -> str:
+    """Lay out, write bench/results/NAME.png, close; return the path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _fmt(value: float, unit: str) -> str:

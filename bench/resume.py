@@ -46,7 +46,7 @@ import tempfile
 import time
 import uuid
 
-from bench.common import BENCH_TOKEN, RESULTS, Table, TwoHostPool, migrate_record
+from bench.common import BENCH_TOKEN, Table, TwoHostPool, migrate_record, save_figure
 
 MIB = 1 << 20
 PROBE_WORDS = 64
@@ -346,12 +346,7 @@ def plot(results: dict, args) -> str | None:
     ax.set_title(f"hot rehome vs cold restart: {args.size_mib} MiB, 4 programs, {args.iterations} iterations",
                  fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "resume.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "resume")
 
 
 if __name__ == "__main__":

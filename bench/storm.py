@@ -20,7 +20,6 @@ second process on the same 2-core machine.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -29,7 +28,7 @@ import threading
 import time
 import uuid
 
-from bench.common import BENCH_TOKEN, RESULTS, Table, TwoHostPool, migrate_record
+from bench.common import BENCH_TOKEN, Table, TwoHostPool, migrate_record, save_figure
 
 FILL = "__kernel void fill(__global uint *x, uint tag) { uint i = get_global_id(0); x[i] = tag ^ (i * 2654435761u); }"
 
@@ -201,12 +200,7 @@ def plot(results: dict, counts: list[int]) -> str | None:
     ax.set_ylabel("ms")
     ax.set_title("rebind storm", fontsize=10)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, "storm.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, "storm")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from accelmig.agent import demoapp
 from accelmig.agent.driver import connect

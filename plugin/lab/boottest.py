@@ -66,7 +66,7 @@ def run(lab, *, image: GuestImage | None = None, domain: str = "boot-test", migr
     xml = lab.domain_xml(domain, image, "hostA", cmdline=image.cmdline(net=a.guest_net(10), agent=False))
     conn_a = lab.connect("hostA")
     t0 = time.monotonic()
-    dom = conn_a.createXML(xml, 0)
+    conn_a.createXML(xml, 0)
     out["define_start_seconds"] = time.monotonic() - t0
     try:
         with lab.channel("hostA", domain) as ch:

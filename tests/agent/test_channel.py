@@ -42,20 +42,6 @@ def test_encoded_lines_never_contain_the_sentinel():
     assert ch.LineParser().feed(line)[0]["text"] == "ÿ naïve \u00ff \xff"
 
 
-@pytest.fixture
-def agent(tmp_path):
-    """A real agent whose channel is a unix socket (the host connects)."""
-    port = str(tmp_path / "channel.sock")
-    sock = str(tmp_path / "agent.sock")
-    agent = Agent(port, sock, state_dir=str(tmp_path / "state"))
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
-
-
 def test_handshake_hello_ping_status_and_unknown_requests(agent):
     with GuestChannel(agent.port_path) as host:
         hello = host.connect()

@@ -9,16 +9,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 
 import pytest
 
-from accelmig.agent.agentd import Agent
 from accelmig.agent.driver import connect
 from accelmig.plugin.channel import GuestChannel
 from tests.conftest import ALICE, run_cli
 from tests.continuity.conftest import TwoHosts, make_pool
+from tests.support.wait import wait_for
 
 DRIVER = textwrap.dedent("""
     import sys, time, json
@@ -30,28 +28,6 @@ DRIVER = textwrap.dedent("""
         dev.read(buf)
         print(json.dumps(dev.describe()), flush=True)
 """)
-
-
-@pytest.fixture
-def agent(tmp_path):
-    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), rehome_timeout=15)
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
-
-
-def wait_for(predicate, timeout=10.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def test_registry_with_driver_processes_one_of_which_dies(agent, shared_pool):

@@ -5,7 +5,6 @@ the guest's part itself: it re-addresses the fabric NIC (pyroute2, or the
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 import time
 

@@ -8,8 +8,6 @@ import random
 import threading
 import time
 
-import pytest
-
 from accelmig.agent.driver import connect
 from accelmig.pool.harness import CutProxy
 from accelmig.wire.errors import AccelmigError

@@ -10,8 +10,6 @@ rebuilds and zero re-uploads.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from accelmig.agent.driver import connect

@@ -144,16 +144,21 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
 def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference):
     boot(accel, vms, "vm-post", image)
     uuid = uuid_of(accel, "vm-post")
-    slow(accel, "hostA", "vm-post", 8)
+    # Pre-copy throttled hard, then post-copy at once: the guest runs on B
+    # long before its memory is there (switching late could find pre-copy done).
+    slow(accel, "hostA", "vm-post", 2)
     migration = start_migration(accel, "vm-post", "hostA", "hostB", "--postcopy")
-    wait_job(accel, "hostA", "vm-post")
-    time.sleep(1.0)
+    dom = wait_job(accel, "hostA", "vm-post")
+    deadline = time.monotonic() + 20        # QEMU's migration itself running (capabilities set)
+    while time.monotonic() < deadline and not dom.jobStats().get("memory_processed"):
+        time.sleep(0.05)
     switch = accel.virsh("hostA", "migrate-postcopy", "vm-post")
     assert switch.returncode == 0, switch.stderr
     out, err = migration.communicate(timeout=180)
     assert migration.returncode == 0, err
     record = record_of(accel, uuid, lambda r: r["state"] in ("completed", "closed") and r["resumed"],
                        what="post-copy rehome")
+    assert "domain vm-post: RESUMED_POSTCOPY" in accel.hostd_log("hostB"), diagnosis(accel, "vm-post")
     assert "committed" in record["times"], "post-copy must commit the record (no way back)"
     assert accel.where("vm-post") == "hostB"
     assert accel.demo_done("vm-post")["sha256"] == reference["sha256"]

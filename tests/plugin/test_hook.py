@@ -3,7 +3,6 @@ a real hostd and a real pool — and with hostd down, strict and lenient."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -4,7 +4,6 @@ migration, so migrations are in tests/e2e), and a real pool."""
 
 from __future__ import annotations
 
-import time
 import uuid as uuid_module
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
 from tests.conftest import ALICE, TENANTS
 from tests.plugin.conftest import SECRET, HostdThread, write_config
+from tests.support.wait import wait_for
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 SECRET_B = "hostB-secret-9876543210"
@@ -31,16 +31,6 @@ def accel_domain_xml(name: str, uuid: str) -> str:
     <accelmig:interfaces owner="accelmig"/></accelmig:domain></metadata>
   <os><type arch='x86_64'>hvm</type></os>
 </domain>"""
-
-
-def wait_for(predicate, timeout=10.0, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not reached in {timeout} s")
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ another session keeps being served."""
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 
