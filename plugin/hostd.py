@@ -58,6 +58,7 @@ IN_FLIGHT = {"open", "switched_over", "committed"}
 #: s after a record opened before its absence of progress is a verdict (the
 #: destination's prepare and the source's first job stats take a moment)
 VOUCH_GRACE = 5.0
+RECORD_STEPS = {"open_migration", "switchover", "commit", "complete", "close", "abort", "park", "unpark"}
 
 
 class Phase(enum.Enum):
@@ -121,7 +122,10 @@ class HostDaemon:
         self.local = LocalServer(config.hostd.socket, {
             "ping": self._api_ping, "status": self._api_status, "hook": self._api_hook,
             "intent": self._api_intent, "wait_rehomed": self._api_wait_rehomed,
+            "metrics": self._api_metrics,
         })
+        from accelmig.plugin.metrics import HostMetrics
+        self.metrics = HostMetrics(self)
         self.counters = collections.Counter()
         self.started = time.time()
         self._tasks: set[asyncio.Task] = set()
@@ -130,6 +134,11 @@ class HostDaemon:
     # -- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await self.local.start()
+        if self.config.hostd.metrics_listen:
+            from prometheus_client import start_http_server
+            from accelmig.wire.dataplane import parse_endpoint
+            host, port = parse_endpoint(self.config.hostd.metrics_listen)
+            start_http_server(port, addr=host, registry=self.metrics.registry)
         LOG.info("hostd for host %s: libvirt %s, pool %s, local API %s", self.host,
                  self.config.hostd.libvirt_uri, self.config.pool.control, self.config.hostd.socket)
         self._spawn(self._register_loop(), "register")
@@ -168,6 +177,8 @@ class HostDaemon:
                       exc_info=task.exception())
 
     async def _pool_call(self, method: str, **args):
+        if method in RECORD_STEPS:
+            self.metrics.record_steps.labels(method).inc()
         try:
             result = await self.pool.call(method, **args)
         except Unavailable:
@@ -234,6 +245,7 @@ class HostDaemon:
                 return
             LOG.info("domain %s: %s (%s)", watch.name, what, watch.phase.value,
                      extra={"domain": watch.name, "event": what})
+            self.metrics.events.labels(what).inc()
             try:
                 await self._dispatch(dom, watch, what)
             except AccelmigError as exc:
@@ -466,6 +478,8 @@ class HostDaemon:
         watch.last_rehome = summary
         watch.phase = Phase.RUNNING
         self.counters["rehomes"] += 1
+        self.metrics.rehomes.labels("ok" if result and result.get("ok") else "incomplete").inc()
+        self.metrics.rehome_seconds.observe(summary["total_s"])
         try:
             await self._pool_call("report_resume", domain_uuid=watch.uuid, migration_id=mid,
                                   results=(result or {}).get("sessions"))
@@ -724,6 +738,7 @@ class HostDaemon:
         if not isinstance(uuid, str):
             raise BadRequest(reason="hook note without a domain uuid")
         self.counters[f"hook_{op}_{sub}"] += 1
+        self.metrics.hook_notes.labels(f"{op} {sub}").inc()
         watch = self._watch(uuid, name or uuid)
         watch.accelmig = True
         watch.events.append((round(time.time(), 3), f"hook {op} {sub}"))
@@ -774,6 +789,9 @@ class HostDaemon:
             if time.monotonic() > deadline:
                 raise Timeout(what=f"the rehome of {uuid}", timeout=timeout)
             await asyncio.sleep(0.1)
+
+    async def _api_metrics(self, message: dict) -> dict:
+        return {"text": self.metrics.text()}
 
     def _job_of(self, uuid: str) -> dict | None:
         watch = self.watches.get(uuid)

@@ -67,6 +67,10 @@ class Pool:
         self.tickets = TicketAuthority(config.ticket_ttl)
         self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
         self.metrics = PoolMetrics()
+        for state in SessionState:
+            # read whenever metrics are collected: never stale between sweeps
+            self.metrics.sessions.labels(state.value).set_function(
+                lambda state=state: sum(1 for s in list(self.sessions.values()) if s.state is state))
         self.buffers = PayloadBuffers()
         self.connections: set[DataConnection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -178,9 +182,6 @@ class Pool:
                 record.close(now)
             elif record.state is RecordStateName.COMPLETED:
                 record.close(now)
-        counts = collections.Counter(s.state.value for s in self.sessions.values())
-        for state in SessionState:
-            self.metrics.sessions.labels(state.value).set(counts.get(state.value, 0))
         # forget final records after a while (bounded memory)
         for key, record in list(self.records.items()):
             if record.final and now - max(record.times.values()) > 3600:

@@ -132,6 +132,9 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
         check_hot(move, accel)
         assert move["downtime_ms"] is not None and max(move["blackout_ms"].values()) > 0
     assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1
+    from accelmig.plugin.localapi import LocalClient
+    metrics = LocalClient(str(accel.hostd_socket("hostB"))).call("metrics")["text"]
+    assert 'accelmig_host_rehomes_total{result="ok"}' in metrics
     done = accel.demo_done("vm-aba")
     assert done["sha256"] == reference["sha256"], "the result differs from a run that never migrated"
     assert done["resumes"] == 3 and done["epoch"] == 4

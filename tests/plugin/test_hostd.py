@@ -148,6 +148,9 @@ def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
         assert intent["policy"] == "switchover" and intent["migration_id"]
         status = client.call("status")
         assert status["libvirt"]["connected"] and status["pool"]["reachable"]
+        metrics = client.call("metrics")["text"]
+        assert "accelmig_host_libvirt_connected 1.0" in metrics
+        assert "accelmig_host_pool_reachable 1.0" in metrics
         assert status["identity"]["host_id"] == "hostA"
         assert status["identity"]["pool_endpoint"].startswith("127.0.0.1:")
         # the pool knows this host's addresses now
