@@ -122,9 +122,25 @@ def record_of(accel, uuid, predicate, timeout=30, what="record state"):
     raise AssertionError(f"{what}: {accel.records(uuid)}\n{diagnosis(accel)}")
 
 
+def begin_slow_migration(accel, vms, image, name):
+    """Boot ``name`` on A and start a throttled A->B migration (a failure
+    injected now lands mid-migration, not after it)."""
+    boot(accel, vms, name, image)
+    uuid = uuid_of(accel, name)
+    slow(accel, "hostA", name, 4)
+    migration = start_migration(accel, name, "hostA", "hostB")
+    wait_job(accel, "hostA", name)
+    return uuid, migration
+
+
+def assert_failed_and_still_at_a(accel, migration, name):
+    migration.communicate(timeout=60)
+    assert migration.returncode != 0, "the migration should have failed"
+    assert accel.where(name) == "hostA"
+
+
 def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, image, reference):
     boot(accel, vms, "vm-aba", image)
-    uuid = uuid_of(accel, "vm-aba")
     moves = [accel.migrate_virsh("vm-aba", "hostA", "hostB"),
              accel.migrate_virsh("vm-aba", "hostB", "hostA"),
              accel.migrate_accelmig("vm-aba", "hostA", "hostB")]
@@ -138,10 +154,7 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
     done = accel.demo_done("vm-aba")
     assert done["sha256"] == reference["sha256"], "the result differs from a run that never migrated"
     assert done["resumes"] == 3 and done["epoch"] == 4
-    session = accel.sessions(uuid) or [s for s in accel.sessions() if s["sid"] == done["sid"]]
-    counters = session[0]["counters"] if session else None
-    if counters:      # still there (grace): one build, the initial uploads only
-        assert counters["builds"] == 1
+    # (zero rebuilds and zero re-uploads per move: check_hot, from the pool's counters)
 
 
 def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference):
@@ -168,37 +181,26 @@ def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference)
 
 
 def test_an_aborted_precopy_leaves_the_vm_running_at_the_source(accel, vms, image, reference):
-    boot(accel, vms, "vm-abort", image)
-    uuid = uuid_of(accel, "vm-abort")
-    slow(accel, "hostA", "vm-abort", 4)
-    migration = start_migration(accel, "vm-abort", "hostA", "hostB")
-    wait_job(accel, "hostA", "vm-abort")
+    uuid, migration = begin_slow_migration(accel, vms, image, "vm-abort")
     time.sleep(0.5)
     abort = accel.virsh("hostA", "domjobabort", "vm-abort")
     assert abort.returncode == 0, abort.stderr
-    migration.communicate(timeout=60)
-    assert migration.returncode != 0
-    assert accel.where("vm-abort") == "hostA"
+    assert_failed_and_still_at_a(accel, migration, "vm-abort")
     record = record_of(accel, uuid, lambda r: r["state"] == "aborted", what="abort")
-    assert record["dest_host"] == "hostB" and not record["tickets"] if "tickets" in record else True
+    # aborted before it completed: no session was frozen, no ticket minted
+    assert record["dest_host"] == "hostB" and record["sessions"] == [] and "completed" not in record["times"]
     done = accel.demo_done("vm-abort")
     assert done["sha256"] == reference["sha256"] and done["resumes"] == 0   # never even reconnected
 
 
 def test_the_destination_qemu_dies_mid_migration(accel, vms, image, reference):
-    boot(accel, vms, "vm-qemu", image)
-    uuid = uuid_of(accel, "vm-qemu")
-    slow(accel, "hostA", "vm-qemu", 4)
-    migration = start_migration(accel, "vm-qemu", "hostA", "hostB")
-    wait_job(accel, "hostA", "vm-qemu")
+    uuid, migration = begin_slow_migration(accel, vms, image, "vm-qemu")
     pid_file = accel.lab.node("hostB").host_path("/run/libvirt/qemu/vm-qemu.pid")
     deadline = time.monotonic() + 20
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
-    migration.communicate(timeout=60)
-    assert migration.returncode != 0
-    assert accel.where("vm-qemu") == "hostA"
+    assert_failed_and_still_at_a(accel, migration, "vm-qemu")
     record = record_of(accel, uuid, lambda r: r["state"] == "aborted", what="abort by B's hostd")
     assert any(reason in record["abort_reason"] for reason in (
         "failed on the destination", "gone from the destination", "no migration job on the source",
@@ -207,18 +209,12 @@ def test_the_destination_qemu_dies_mid_migration(accel, vms, image, reference):
 
 
 def test_the_destination_libvirtd_dies_mid_migration(accel, vms, image, reference):
-    boot(accel, vms, "vm-lvd", image)
-    uuid = uuid_of(accel, "vm-lvd")
-    slow(accel, "hostA", "vm-lvd", 4)
-    migration = start_migration(accel, "vm-lvd", "hostA", "hostB")
-    wait_job(accel, "hostA", "vm-lvd")
+    uuid, migration = begin_slow_migration(accel, vms, image, "vm-lvd")
     record_of(accel, uuid, lambda r: r["state"] == "open", what="record opened by B")
     node = accel.lab.node("hostB")
     os.kill(node.pid, signal.SIGKILL)
     try:
-        migration.communicate(timeout=60)
-        assert migration.returncode != 0
-        assert accel.where("vm-lvd") == "hostA"
+        assert_failed_and_still_at_a(accel, migration, "vm-lvd")
         # B's hostd cannot see its libvirt and vouches for nothing; A's sees its
         # migration job gone: the record is aborted (by A, or else by the lease)
         record = record_of(accel, uuid, lambda r: r["state"] == "aborted", timeout=LEASE * 4,
