@@ -3,12 +3,18 @@
 The pool runs in its own namespace, the driver in a "guest" namespace whose
 NIC moves from hostA's subnet to hostB's and back, as a VM's does; each move
 goes through the control plane (record, switchover, complete, tickets) and
-the driver resumes with its ticket from its new address.  The dependent
-workload ends bit-identical to a run that never moved, with zero program
-rebuilds and zero re-uploads.
+the driver resumes with its ticket from its new address.  Meanwhile its
+connection is cut at random moments (its socket killed from inside the
+guest, ``ss -K``).  The dependent workload ends bit-identical to a run that
+never moved, with zero program rebuilds and zero re-uploads.
 """
 
 from __future__ import annotations
+
+import random
+import subprocess
+import threading
+import time
 
 import pytest
 
@@ -23,6 +29,8 @@ from tests.support.topology import POOL_ADDRESS, SUBNETS, MovingGuest
 pytestmark = pytest.mark.root
 
 MOVES = 10
+CUTS = 50
+LAUNCHES = 2000
 
 
 @pytest.fixture
@@ -55,12 +63,21 @@ def test_ten_moves_between_namespaced_hosts_bit_identical(world):
     clients = {h: control(pool, net, h) for h in ("hostA", "hostB")}
     domain = "dom-netns"
     with net.guest.entered():
-        reference = Workload(connect(endpoint, ALICE, agent=False)).run(400)
+        reference = Workload(connect(endpoint, ALICE, agent=False)).run(LAUNCHES)
         dev = connect(endpoint, ALICE, agent=False, timeout=60)   # its threads stay in the guest
     assert pool.session(dev.sid)["bound_host"] == "hostA"
     clients["hostA"].call("bind_session", sid=dev.sid, domain_uuid=domain)
     workload = Workload(dev)
     moves = []
+    rng = random.Random(20261202)
+    cut_steps = set(rng.sample(range(20, LAUNCHES - 20), CUTS))
+    cuts, cutters = [], []
+
+    def cut():
+        time.sleep(rng.random() * 0.004)        # land anywhere in the pipeline
+        out = subprocess.run(["ip", "netns", "exec", net.guest.name, "ss", "-K", "dst", POOL_ADDRESS],
+                             capture_output=True, text=True)
+        cuts.append(out.returncode)
 
     def move(step):
         src = net.at
@@ -85,13 +102,23 @@ def test_ten_moves_between_namespaced_hosts_bit_identical(world):
         moves.append((step, src, dst))
 
     def on_step(step):
-        if step % 40 == 20 and len(moves) < MOVES:
+        if step in cut_steps:
+            cutters.append(threading.Thread(target=cut))
+            cutters[-1].start()
+        if step % 180 == 90 and len(moves) < MOVES:
             move(step)
 
-    digest = workload.run(400, on_step=on_step, check_every=50)
+    digest = workload.run(LAUNCHES, on_step=on_step, check_every=50)
+    for thread in cutters:
+        thread.join(30)
     session = pool.session(dev.sid)
     dev.close()
     assert len(moves) == MOVES
+    assert len(cuts) == CUTS and set(cuts) == {0}
+    # the cuts landed: the driver reconnected by itself (cuts that fall into a
+    # reconnect already under way merge with it)
+    assert dev.stats["reconnect_attempts"] >= 5, dev.stats
+    assert dev.stats["resumes"] >= MOVES - 1 + 5, dev.stats
     assert digest == reference
     counters = session["counters"]
     assert counters["builds"] == len(PROGRAMS)
