@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -205,6 +206,7 @@ def main(argv=None) -> None:
         for proc in (pool_proc, raw_proc):
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
