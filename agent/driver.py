@@ -423,17 +423,24 @@ class Device:
         with self._cond:
             due = self._window.last_seen - self._acked_sent >= 256
             upto = self._window.last_seen
-        if due and self._send_lock.acquire(blocking=False):
-            try:
-                with self._cond:
-                    if gen != self._gen or self._state is not LinkState.CONNECTED:
-                        return
-                sock.sendall(encode_frame({"op": Op.ACK.value, "ack": upto}))
-                self._acked_sent = max(self._acked_sent, upto)
-            except OSError:
-                pass
-            finally:
-                self._send_lock.release()
+        if due:
+            self._try_ack(sock, gen, upto)
+
+    def _try_ack(self, sock, gen: int, upto: int) -> None:
+        """Send an ack frame unless a sender holds the lock (its command will
+        carry the acknowledgement anyway) or the link has changed."""
+        if not self._send_lock.acquire(blocking=False):
+            return
+        try:
+            with self._cond:
+                if gen != self._gen or self._state is not LinkState.CONNECTED:
+                    return
+            sock.sendall(encode_frame({"op": Op.ACK.value, "ack": upto}))
+            self._acked_sent = max(self._acked_sent, upto)
+        except OSError:
+            pass
+        finally:
+            self._send_lock.release()
 
     def _link_lost(self, gen: int, error) -> None:
         with self._cond:
@@ -609,19 +616,8 @@ class Device:
         with self._cond:
             upto = self._window.last_seen
             sock, gen = self._sock, self._gen
-        if upto <= self._acked_sent or sock is None:
-            return
-        if self._send_lock.acquire(blocking=False):
-            try:
-                with self._cond:
-                    if gen != self._gen or self._state is not LinkState.CONNECTED:
-                        return
-                sock.sendall(encode_frame({"op": Op.ACK.value, "ack": upto}))
-                self._acked_sent = upto
-            except OSError:
-                pass
-            finally:
-                self._send_lock.release()
+        if upto > self._acked_sent and sock is not None:
+            self._try_ack(sock, gen, upto)
 
     # -- submitting commands -------------------------------------------------------------
     def _wait_ready_locked(self, nbytes: int, deadline: float) -> None:

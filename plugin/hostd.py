@@ -745,24 +745,23 @@ class HostDaemon:
         budget = float(message.get("budget") or 5.0)      # what the hook can still wait
         if (op, sub) == ("migrate", "begin"):
             # No libvirt call here: libvirt is waiting for this hook.
-            try:
-                record = await asyncio.wait_for(
-                    self._pool_call("open_migration", domain_uuid=uuid, domain_name=name), budget)
-            except asyncio.TimeoutError:
-                raise Unavailable(what="the pool's control plane",
-                                  reason=f"no answer within the hook's {budget:.1f} s") from None
+            record = await self._pool_call_within(budget, "open_migration", domain_uuid=uuid, domain_name=name)
             watch.record, watch.phase = record, Phase.INCOMING
             LOG.info("domain %s incoming: record %s opened (policy %s)", name, record["migration_id"],
                      record["policy"], extra={"domain": name, "migration": record["migration_id"]})
             return {"record": record}
         if (op, sub) == ("restore", "begin"):
-            try:                               # strict mode: the pool must be there to unpark
-                await asyncio.wait_for(self._pool_call("ping"), budget)
-            except asyncio.TimeoutError:
-                raise Unavailable(what="the pool's control plane",
-                                  reason=f"no answer within the hook's {budget:.1f} s") from None
+            await self._pool_call_within(budget, "ping")   # strict mode: the pool must be there to unpark
             return {"restoring": uuid}
         return {"noted": True}
+
+    async def _pool_call_within(self, budget: float, method: str, **args):
+        """A pool call the hook is waiting for: a slow pool is an unreachable one."""
+        try:
+            return await asyncio.wait_for(self._pool_call(method, **args), budget)
+        except asyncio.TimeoutError:
+            raise Unavailable(what="the pool's control plane",
+                              reason=f"no answer within the hook's {budget:.1f} s") from None
 
     async def _api_intent(self, message: dict) -> dict:
         return await self._pool_call("register_intent", domain_uuid=message.get("uuid"),

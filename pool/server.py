@@ -406,14 +406,8 @@ class Pool:
             return {}
         tickets = {}
         for session in sessions:
-            old = self.session_tickets.pop(session.sid, None)
-            if old is not None:
-                self.tickets.revoke(old)      # superseded by this newer move
-            ticket, nonce = self.tickets.mint(session.sid, record, now)
-            self.session_tickets[session.sid] = nonce
-            record.tickets[session.sid] = nonce
+            tickets[session.sid] = self._mint_ticket(session.sid, record, now)
             session.pending_move = (record.domain_uuid, record.migration_id)
-            tickets[session.sid] = ticket
         self.domain_hosts[record.domain_uuid] = record.dest_host
         self.metrics.migrations.labels("completed").inc()
         LOG.info("record %s completed: %d session(s) frozen, tickets minted for %s",
@@ -431,15 +425,20 @@ class Pool:
                 session = self.sessions.get(sid)
                 if session is None or session.pending_move != (record.domain_uuid, record.migration_id):
                     continue
-                old = self.session_tickets.pop(sid, None)
-                if old is not None:
-                    self.tickets.revoke(old)
-                ticket, nonce = self.tickets.mint(sid, record, now)
-                self.session_tickets[sid] = nonce
-                record.tickets[sid] = nonce
-                tickets[sid] = ticket
+                tickets[sid] = self._mint_ticket(sid, record, now)
             return tickets
         return self._complete_record(record, now)
+
+    def _mint_ticket(self, sid: str, record: MigrationRecord, now: float) -> str:
+        """A session's one live ticket, for ``record``: any older one is revoked
+        (superseded by this newer move, or lost and minted again)."""
+        old = self.session_tickets.pop(sid, None)
+        if old is not None:
+            self.tickets.revoke(old)
+        ticket, nonce = self.tickets.mint(sid, record, now)
+        self.session_tickets[sid] = nonce
+        record.tickets[sid] = nonce
+        return ticket
 
     def _abort_record(self, record: MigrationRecord, now: float, reason: str) -> None:
         if not record.abort(now, reason):
