@@ -9,7 +9,7 @@ import sys
 
 from accelmig.wire import channel as ch
 from accelmig.wire import logs
-from accelmig.wire.errors import AccelmigError, BadRequest
+from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
 
 DEFAULT_PORT = "/dev/virtio-ports/" + ch.CHANNEL_NAME
 
@@ -86,6 +86,12 @@ def main(argv=None) -> int:
                       rehome_timeout=args.rehome_timeout)
         try:
             agent.open()
+        except AlreadyRunning as exc:
+            print(f"accelmig-agent: {exc.message}", file=sys.stderr)
+            return 3
+        except AccelmigError as exc:
+            print(f"accelmig-agent: {exc}", file=sys.stderr)
+            return 2
         except OSError as exc:
             print(f"accelmig-agent: cannot open {exc.filename or args.port}: {exc.strerror}", file=sys.stderr)
             return 2

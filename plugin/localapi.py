@@ -22,12 +22,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import socket
 import time
 
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, InternalError, Timeout, Unavailable, UnknownOp, from_wire
+from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 DEFAULT_SOCKET = "/run/accelmig/hostd.sock"
@@ -78,19 +78,20 @@ class LocalClient:
 
 
 class LocalServer:
-    """asyncio server: ``handlers[type](message) -> awaitable result``."""
+    """asyncio server: ``handlers[type](message) -> awaitable result``.
+
+    One hostd per socket: ``start()`` raises ``AlreadyRunning`` when another
+    one owns the path, before it changes anything."""
 
     def __init__(self, path: str, handlers: dict):
         self.path = path
         self.handlers = handlers
         self._server = None
+        self._owned = OwnedUnixSocket(path, mode=0o600, what="accelmig hostd")
 
     async def start(self) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        if os.path.exists(self.path):
-            os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._client, self.path)
-        os.chmod(self.path, 0o600)
+        sock = self._owned.open()
+        self._server = await asyncio.start_unix_server(self._client, sock=sock)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -99,10 +100,7 @@ class LocalServer:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
             except (asyncio.TimeoutError, Exception):
                 pass
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        self._owned.close()
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = ch.LineParser(name="localapi")

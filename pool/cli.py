@@ -11,7 +11,7 @@ import sys
 import click
 
 from accelmig.wire import logs
-from accelmig.wire.errors import AccelmigError
+from accelmig.wire.errors import AccelmigError, AlreadyRunning
 
 LOG = logging.getLogger("accelmig.pool")
 
@@ -88,7 +88,10 @@ def serve(config_path, **flags):
             loop.add_signal_handler(sig, stop.set)
         try:
             await pool.start()
-        except OSError as exc:
+        except AlreadyRunning as exc:
+            LOG.error("%s", exc.message)
+            raise SystemExit(3)
+        except (OSError, AccelmigError) as exc:
             LOG.error("cannot listen: %s", exc)
             raise SystemExit(2)
         # A line a supervisor (or a test) can wait for.

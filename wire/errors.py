@@ -269,6 +269,12 @@ class Conflict(AccelmigError):
     code = ErrorCode.CONFLICT
 
 
+class AlreadyRunning(AccelmigError):
+    msg_fmt = ("%(what)s already runs on %(path)s (pid %(pid)s): "
+               "not starting a second one (stop it first, or give this one another socket)")
+    code = ErrorCode.CONFLICT
+
+
 class ConfigInvalid(AccelmigError):
     msg_fmt = "invalid configuration in %(source)s: %(reason)s"
     code = ErrorCode.CONFIG_INVALID

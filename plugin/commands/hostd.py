@@ -10,7 +10,7 @@ import sys
 import click
 
 from accelmig.wire import logs
-from accelmig.wire.errors import AccelmigError
+from accelmig.wire.errors import AccelmigError, AlreadyRunning
 
 
 @click.command()
@@ -65,4 +65,11 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
             loop.add_signal_handler(sig, daemon.stop)
         await daemon.run()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except AlreadyRunning as exc:
+        click.echo(f"accelmig hostd: {exc.message}", err=True)
+        sys.exit(3)
+    except AccelmigError as exc:
+        click.echo(f"accelmig hostd: {exc}", err=True)
+        sys.exit(2)

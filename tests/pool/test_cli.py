@@ -90,3 +90,29 @@ def test_help_documents_every_option():
                    "--ticket-ttl", "--log-format"):
         assert option in out.stdout, option
     assert run_cli("accelmig-pool", "devices").stdout.startswith("opencl:0")
+
+
+def test_a_second_pool_on_the_same_admin_socket_exits_and_touches_nothing(tmp_path):
+    proc = serve(tmp_path)
+    try:
+        ready = json.loads(proc.stdout.readline())
+        inode = os.stat(tmp_path / "pool.sock").st_ino
+        second = serve(tmp_path)
+        assert second.wait(30) == 3
+        assert f"already runs on {tmp_path / 'pool.sock'} (pid {proc.pid})" in second.stderr.read()
+        assert os.stat(tmp_path / "pool.sock").st_ino == inode
+        out = run_cli("accelmig-pool", "sessions", "--admin-socket", str(tmp_path / "pool.sock"))
+        assert out.returncode == 0, out.stderr          # the first one still answers
+        with connect(ready["data"], TOKEN, agent=False) as dev:
+            dev.finish()
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_a_file_at_the_admin_socket_path_is_never_replaced(tmp_path):
+    (tmp_path / "pool.sock").write_text("not a socket")
+    proc = serve(tmp_path)
+    assert proc.wait(30) == 2
+    assert "not a socket" in proc.stderr.read()
+    assert (tmp_path / "pool.sock").read_text() == "not a socket"
