@@ -21,6 +21,8 @@ An expired lease aborts a record before commit and completes it after.
 from __future__ import annotations
 
 import base64
+import collections
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -145,6 +147,17 @@ class MigrationRecord:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+    """One minted ticket: the token handed to the destination, and what it names."""
+
+    token: str
+    nonce: str
+    sid: str
+    record: str           # the record key it belongs to
+    expires: float
+
+
 class TicketAuthority:
     """Mints and checks resume tickets.
 
@@ -154,24 +167,42 @@ class TicketAuthority:
     an expiry; the pool additionally remembers each ticket's nonce, so a
     ticket is single-use and revocable.  A ticket authorises the move only:
     the driver still proves it owns the session.
+
+    A ticket dies in exactly three ways: it is used by a resume, its
+    migration is aborted, or a newer migration of the session supersedes it.
+    Each death is remembered with its reason (bounded), so a refusal says
+    what really happened.
     """
+
+    #: how many dead tickets are remembered for their reason
+    MEMORY = 10000
 
     def __init__(self, ttl: float = 300.0, secret: bytes | None = None):
         self.ttl = ttl
         self._secret = secret or secrets.token_bytes(32)
-        self._live: dict[str, str] = {}       # nonce -> record key
-        self._used: dict[str, float] = {}     # nonce -> when used
+        self._live: dict[str, Ticket] = {}
+        self._used: collections.OrderedDict[str, float] = collections.OrderedDict()   # nonce -> when
+        self._dead: collections.OrderedDict[str, str] = collections.OrderedDict()     # nonce -> why
 
     def _mac(self, body: bytes) -> str:
         return hmac.new(self._secret, body, hashlib.sha256).hexdigest()
 
-    def mint(self, sid: str, record: MigrationRecord, now: float) -> tuple[str, str]:
+    def mint(self, sid: str, record: MigrationRecord, now: float) -> Ticket:
         nonce = secrets.token_hex(12)
+        expires = round(now + self.ttl, 3)
         claims = {"sid": sid, "dom": record.domain_uuid, "mid": record.migration_id,
-                  "dst": record.dest_host, "exp": round(now + self.ttl, 3), "n": nonce}
+                  "dst": record.dest_host, "exp": expires, "n": nonce}
         body = base64.urlsafe_b64encode(json.dumps(claims, separators=(",", ":")).encode()).rstrip(b"=")
-        self._live[nonce] = record.key
-        return f"v1.{body.decode()}.{self._mac(body)}", nonce
+        ticket = Ticket(f"v1.{body.decode()}.{self._mac(body)}", nonce, sid, record.key, expires)
+        self._live[nonce] = ticket
+        return ticket
+
+    def live(self, nonce: str | None, now: float) -> Ticket | None:
+        """The ticket behind ``nonce`` while it can still be used."""
+        ticket = self._live.get(nonce) if nonce else None
+        if ticket is None or now > ticket.expires:
+            return None
+        return ticket
 
     def check(self, ticket, sid: str, peer_host: str | None, now: float,
               retry_of: str | None = None) -> dict:
@@ -198,9 +229,10 @@ class TicketAuthority:
         if nonce in self._used:
             if nonce == retry_of:
                 return claims
-            raise TicketInvalid(reason="ticket already used")
+            raise TicketInvalid(reason=f"ticket already used by a resume at "
+                                       f"{_clock(self._used[nonce])}")
         if nonce not in self._live:
-            raise TicketInvalid(reason="ticket revoked (migration aborted or superseded)")
+            raise TicketInvalid(reason=self._dead.get(nonce, "ticket revoked (its pool record is gone)"))
         if now > float(claims.get("exp", 0)):
             raise TicketInvalid(reason=f"ticket expired {now - float(claims['exp']):.1f} s ago")
         if claims.get("dst") != peer_host:
@@ -211,14 +243,19 @@ class TicketAuthority:
     def use(self, nonce: str, now: float) -> None:
         self._live.pop(nonce, None)
         self._used[nonce] = now
-        # bounded memory: forget uses older than a ticket's lifetime
-        if len(self._used) > 10000:
-            cutoff = now - 2 * self.ttl
-            for key in [k for k, t in self._used.items() if t < cutoff]:
-                del self._used[key]
+        _bound(self._used, self.MEMORY)
 
-    def revoke(self, nonce: str) -> None:
-        self._live.pop(nonce, None)
+    def revoke(self, nonce: str, reason: str) -> None:
+        """Kill a live ticket; ``reason`` is what a later refusal of it says."""
+        if self._live.pop(nonce, None) is not None:
+            self._dead[nonce] = reason
+            _bound(self._dead, self.MEMORY)
 
-    def is_live(self, nonce: str) -> bool:
-        return nonce in self._live
+
+def _bound(memory: collections.OrderedDict, size: int) -> None:
+    while len(memory) > size:
+        memory.popitem(last=False)
+
+
+def _clock(when: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when * 1000) % 1000:03d}Z"

@@ -29,6 +29,7 @@ from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import (AuthFailed, BadRequest, Conflict, NoSuchRecord, SessionDiverged,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost)
+from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Pool:
         self.connections: set[DataConnection] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self._servers: list = []
+        self._admin_socket: OwnedUnixSocket | None = None
         self._janitor: asyncio.Task | None = None
         self._counter = 0
         self.started = time.time()
@@ -84,6 +86,12 @@ class Pool:
     async def start(self) -> None:
         from accelmig.pool.control import ControlServer
         self.loop = asyncio.get_running_loop()
+        admin_sock = None
+        if self.config.admin_socket:
+            # First: a second pool on the same admin socket stops here, having touched nothing.
+            self._admin_socket = OwnedUnixSocket(self.config.admin_socket, mode=0o600,
+                                                 what="accelmig-pool (admin socket)")
+            admin_sock = self._admin_socket.open()
         # ``listen`` may name several addresses ("0.0.0.0:7070,[::]:7070"); a
         # port 0 after the first takes the port the first one got.
         first_port = None
@@ -105,13 +113,8 @@ class Pool:
                                                  reuse_address=True)
             self._servers.append(cserver)
             self.endpoints["control"] = _bound(cserver)
-        if self.config.admin_socket:
-            os.makedirs(os.path.dirname(self.config.admin_socket) or ".", exist_ok=True)
-            if os.path.exists(self.config.admin_socket):
-                os.unlink(self.config.admin_socket)
-            aserver = await asyncio.start_unix_server(self.control.handle_admin,
-                                                      self.config.admin_socket)
-            os.chmod(self.config.admin_socket, 0o600)
+        if admin_sock is not None:
+            aserver = await asyncio.start_unix_server(self.control.handle_admin, sock=admin_sock)
             self._servers.append(aserver)
             self.endpoints["admin"] = "unix:" + self.config.admin_socket
         if self.config.metrics_listen:
@@ -141,8 +144,8 @@ class Pool:
             session.release("pool stopping")
         for session in list(self.sessions.values()):
             session._worker.join(5)
-        if self.config.admin_socket and os.path.exists(self.config.admin_socket):
-            os.unlink(self.config.admin_socket)
+        if self._admin_socket is not None:
+            self._admin_socket.close()
         LOG.info("pool %s stopped", self.instance)
 
     def post(self, fn) -> None:
@@ -406,8 +409,8 @@ class Pool:
             return {}
         tickets = {}
         for session in sessions:
-            tickets[session.sid] = self._mint_ticket(session.sid, record, now)
             session.pending_move = (record.domain_uuid, record.migration_id)
+            tickets[session.sid] = self._ticket_for(session.sid, record, now)
         self.domain_hosts[record.domain_uuid] = record.dest_host
         self.metrics.migrations.labels("completed").inc()
         LOG.info("record %s completed: %d session(s) frozen, tickets minted for %s",
@@ -416,35 +419,44 @@ class Pool:
         return tickets
 
     def complete_record(self, record: MigrationRecord) -> dict[str, str]:
-        now = time.time()
-        if record.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
-            # Idempotent per migration id: mint fresh tickets for sessions
-            # that did not resume yet (the first ones may have been lost).
-            tickets = {}
-            for sid in record.sessions:
-                session = self.sessions.get(sid)
-                if session is None or session.pending_move != (record.domain_uuid, record.migration_id):
-                    continue
-                tickets[sid] = self._mint_ticket(sid, record, now)
-            return tickets
-        return self._complete_record(record, now)
+        """The tickets of every session of ``record`` that has not resumed yet.
 
-    def _mint_ticket(self, sid: str, record: MigrationRecord, now: float) -> str:
-        """A session's one live ticket, for ``record``: any older one is revoked
-        (superseded by this newer move, or lost and minted again)."""
-        old = self.session_tickets.pop(sid, None)
-        if old is not None:
-            self.tickets.revoke(old)
-        ticket, nonce = self.tickets.mint(sid, record, now)
-        self.session_tickets[sid] = nonce
-        record.tickets[sid] = nonce
-        return ticket
+        Idempotent per migration id: completing again (a second hostd,
+        reconciliation racing the event, a retry after a lost answer or a
+        failed delivery) hands back the same live tickets, so a ticket already
+        on its way to the guest stays valid; only an expired one is replaced."""
+        now = time.time()
+        if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
+            return self._complete_record(record, now)
+        tickets = {}
+        for sid in record.sessions:
+            session = self.sessions.get(sid)
+            if session is not None and session.pending_move == (record.domain_uuid, record.migration_id):
+                tickets[sid] = self._ticket_for(sid, record, now)
+        return tickets
+
+    def _ticket_for(self, sid: str, record: MigrationRecord, now: float) -> str:
+        """The session's one live ticket for ``record``: the one it has, or a
+        new one.  A ticket of an older migration is revoked (superseded); an
+        expired one is replaced."""
+        held = self.session_tickets.get(sid)
+        live = self.tickets.live(held, now)
+        if live is not None and live.record == record.key:
+            return live.token
+        if held is not None:
+            self.tickets.revoke(held, f"ticket superseded by migration {record.migration_id} "
+                                      f"of the same session")
+        ticket = self.tickets.mint(sid, record, now)
+        self.session_tickets[sid] = ticket.nonce
+        record.tickets[sid] = ticket.nonce
+        return ticket.token
 
     def _abort_record(self, record: MigrationRecord, now: float, reason: str) -> None:
         if not record.abort(now, reason):
             return
         for sid, nonce in record.tickets.items():
-            self.tickets.revoke(nonce)
+            self.tickets.revoke(nonce, f"ticket revoked: migration {record.migration_id} was "
+                                       f"aborted ({reason})")
         for session in self.sessions.values():
             session.unpause(record.key)
             if session.pending_move == (record.domain_uuid, record.migration_id):

@@ -98,6 +98,65 @@ def test_tickets_are_single_use_unforgeable_and_bound_to_host_and_session(hosts,
         other.finish()
 
 
+def test_completing_again_hands_back_the_live_tickets_never_revokes_them(hosts, domain):
+    """Two hostds, reconciliation racing the event, a retry after a failed
+    delivery: every extra ``complete`` of one migration must leave the ticket
+    already on its way to the guest valid (issue 9)."""
+    with on_host(hosts, hosts.a) as dev, on_host(hosts, hosts.a, BOB) as other:
+        buf = dev.upload(b"state" * 8)
+        attest(hosts.a, dev, domain)
+        attest(hosts.a, other, domain)
+        record = hosts.b.call("open_migration", domain_uuid=domain)
+        hosts.a.call("switchover", domain_uuid=domain)
+        mid = record["migration_id"]
+        first = hosts.b.call("complete", domain_uuid=domain, migration_id=mid)["tickets"]
+        # the same host through a second control connection (a second hostd)
+        with ControlClient(hosts.pool.control_endpoint, "hostB", SECRETS["hostB"].encode()) as twin:
+            second = twin.call("complete", domain_uuid=domain, migration_id=mid)["tickets"]
+        assert second == first and set(first) == {dev.sid, other.sid}
+        dev.resume(hosts.b.endpoint, first[dev.sid])       # the ticket the first call gave
+        assert dev.read(buf) == b"state" * 8
+        # once used, a ticket is no longer handed out: only the session still moving gets one
+        third = hosts.b.call("complete", domain_uuid=domain, migration_id=mid)["tickets"]
+        assert third == {other.sid: first[other.sid]}
+        other.resume(hosts.b.endpoint, second[other.sid])  # the ticket the second call gave
+        other.finish()
+        assert hosts.b.call("complete", domain_uuid=domain, migration_id=mid)["tickets"] == {}
+        # a used ticket presented by someone else says when it was used
+        raw = Raw(hosts.b.endpoint)
+        state = hosts.pool.session(dev.sid)
+        replay = raw.resume(dev.sid, dev._secret, state["epoch"], dev.last_seen, ticket=first[dev.sid])
+        assert replay["error"]["code"] == "TICKET_INVALID"
+        assert "already used by a resume at 20" in replay["error"]["message"]
+        raw.close()
+
+
+def test_concurrent_completes_of_one_migration_agree_on_the_tickets(hosts, domain):
+    with on_host(hosts, hosts.a) as dev:
+        attest(hosts.a, dev, domain)
+        record = hosts.b.call("open_migration", domain_uuid=domain)
+        hosts.a.call("switchover", domain_uuid=domain)
+        answers, errors = [], []
+
+        def complete():
+            try:
+                with ControlClient(hosts.pool.control_endpoint, "hostB", SECRETS["hostB"].encode()) as c:
+                    answers.append(c.call("complete", domain_uuid=domain,
+                                          migration_id=record["migration_id"])["tickets"])
+            except Exception as exc:    # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=complete) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert not errors and len(answers) == 4
+        assert all(a == answers[0] for a in answers) and set(answers[0]) == {dev.sid}
+        dev.resume(hosts.b.endpoint, answers[3][dev.sid])
+        dev.finish()
+
+
 def test_a_ticket_does_not_replace_ownership(hosts, domain):
     """Someone holding a ticket but not the session secret gets nowhere."""
     with on_host(hosts, hosts.a) as dev:
@@ -145,7 +204,7 @@ def test_back_to_back_moves_before_the_first_ticket_is_used(hosts, domain):
         attest(hosts.a, dev, domain)
         first = hosts.migrate(domain, hosts.a, hosts.b)["tickets"][dev.sid]
         second = hosts.migrate(domain, hosts.b, hosts.a)["tickets"][dev.sid]
-        with pytest.raises(TicketInvalid, match="revoked"):
+        with pytest.raises(TicketInvalid, match="superseded by migration"):
             dev.resume(hosts.b.endpoint, first)     # superseded by the move back
         dev.resume(hosts.a.endpoint, second)
         prog.launch("bump", 8, None, buf, u32(1))
