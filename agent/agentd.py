@@ -25,7 +25,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import threading
 import time
 
@@ -34,6 +33,7 @@ from accelmig.agent.port import PortClosed, open_port
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, UnknownOp
 from accelmig.wire.identity import HostIdentity
+from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
@@ -76,10 +76,15 @@ class DriverLink:
 
 
 class Rehome:
+    """One migration's rehome in this guest.  Its lock serialises deliveries of
+    the same migration (the channel and guest-exec may race, hostd retries)."""
+
     def __init__(self, migration_id: str):
         self.migration_id = migration_id
+        self.lock = threading.Lock()
         self.done = threading.Event()
         self.result: dict | None = None
+        self.attempts = 0
 
 
 class Agent:
@@ -155,15 +160,15 @@ class Agent:
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> None:
-        self.port = open_port(self.port_path)
-        os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
-        if os.path.exists(self.socket_path) and stat.S_ISSOCK(os.stat(self.socket_path).st_mode):
-            os.unlink(self.socket_path)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.socket_path)
-        os.chmod(self.socket_path, 0o666)   # any application in the guest may register
-        self.listener.listen(64)
-        self.listener.setblocking(False)
+        # any application in the guest may register its sessions
+        self._owned = OwnedUnixSocket(self.socket_path, mode=0o666, what="accelmig-agent")
+        self.listener = self._owned.open()      # first: a second agent stops here
+        try:
+            self.port = open_port(self.port_path)
+        except BaseException:
+            self._owned.close()
+            self.listener = None
+            raise
         LOG.info("agent %s: channel %s, drivers at %s", AGENT_VERSION, self.port_path, self.socket_path)
 
     def stop(self) -> None:
@@ -175,11 +180,8 @@ class Agent:
             link.sock.close()
         self.drivers.clear()
         if self.listener is not None:
-            self.listener.close()
-            try:
-                os.unlink(self.socket_path)
-            except OSError:
-                pass
+            self._owned.close()
+            self.listener = None
         if self.port is not None:
             self.port.close()
 
@@ -299,37 +301,54 @@ class Agent:
 
     # -- rehome ------------------------------------------------------------------------
     def rehome(self, message: dict) -> dict:
-        """Apply a rehome (once per migration id) and return its outcome."""
+        """Apply a rehome and return its outcome.
+
+        Once per migration id: delivered again after it succeeded, it gets the
+        same answer.  Delivered again after some sessions (or the network)
+        failed, it retries just those, with the tickets it brings now, and
+        keeps the outcomes that were already good."""
         migration_id, identity, tickets = ch.parse_rehome(message)
         with self._lock:
-            existing = self.rehomes.get(migration_id)
-            if existing is None:
-                existing = self.rehomes[migration_id] = Rehome(migration_id)
+            entry = self.rehomes.get(migration_id)
+            if entry is None:
+                entry = self.rehomes[migration_id] = Rehome(migration_id)
                 while len(self.rehomes) > 64:
                     self.rehomes.popitem(last=False)
-                mine = True
-            else:
-                mine = False
-        if not mine:
-            self.stats["rehome_repeated"] += 1
-            if not existing.done.wait(self.rehome_timeout + 10):
-                raise Timeout(what=f"rehome {migration_id} (still running)", timeout=self.rehome_timeout)
-            return existing.result
+        if not entry.lock.acquire(timeout=self.rehome_timeout + 10):
+            raise Timeout(what=f"rehome {migration_id} (still running)", timeout=self.rehome_timeout)
         try:
-            existing.result = self._do_rehome(migration_id, identity, tickets)
-        except AccelmigError as exc:
-            existing.result = {"migration_id": migration_id, "ok": False, "error": exc.to_wire(),
-                               "sessions": {}, "network": []}
+            previous = entry.result
+            if previous is not None and previous["ok"]:
+                self.stats["rehome_repeated"] += 1
+                return previous
+            if previous is not None:
+                self.stats["rehome_retried"] += 1
+            entry.attempts += 1
+            try:
+                entry.result = self._do_rehome(migration_id, identity, tickets, previous)
+            except AccelmigError as exc:
+                entry.result = {"migration_id": migration_id, "ok": False, "error": exc.to_wire(),
+                                "sessions": dict((previous or {}).get("sessions") or {}), "network": []}
+            entry.result["attempts"] = entry.attempts
+            entry.done.set()
+            return entry.result
         finally:
-            existing.done.set()
-        return existing.result
+            entry.lock.release()
 
-    def _do_rehome(self, migration_id: str, identity: HostIdentity, tickets: dict) -> dict:
+    def _do_rehome(self, migration_id: str, identity: HostIdentity, tickets: dict,
+                   previous: dict | None = None) -> dict:
+        """``previous``: the outcome of an earlier attempt of this migration;
+        what succeeded then is not done again."""
         started = time.monotonic()
-        LOG.info("rehome %s: host %s, pool at %s, %d ticket(s)", migration_id, identity.host_id,
-                 identity.pool_endpoint, len(tickets))
+        done = {sid: outcome for sid, outcome in ((previous or {}).get("sessions") or {}).items()
+                if outcome.get("ok")}
+        LOG.info("rehome %s%s: host %s, pool at %s, %d ticket(s)", migration_id,
+                 f" (attempt {previous.get('attempts', 1) + 1}, {len(done)} session(s) already resumed)"
+                 if previous else "", identity.host_id, identity.pool_endpoint, len(tickets))
         network, network_error = [], None
-        if identity.guest_nic is not None:
+        if previous is not None and previous.get("network_error") is None:
+            network = list(previous.get("network") or [])
+        elif identity.guest_nic is not None:
             try:
                 network = self.network.apply(identity.guest_nic)
                 LOG.info("rehome %s: network: %s", migration_id, "; ".join(network) or "unchanged")
@@ -340,7 +359,8 @@ class Agent:
         self._store_identity(identity)
         waits = []
         with self._lock:
-            targets = [(link, sid) for link in self.drivers.values() for sid in link.sessions]
+            targets = [(link, sid) for link in self.drivers.values() for sid in link.sessions
+                       if sid not in done]
         for link, sid in targets:
             request_id = next(self._ids)
             slot = {"event": threading.Event(), "reply": None, "sent": time.monotonic()}
@@ -356,7 +376,7 @@ class Agent:
                 slot["event"].set()
             waits.append((sid, slot))
         deadline = time.monotonic() + self.rehome_timeout
-        sessions = {}
+        sessions = dict(done)
         for sid, slot in waits:
             if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
                 sessions[sid] = {"ok": False, "error": {"code": "TIMEOUT", "message":

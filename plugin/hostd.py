@@ -37,6 +37,7 @@ import collections
 import enum
 import logging
 import os
+import random
 import time
 import uuid as uuid_module
 
@@ -90,6 +91,8 @@ class DomainWatch:
         self.fabric_mac: str | None = None
         self.job: dict | None = None              # the last completed job's stats (downtime)
         self.last_rehome: dict | None = None
+        self.rehome_retry: dict | None = None     # a rehome waiting to be tried again, and why
+        self.retry_task: asyncio.Task | None = None
         self.events: collections.deque = collections.deque(maxlen=20)
 
     def describe(self) -> dict:
@@ -99,12 +102,16 @@ class DomainWatch:
                             "synced": bool(self.channel and self.channel.hello)},
                 "guest_agent": self.guest_agent, "sessions": sorted(self.sessions),
                 "record": self.record, "job": self.job, "last_rehome": self.last_rehome,
+                "rehome_retry": self.rehome_retry,
                 "events": list(self.events)}
 
 
 class HostDaemon:
-    def __init__(self, config: HostConfig, *, rehome_timeout: float = 30.0, renew_interval: float = 3.0):
+    def __init__(self, config: HostConfig, *, rehome_timeout: float = 30.0, renew_interval: float = 3.0,
+                 retry_first: float = 0.5, retry_max: float = 10.0):
         self.config = config
+        self.retry_first = retry_first        # s before a failed rehome is tried again, doubling
+        self.retry_max = retry_max
         self.host = config.host_id
         self.rehome_timeout = rehome_timeout
         self.renew_interval = renew_interval
@@ -265,7 +272,7 @@ class HostDaemon:
             else:
                 await self._rehome(dom, watch, postcopy=what == "RESUMED_POSTCOPY")
         elif what in ("SUSPENDED_MIGRATED", "SUSPENDED_POSTCOPY"):
-            await self._switchover(dom, watch)
+            await self._switchover(dom, watch, postcopy=what == "SUSPENDED_POSTCOPY")
         elif what == "STOPPED_MIGRATED":
             await self._close_channel(watch)
             try:
@@ -420,8 +427,9 @@ class HostDaemon:
                     self._spawn(self._attest(dom, watch), f"attest:{watch.name}")
 
     # -- migrations --------------------------------------------------------------------
-    async def _switchover(self, dom, watch: DomainWatch) -> None:
-        """Source: only for a real outgoing migration (a failed one pauses too)."""
+    async def _switchover(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> None:
+        """Source: only for a real outgoing migration (a failed one pauses too).
+        ``postcopy``: the guest is handed to the destination for good."""
         try:
             stats = await self.libvirt.call(dom.jobStats, 0, timeout=5)
         except (LibvirtFailure, asyncio.TimeoutError) as exc:
@@ -434,7 +442,7 @@ class HostDaemon:
         watch.phase = Phase.OUTGOING
         await self._close_channel(watch)     # writes after switchover are lost: stop here
         try:
-            record = await self._pool_call("switchover", domain_uuid=watch.uuid)
+            record = await self._pool_call("switchover", domain_uuid=watch.uuid, postcopy=postcopy)
             watch.record = record
             LOG.info("domain %s: switched over (record %s/%s)", watch.name, record["domain_uuid"],
                      record["migration_id"], extra={"domain": watch.name, "migration": record["migration_id"]})
@@ -452,9 +460,24 @@ class HostDaemon:
         watch.record = None
 
     async def _rehome(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> dict:
-        """Destination: the guest runs here now.  Move its sessions here."""
-        started = time.monotonic()
+        """Destination: the guest runs here now.  Move its sessions here.
+
+        One attempt; an attempt that fails, or after which not every session
+        resumed, is retried in the background until they all have (or the
+        record or the domain ends): a guest is never left knocking with
+        ``TICKET_REQUIRED``."""
         watch.phase = Phase.REHOMING
+        try:
+            summary = await self._rehome_once(dom, watch, postcopy=postcopy)
+        except AccelmigError as exc:
+            self._retry_rehome_later(watch, f"{type(exc).__name__}: {exc}")
+            raise
+        if not summary["ok"]:
+            self._retry_rehome_later(watch, summary["why"])
+        return summary
+
+    async def _rehome_once(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> dict:
+        started = time.monotonic()
         record = watch.record
         if record is None or record.get("dest_host") != self.host:
             record = await self._find_or_open(watch)
@@ -472,25 +495,80 @@ class HostDaemon:
         document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": tickets}
         result = await self._deliver(dom, watch, document)
         delivered = time.monotonic()
+        ok = bool(result and result.get("ok"))
         summary = {"migration_id": mid, "postcopy": postcopy, "tickets": len(tickets), "result": result,
+                   "ok": ok, "why": None if ok else _why_not_resumed(result),
+                   "attempt": (result or {}).get("attempts", 1),
                    "complete_s": round(completed - started, 6), "deliver_s": round(delivered - completed, 6),
                    "total_s": round(delivered - started, 6), "at": time.time()}
         watch.last_rehome = summary
-        watch.phase = Phase.RUNNING
+        if ok:
+            watch.phase = Phase.RUNNING
+            watch.rehome_retry = None
         self.counters["rehomes"] += 1
-        self.metrics.rehomes.labels("ok" if result and result.get("ok") else "incomplete").inc()
+        self.metrics.rehomes.labels("ok" if ok else "incomplete").inc()
         self.metrics.rehome_seconds.observe(summary["total_s"])
         try:
             await self._pool_call("report_resume", domain_uuid=watch.uuid, migration_id=mid,
                                   results=(result or {}).get("sessions"))
         except AccelmigError:
             pass
-        ok = bool(result and result.get("ok"))
         (LOG.info if ok else LOG.error)(
             "domain %s: rehome %s in %.1f ms (complete %.1f ms, deliver %.1f ms): %s", watch.name, mid,
             summary["total_s"] * 1000, summary["complete_s"] * 1000, summary["deliver_s"] * 1000,
-            "all sessions resumed" if ok else f"NOT all resumed: {result}", extra=log_extra)
+            "all sessions resumed" if ok else f"NOT all resumed ({summary['why']}); will retry",
+            extra=log_extra)
         return summary
+
+    def _retry_rehome_later(self, watch: DomainWatch, why: str) -> None:
+        """Keep one background retry loop per domain (backoff, capped)."""
+        retry = watch.rehome_retry or {"attempts": 1, "since": time.time()}
+        retry["why"] = why
+        watch.rehome_retry = retry
+        if watch.retry_task is None or watch.retry_task.done():
+            watch.retry_task = self._spawn(self._rehome_retries(watch), f"rehome-retry:{watch.name}")
+
+    async def _rehome_retries(self, watch: DomainWatch) -> None:
+        delay = self.retry_first
+        while watch.rehome_retry is not None:
+            retry = watch.rehome_retry
+            # jitter: the rehomes of an evacuation do not retry in lockstep
+            wait = delay * random.uniform(0.8, 1.2)
+            retry["next_at"] = round(time.time() + wait, 3)
+            LOG.warning("domain %s: rehome retry %d in %.1f s: %s", watch.name, retry["attempts"] + 1,
+                        wait, retry["why"], extra={"domain": watch.name})
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, self.retry_max)
+            async with watch.lock:
+                if watch.rehome_retry is None or watch.phase is not Phase.REHOMING:
+                    return            # done meanwhile (reconciliation, an event), or gone
+                retry["attempts"] += 1
+                retry.pop("next_at", None)
+                try:
+                    dom = await self.libvirt.call(self.libvirt.conn.lookupByUUIDString, watch.uuid)
+                except (LibvirtFailure, AttributeError) as exc:
+                    if isinstance(exc, LibvirtFailure) and exc.kind == "no-domain":
+                        LOG.info("domain %s is gone: no more rehome retries", watch.name)
+                        watch.rehome_retry = None
+                        return
+                    retry["why"] = f"libvirt: {exc}"
+                    continue
+                try:
+                    summary = await self._rehome_once(dom, watch)
+                except (NoSuchRecord, RecordState) as exc:
+                    LOG.error("domain %s: its migration record ended before every session resumed: %s",
+                              watch.name, exc, extra={"domain": watch.name})
+                    watch.rehome_retry = None
+                    watch.phase = Phase.RUNNING
+                    return
+                except AccelmigError as exc:
+                    retry["why"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if summary["ok"]:
+                    LOG.info("domain %s: rehome %s succeeded on attempt %d", watch.name,
+                             summary["migration_id"], retry["attempts"], extra={"domain": watch.name})
+                    return
+                retry["why"] = summary["why"]
 
     async def _attest_through_guest_agent(self, dom, watch: DomainWatch) -> None:
         """A VM without the accelmig channel cannot report its sessions: ask
@@ -795,3 +873,21 @@ class HostDaemon:
     def _job_of(self, uuid: str) -> dict | None:
         watch = self.watches.get(uuid)
         return watch.job if watch else None
+
+
+def _why_not_resumed(result: dict | None) -> str:
+    """What an agent's rehome outcome says went wrong, in a line."""
+    if not result:
+        return "no answer from the guest"
+    if result.get("error"):
+        return str(result["error"].get("message") or result["error"])
+    parts = []
+    if result.get("network_error"):
+        parts.append(f"guest network: {result['network_error'].get('message')}")
+    failed = {sid: o for sid, o in (result.get("sessions") or {}).items() if not o.get("ok")}
+    for sid, outcome in list(failed.items())[:3]:
+        error = outcome.get("error") or {}
+        parts.append(f"session {sid}: {error.get('code', '?')}: {error.get('message', '')}")
+    if len(failed) > 3:
+        parts.append(f"and {len(failed) - 3} more session(s)")
+    return "; ".join(parts) or "not every session resumed"

@@ -125,6 +125,69 @@ def test_rehome_reports_sessions_it_cannot_move(agent):
         hosts.close()
 
 
+def test_two_concurrent_rehomes_of_one_migration_resume_each_session_once(agent):
+    """The channel and guest-exec (or two hostds) deliver the same migration
+    at once, each with the tickets of its own ``complete``: every session
+    resumes exactly once and both deliveries hear success (issue 9)."""
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs, first = _migrate_two_sessions(hosts, agent, "dom-race")
+        mid = first["record"]["migration_id"]
+        second = hosts.b.call("complete", domain_uuid="dom-race", migration_id=mid)
+        identity = {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}
+        stdin = subprocess.Popen(
+            [os.path.join(os.path.dirname(sys.executable), "accelmig-agent"), "rehome", "--stdin",
+             "--socket", agent.socket_path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        with GuestChannel(agent.port_path) as host:
+            host.connect()
+            stdin.stdin.write(json.dumps({"migration_id": mid, "identity": identity,
+                                          "tickets": second["tickets"]}))
+            stdin.stdin.close()
+            by_channel = host.request("rehome", migration_id=mid, identity=identity,
+                                      tickets=first["tickets"])
+        out, err = stdin.stdout.read(), stdin.stderr.read()
+        assert stdin.wait(60) == 0, err
+        by_exec = json.loads(out)
+        assert by_channel["ok"] and by_exec["ok"], (by_channel, by_exec)
+        assert by_channel["sessions"] == by_exec["sessions"]
+        for dev in devs:
+            assert dev.stats["resumes"] == 1
+            dev.finish()
+            assert pool.session(dev.sid)["bound_host"] == "hostB"
+            dev.close()
+        hosts.close()
+
+
+def test_a_rehome_delivered_again_retries_only_what_failed(agent):
+    """A first delivery whose ticket was refused leaves the session where it
+    was; delivering the same migration again with a good ticket resumes it,
+    and the session that had already moved is not moved twice."""
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs, done = _migrate_two_sessions(hosts, agent, "dom-retry")
+        mid = done["record"]["migration_id"]
+        identity = {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}
+        broken = dict(done["tickets"], **{devs[1].sid: done["tickets"][devs[0].sid]})   # not its ticket
+        with GuestChannel(agent.port_path) as host:
+            host.connect()
+            first = host.request("rehome", migration_id=mid, identity=identity, tickets=broken)
+            assert not first["ok"] and first["sessions"][devs[0].sid]["ok"]
+            assert first["sessions"][devs[1].sid]["error"]["code"] == "TICKET_INVALID"
+            again = hosts.b.call("complete", domain_uuid="dom-retry", migration_id=mid)["tickets"]
+            assert set(again) == {devs[1].sid}         # only the session still moving
+            second = host.request("rehome", migration_id=mid, identity=identity, tickets=again)
+        assert second["ok"] and second["attempts"] == 2, second
+        assert second["sessions"][devs[0].sid] == first["sessions"][devs[0].sid]
+        assert agent.stats["rehome_retried"] == 1
+        assert [dev.stats["resumes"] for dev in devs] == [1, 1]
+        for dev in devs:
+            dev.finish()
+            assert pool.session(dev.sid)["bound_host"] == "hostB"
+            dev.close()
+        hosts.close()
+
+
 def test_rehome_from_stdin(agent):
     with make_pool() as pool:
         hosts = TwoHosts(pool)

@@ -4,6 +4,7 @@ migration, so migrations are in tests/e2e), and a real pool."""
 
 from __future__ import annotations
 
+import os
 import uuid as uuid_module
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from accelmig.plugin.localapi import LocalClient
 from accelmig.pool.harness import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
-from tests.conftest import ALICE, TENANTS
+from tests.conftest import ALICE, TENANTS, run_cli
 from tests.plugin.conftest import SECRET, HostdThread, write_config
 from tests.support.wait import wait_for
 
@@ -23,13 +24,17 @@ GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 SECRET_B = "hostB-secret-9876543210"
 
 
-def accel_domain_xml(name: str, uuid: str) -> str:
-    """A test-driver domain carrying accelmig's metadata (test:///default has no QEMU devices)."""
+def accel_domain_xml(name: str, uuid: str, channel: str | None = None) -> str:
+    """A test-driver domain carrying accelmig's metadata (test:///default runs
+    no QEMU: a ``channel`` path is a unix socket the test's own agent serves)."""
+    devices = (f"<devices><channel type='unix'><source mode='bind' path='{channel}'/>"
+               f"<target type='virtio' name='org.accelmig.agent.0'/></channel></devices>") if channel else ""
     return f"""<domain type='test'>
   <name>{name}</name><uuid>{uuid}</uuid><memory>65536</memory><vcpu>1</vcpu>
   <metadata><accelmig:domain xmlns:accelmig="http://accelmig.dev/xmlns/domain/1">
     <accelmig:interfaces owner="accelmig"/></accelmig:domain></metadata>
   <os><type arch='x86_64'>hvm</type></os>
+  {devices}
 </domain>"""
 
 
@@ -136,6 +141,59 @@ def test_the_source_aborts_a_migration_whose_guest_still_runs_here(world):
         hostd.stop()
 
 
+def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resumes(world, tmp_path):
+    """The guest is not reachable when the domain arrives (its agent is not up
+    yet): hostd keeps retrying, status says it waits and why, and the session
+    resumes on a later attempt without anyone stepping in (issue 9)."""
+    import threading
+
+    from accelmig.agent.agentd import Agent
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    channel, agent_socket = tmp_path / "channel.sock", tmp_path / "agent.sock"
+    port = pool.endpoint.rsplit(":", 1)[1]
+    dev = connect(f"[::1]:{port}", ALICE, agent=str(agent_socket), timeout=20)   # on hostB
+    agent = None
+    try:
+        buf = dev.upload(b"kept on the pool" * 4)
+        with control(pool, "hostB") as b:
+            b.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+        with control(pool, "hostA") as a:
+            record = a.call("open_migration", domain_uuid=uuid)        # the domain comes to hostA
+        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel)))
+        created.append(dom)
+        dom.create()
+        hostd = HostdThread(config, rehome_timeout=1.0, retry_first=0.2, retry_max=0.5).start()
+        try:
+            client = LocalClient(str(tmp_path / "hostd.sock"))
+
+            def waiting():
+                domains = {d["uuid"]: d for d in client.call("status")["domains"]}
+                return (domains.get(uuid) or {}).get("rehome_retry")
+            retry = wait_for(waiting, timeout=20, what="hostd to report a rehome waiting for a retry")
+            assert "channel" in retry["why"] and retry["attempts"] >= 1
+            assert pool.session(dev.sid)["bound_host"] == "hostB"      # nothing moved yet
+            agent = Agent(str(channel), str(agent_socket), state_dir=str(tmp_path / "agent-state"),
+                          rehome_timeout=5)
+            agent.open()
+            threading.Thread(target=agent.run, daemon=True).start()
+            wait_for(lambda: pool.session(dev.sid)["bound_host"] == "hostA", timeout=30,
+                     what="the session to resume on hostA")
+            assert dev.read(buf) == b"kept on the pool" * 4
+            status = {d["uuid"]: d for d in client.call("status")["domains"]}[uuid]
+            assert status["rehome_retry"] is None and status["phase"] == "running"
+            assert status["last_rehome"]["ok"] and status["last_rehome"]["migration_id"] == record["migration_id"]
+            with control(pool) as a:
+                final = a.call("list_records", domain_uuid=uuid)["records"][0]
+            assert dev.sid in final["resumed"]
+        finally:
+            hostd.stop()
+    finally:
+        dev.close()
+        if agent is not None:
+            agent.stop()
+
+
 def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
     pool, config, conn, created = world
     hostd = HostdThread(config).start()
@@ -161,3 +219,27 @@ def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
         hostd.stop()
     with pytest.raises(Unavailable, match="hostd at"):
         LocalClient(str(tmp_path / "hostd.sock")).call("ping")
+
+
+def test_one_hostd_per_socket_a_second_one_exits_and_touches_nothing(world, tmp_path):
+    pool, config, conn, created = world
+    hostd = HostdThread(config).start()
+    try:
+        socket_path = tmp_path / "hostd.sock"
+        inode = socket_path.stat().st_ino
+        second = run_cli("accelmig", "hostd", "--config", config, "--log-format", "text", timeout=60)
+        assert second.returncode == 3
+        assert f"accelmig hostd already runs on {socket_path} (pid {os.getpid()})" in second.stderr
+        assert socket_path.stat().st_ino == inode
+        assert LocalClient(str(socket_path)).call("ping")["host"] == "hostA"
+    finally:
+        hostd.stop()
+    assert not (tmp_path / "hostd.sock").exists()       # the first one removes its own socket
+
+
+def test_hostd_refuses_a_socket_path_that_is_not_a_socket(world, tmp_path):
+    pool, config, conn, created = world
+    (tmp_path / "hostd.sock").write_text("precious")
+    out = run_cli("accelmig", "hostd", "--config", config, "--log-format", "text", timeout=60)
+    assert out.returncode == 2 and "not a socket" in out.stderr
+    assert (tmp_path / "hostd.sock").read_text() == "precious"
