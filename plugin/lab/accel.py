@@ -25,7 +25,7 @@ import libvirt
 
 from accelmig.plugin.lab import netns as labnet
 from accelmig.plugin.lab.image import GuestImage, ImageSpec, build_image
-from accelmig.plugin.lab.libvirtd import proc_starttime
+from accelmig.plugin.lab.libvirtd import proc_starttime, same_process
 from accelmig.plugin.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab
 from accelmig.wire.control import ControlClient
 
@@ -57,14 +57,25 @@ class AccelLab:
 
     # -- bring-up ----------------------------------------------------------------------
     def up(self, *, strict: bool = True) -> "AccelLab":
+        """Idempotent: what already runs (each daemon checked by its recorded
+        pid and start time) is left alone; what is missing is started."""
         self.lab.up()
         for host in self.lab.HOSTS:
             self.write_host_config(host, strict=strict)
             self.install_hook(host)
-            self.start_hostd(host)
+            pid = self.hostd_pid(host)
+            if pid is None:
+                self.start_hostd(host)
+            else:
+                LOG.info("hostd on %s already runs (pid %d)", host, pid)
         for host in self.lab.HOSTS:
             self.wait_hostd(host)
         return self
+
+    def hostd_pid(self, host: str) -> int | None:
+        """The pid of the hostd this lab started on ``host``, while it runs."""
+        info = self.lab.state.get("processes", {}).get(f"hostd-{host}") or {}
+        return info["pid"] if same_process(info.get("pid"), info.get("starttime")) else None
 
     def down(self) -> None:
         self.lab.down()

@@ -38,7 +38,7 @@ from accelmig.plugin.domain.render import render
 from . import netns as labnet
 from .guest import ChannelClient, channel_source
 from .image import DEFAULT_CACHE, GuestImage
-from .libvirtd import LibvirtNode, proc_starttime, stop_process
+from .libvirtd import LIBVIRT_DIRS, LibvirtNode, proc_starttime, same_process, stop_process
 
 LOG = logging.getLogger("accelmig.lab.rig")
 
@@ -207,12 +207,21 @@ class Lab:
                 and len(self.nodes) == len(self.HOSTS)
                 and set(self.topology.exists()) == set(self.topology.namespaces))
 
+    def pool_running(self) -> bool:
+        info = self.state.get("processes", {}).get("pool") or {}
+        return same_process(info.get("pid"), info.get("starttime"))
+
     def up(self) -> "Lab":
         """Build the topology, start both daemons (and the pool if asked).
-        A lab that is already fully up is left as it is; leftovers of a
-        crashed one are removed first."""
+        A lab that is already fully up is left as it is (a pool that died is
+        started again, nothing else touched); leftovers of a crashed one are
+        removed first."""
         if self.is_up():
-            LOG.info("lab %s is already up", self.name)
+            if self.want_pool and not self.pool_running():
+                LOG.warning("lab %s: its pool is not running: starting it again", self.name)
+                self._start_pool()
+            else:
+                LOG.info("lab %s is already up", self.name)
             return self
         if self.state_file.exists() or self.topology.exists():
             LOG.info("lab %s: cleaning up leftovers first", self.name)
@@ -242,6 +251,7 @@ class Lab:
         return self
 
     def _start_daemons(self):
+        self._make_libvirt_mount_points()
         for host in self.HOSTS:
             node = self._node(host)
             self.nodes[host] = node
@@ -376,11 +386,13 @@ class Lab:
         self._restore_netns_dir()
         # 4. no mount of ours may be left in this namespace
         self._unmount_leftovers()
-        # 5. the directory
+        # 5. the directory, and libvirt's mount points if the lab made them
         if not keep_dir and self.dir.exists():
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.state_file.exists():
             self.state_file.unlink()
+        if not keep_dir and self.dir.parent.is_dir():
+            self._remove_libvirt_mount_points()
         if not keep_dir:
             with contextlib.suppress(OSError):
                 self.dir.parent.rmdir()     # the base directory, once no lab uses it
@@ -413,6 +425,44 @@ class Lab:
         labnet.restore_netns_dir(before)
         if not labnet.netns_dir_state()["mounted"]:
             self._netns_marker.unlink(missing_ok=True)
+
+    # libvirt's fixed paths are only mount points for the nodes' own
+    # directories, but a bind mount needs them to exist, and a machine with
+    # libvirt-daemon (not -system) has none of /run/libvirt, /var/lib/libvirt,
+    # /var/cache/libvirt, /var/log/libvirt.  The lab creates what is missing
+    # (empty: every write goes to the nodes' directories) and notes it in the
+    # base directory; the last lab to go down removes them again.
+
+    @property
+    def _mount_points_marker(self) -> Path:
+        return self.dir.parent / ".libvirt-dirs-created-by-lab.json"
+
+    def _make_libvirt_mount_points(self):
+        created = []
+        with contextlib.suppress(OSError, ValueError):
+            created = json.loads(self._mount_points_marker.read_text())
+        for target in LIBVIRT_DIRS:
+            if not os.path.isdir(target):
+                os.makedirs(target, mode=0o755)
+                created.append(target)
+                LOG.info("created the mount point %s (libvirt's own directory was absent)", target)
+        if created:
+            self._mount_points_marker.parent.mkdir(parents=True, exist_ok=True)
+            self._mount_points_marker.write_text(json.dumps(sorted(set(created))))
+
+    def _remove_libvirt_mount_points(self):
+        try:
+            created = json.loads(self._mount_points_marker.read_text())
+        except (OSError, ValueError):
+            return
+        others = [p for p in self.dir.parent.iterdir() if p.is_dir() and p != self.dir]
+        if others:
+            return                  # another lab still needs them
+        for target in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(target)    # only if still empty: never what someone else put there
+        if not any(os.path.isdir(t) for t in created):
+            self._mount_points_marker.unlink(missing_ok=True)
 
     def _unmount_leftovers(self):
         prefix = str(self.dir) + "/"
