@@ -209,14 +209,25 @@ class ControlServer:
                                        bool(postcopy))
         return record.describe()
 
-    def do_switchover(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id,
-                                       states={RecordStateName.OPEN, RecordStateName.SWITCHED_OVER})
+    def do_switchover(self, caller, domain_uuid, migration_id=None, postcopy=False):
+        """The source paused the guest for the last copy.  With ``postcopy``
+        the source handed the guest over for good (libvirt's
+        SUSPENDED_POSTCOPY on the source): the record is committed, whatever
+        the destination's own event says (libvirt may report RESUMED_MIGRATED
+        there for a post-copy migration)."""
+        states = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER}
+        if postcopy:
+            states |= {RecordStateName.COMMITTED, RecordStateName.COMPLETED}
+        record = self.pool.find_record(domain_uuid, migration_id, states=states)
         if record.dest_host == caller:
             raise Conflict(reason=f"host {caller} is the destination of {record.key}")
         if record.source_host not in (None, caller):
             raise Conflict(reason=f"{record.key} comes from {record.source_host}, not {caller}")
-        self.pool.switchover_record(record, caller)
+        if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+            self.pool.switchover_record(record, caller)
+        if postcopy:
+            record.postcopy = True
+            record.commit(time.time())
         return record.describe()
 
     def do_commit(self, caller, domain_uuid, migration_id=None):
