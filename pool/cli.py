@@ -70,7 +70,8 @@ def serve(config_path, **flags):
     """
     from accelmig.pool.config import PoolConfig, load_hosts, load_tenants
     from accelmig.pool.devices import open_backend
-    from accelmig.pool.server import Pool
+    from accelmig.pool.listeners import PoolServer
+    from accelmig.pool.state import Pool
     try:
         config = PoolConfig.load(config_path, flags)
         logs.setup("accelmig-pool", config.log_format, config.log_level)
@@ -79,7 +80,8 @@ def serve(config_path, **flags):
         backend = open_backend(config.device)
     except AccelmigError as exc:
         _fail(exc)
-    pool = Pool(config, backend, tenants, hosts)
+    server = PoolServer(Pool(config, backend, tenants, hosts))
+    pool = server.pool
 
     async def run():
         stop = asyncio.Event()
@@ -87,7 +89,7 @@ def serve(config_path, **flags):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await pool.start()
+            await server.start()
         except AlreadyRunning as exc:
             LOG.error("%s", exc.message)
             raise SystemExit(3)
@@ -95,10 +97,10 @@ def serve(config_path, **flags):
             LOG.error("cannot listen: %s", exc)
             raise SystemExit(2)
         # A line a supervisor (or a test) can wait for.
-        print(json.dumps({"ready": True, "instance": pool.instance, **pool.endpoints}), flush=True)
+        print(json.dumps({"ready": True, "instance": pool.instance, **server.endpoints}), flush=True)
         await stop.wait()
         LOG.info("signal received: stopping")
-        await pool.stop()
+        await server.stop()
 
     asyncio.run(run())
 

@@ -13,7 +13,7 @@ import secrets
 import time
 
 from accelmig.pool.config import parse_networks
-from accelmig.pool.migration import PausePolicy, RecordStateName
+from accelmig.wire.records import IN_FLIGHT, PausePolicy, RecordStateName
 from accelmig.wire import control as wc
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
                                   InternalError, NoSuchHost, NoSuchRecord, ProtocolError, UnknownOp,
@@ -21,8 +21,6 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflic
 from accelmig.wire.frames import encode_frame
 
 LOG = logging.getLogger(__name__)
-
-IN_FLIGHT = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER, RecordStateName.COMMITTED}
 
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
                  "park", "unpark", "register_intent"}
@@ -170,11 +168,8 @@ class ControlServer:
         # a session opened while its domain migrates joins the migration
         now = time.time()
         for record in self.pool.open_records():
-            if record.domain_uuid == domain_uuid and (
-                    record.policy is PausePolicy.START or (
-                    record.policy is PausePolicy.SWITCHOVER and
-                    record.state is RecordStateName.SWITCHED_OVER)):
-                session.pause(record.key, now)
+            if record.domain_uuid == domain_uuid:
+                self.pool.hold_if_paused(record, [session], now)
         return {"sid": sid, "domain_uuid": domain_uuid, "bound_host": session.bound_host}
 
     def do_unbind_session(self, caller, sid):
@@ -185,10 +180,7 @@ class ControlServer:
 
     def do_register_intent(self, caller, domain_uuid, policy="none", dest_host=None,
                            migration_id=None, source_host=None):
-        try:
-            PausePolicy(policy)
-        except ValueError:
-            raise BadRequest(reason=f"pause policy {policy!r} (none, switchover or start)") from None
+        PausePolicy.parse(policy)
         if dest_host is not None and dest_host not in self.pool.hosts:
             raise NoSuchHost(host=dest_host)
         intent = {"domain_uuid": domain_uuid, "policy": policy, "dest_host": dest_host,
@@ -201,10 +193,7 @@ class ControlServer:
     def do_open_migration(self, caller, domain_uuid, migration_id=None, domain_name=None,
                           policy=None, postcopy=False):
         if policy is not None:
-            try:
-                PausePolicy(policy)
-            except ValueError:
-                raise BadRequest(reason=f"pause policy {policy!r}") from None
+            PausePolicy.parse(policy)
         record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy,
                                        bool(postcopy))
         return record.describe()

@@ -167,7 +167,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if isinstance(exc, FrameError):
             self.pool.metrics.frame_errors.labels(exc.code.value).inc()
         self.send({"op": Op.ERROR.value, "error": exc.to_wire()})
-        self._close()
+        self.close()
 
     def fence(self, by_epoch: int) -> None:
         """A later resume took the session: this connection issues nothing more."""
@@ -176,9 +176,9 @@ class DataConnection(asyncio.BufferedProtocol):
         sid = self.session.sid if self.session else "?"
         self.send({"op": Op.ERROR.value, "error": StaleEpoch(sid=sid, got=self.epoch,
                                                              current=by_epoch).to_wire()})
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self.state = ConnState.CLOSED
         if self.transport is not None:
             self.flush()

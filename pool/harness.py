@@ -40,17 +40,19 @@ class PoolThread:
 
     def start(self) -> "PoolThread":
         from accelmig.pool.devices import open_backend
-        from accelmig.pool.server import Pool
+        from accelmig.pool.listeners import PoolServer
+        from accelmig.pool.state import Pool
         if self._backend is None:
             self._backend = open_backend(self.config.device)
         self.pool = Pool(self.config, self._backend, self.tenant_specs, self.host_specs)
+        self.server = PoolServer(self.pool)
         ready = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()
 
         def run():
             asyncio.set_event_loop(self.loop)
             try:
-                self.loop.run_until_complete(self.pool.start())
+                self.loop.run_until_complete(self.server.start())
             except BaseException as exc:  # report a failed start to the caller
                 ready.set_exception(exc)
                 return
@@ -78,7 +80,7 @@ class PoolThread:
     def stop(self) -> None:
         if self.loop is None or self.pool is None:
             return
-        asyncio.run_coroutine_threadsafe(self.pool.stop(), self.loop).result(30)
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
@@ -86,7 +88,7 @@ class PoolThread:
 
     def restart(self) -> "PoolThread":
         """Stop and start on the same addresses: a new pool instance, no sessions."""
-        data, control = self.pool.endpoints["data_all"], self.control_endpoint
+        data, control = self.server.endpoints["data_all"], self.control_endpoint
         self.stop()
         self.config.listen = ",".join(data)
         if control:
@@ -95,15 +97,15 @@ class PoolThread:
 
     @property
     def endpoint(self) -> str:
-        return self.pool.endpoints["data"]
+        return self.server.endpoints["data"]
 
     @property
     def control_endpoint(self) -> str | None:
-        return self.pool.endpoints.get("control")
+        return self.server.endpoints.get("control")
 
     @property
     def admin_endpoint(self) -> str | None:
-        return self.pool.endpoints.get("admin")
+        return self.server.endpoints.get("admin")
 
     def session(self, sid: str) -> dict:
         return self.call(lambda: self.pool.sessions[sid].describe())

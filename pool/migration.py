@@ -2,12 +2,9 @@
 
 A record follows one migration of one domain, keyed by (domain UUID,
 migration id) — a domain can be renamed on the way (``--dname``) and a
-return migration can overlap the previous one's cleanup.  State machine::
-
-    OPEN --switchover--> SWITCHED_OVER --complete--> COMPLETED --close--> CLOSED
-      |                      |    \\                    ^
-      |                      |     +--commit--> COMMITTED (post-copy: no way back)
-      +------abort-----------+--> ABORTED
+return migration can overlap the previous one's cleanup.  Its states and
+their diagram are the control plane's contract (``accelmig.wire.records``);
+``MigrationRecord.TRANSITIONS`` is the one table of how they change.
 
 ``complete`` freezes the set of the domain's sessions (sessions opened during
 pre-copy included) and mints one resume ticket per session, bound to the
@@ -23,7 +20,6 @@ from __future__ import annotations
 import base64
 import collections
 import dataclasses
-import enum
 import hashlib
 import hmac
 import json
@@ -31,28 +27,32 @@ import secrets
 import time
 
 from accelmig.wire.errors import RecordState, TicketInvalid
+from accelmig.wire.records import FINAL, PausePolicy, RecordStateName
 
-
-class RecordStateName(enum.Enum):
-    OPEN = "open"
-    SWITCHED_OVER = "switched_over"
-    COMMITTED = "committed"
-    COMPLETED = "completed"
-    CLOSED = "closed"
-    ABORTED = "aborted"
-
-
-class PausePolicy(str, enum.Enum):
-    NONE = "none"              # correctness from the reply log alone
-    SWITCHOVER = "switchover"  # stop executing at the source's switchover
-    START = "start"            # stop executing when the record opens (the baseline)
-
-
-ABORTABLE = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER}
-FINAL = {RecordStateName.CLOSED, RecordStateName.ABORTED}
+S = RecordStateName
 
 
 class MigrationRecord:
+    #: event -> {state it may happen in: the state it leads to}
+    TRANSITIONS = {
+        "switchover": {S.OPEN: S.SWITCHED_OVER},
+        "commit": {S.OPEN: S.COMMITTED, S.SWITCHED_OVER: S.COMMITTED},
+        "complete": {S.OPEN: S.COMPLETED, S.SWITCHED_OVER: S.COMPLETED, S.COMMITTED: S.COMPLETED},
+        "close": {S.COMPLETED: S.CLOSED},
+        "abort": {S.OPEN: S.ABORTED, S.SWITCHED_OVER: S.ABORTED},
+    }
+    #: event -> the ``times`` entry it stamps
+    STAMPS = {"switchover": "switchover", "commit": "committed", "complete": "completed",
+              "close": "closed", "abort": "aborted"}
+    #: event -> states in which it is a harmless repeat (hosts retry; events come twice)
+    REPEATS = {
+        "switchover": {S.SWITCHED_OVER},
+        "commit": {S.COMMITTED, S.COMPLETED, S.CLOSED},
+        "complete": {S.COMPLETED, S.CLOSED},
+        "close": {S.CLOSED},
+        "abort": {S.ABORTED},
+    }
+
     def __init__(self, domain_uuid: str, migration_id: str, source_host: str | None,
                  dest_host: str, policy: PausePolicy, lease_ttl: float, now: float,
                  domain_name: str | None = None, postcopy: bool = False):
@@ -63,7 +63,7 @@ class MigrationRecord:
         self.policy = policy
         self.domain_name = domain_name
         self.postcopy = postcopy
-        self.state = RecordStateName.OPEN
+        self.state = S.OPEN
         self.lease_ttl = lease_ttl
         self.lease_expiry = now + lease_ttl
         self.times: dict[str, float] = {"opened": now}
@@ -81,68 +81,60 @@ class MigrationRecord:
     def final(self) -> bool:
         return self.state in FINAL
 
-    def _require(self, action: str, allowed) -> None:
-        if self.state not in allowed:
+    def _step(self, event: str, now: float, action: str) -> bool:
+        """Apply ``event``: True if the state changed, False for a repeat."""
+        target = self.TRANSITIONS[event].get(self.state)
+        if target is None:
+            if self.state in self.REPEATS[event]:
+                return False
             raise RecordState(record=self.key, state=self.state.value, action=action)
+        self.state = target
+        self.times[self.STAMPS[event]] = now
+        return True
 
     def renew(self, now: float) -> None:
         if not self.final:
             self.lease_expiry = now + self.lease_ttl
 
     def switchover(self, now: float) -> bool:
-        """Source paused the guest for the last copy.  Idempotent."""
-        if self.state is RecordStateName.SWITCHED_OVER:
-            return False
-        self._require("switch over", {RecordStateName.OPEN})
-        self.state = RecordStateName.SWITCHED_OVER
-        self.times["switchover"] = now
-        return True
+        """Source paused the guest for the last copy."""
+        return self._step("switchover", now, "switch over")
 
     def commit(self, now: float) -> bool:
         """Post-copy started: the guest runs on the destination, no way back."""
-        if self.state in (RecordStateName.COMMITTED, RecordStateName.COMPLETED,
-                          RecordStateName.CLOSED):
-            return False
-        self._require("commit", ABORTABLE)
-        self.state = RecordStateName.COMMITTED
-        self.times["committed"] = now
-        return True
+        return self._step("commit", now, "commit")
 
     def complete(self, now: float, sessions: list[str]) -> bool:
-        if self.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
+        if not self._step("complete", now, "complete"):
             return False
-        self._require("complete", ABORTABLE | {RecordStateName.COMMITTED})
         self.sessions = list(sessions)
-        self.state = RecordStateName.CLOSED if self.source_stopped else RecordStateName.COMPLETED
-        self.times["completed"] = now
+        if self.source_stopped:
+            self._step("close", now, "close")
         return True
 
     def close(self, now: float) -> bool:
-        """The source's QEMU stopped after a successful migration."""
+        """The source's QEMU stopped after a successful migration (it may come
+        before the destination completes: then completing closes)."""
         self.source_stopped = True
         self.times.setdefault("source_stopped", now)
-        if self.state is RecordStateName.COMPLETED:
-            self.state = RecordStateName.CLOSED
-            self.times["closed"] = now
-            return True
+        if self.state is S.COMPLETED:
+            return self._step("close", now, "close")
         return False
 
     def abort(self, now: float, reason: str) -> bool:
-        if self.state is RecordStateName.ABORTED:
+        if not self._step("abort", now, "abort"):
             return False
-        self._require("abort", ABORTABLE)
-        self.state = RecordStateName.ABORTED
         self.abort_reason = reason
-        self.times["aborted"] = now
         return True
 
-    def describe(self) -> dict:
+    def describe(self, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
         return {
             "domain_uuid": self.domain_uuid, "migration_id": self.migration_id,
             "domain_name": self.domain_name, "source_host": self.source_host,
             "dest_host": self.dest_host, "policy": self.policy.value, "state": self.state.value,
             "sessions": list(self.sessions), "resumed": dict(self.resumed),
-            "times": dict(self.times), "lease_in": round(self.lease_expiry - time.time(), 3),
+            "times": dict(self.times), "lease_in": round(self.lease_expiry - now, 3),
             "abort_reason": self.abort_reason, "postcopy": self.postcopy,
         }
 

@@ -194,6 +194,10 @@ class Session:
         self.held_bytes = 0
         self._worker.stop()
 
+    def wait_released(self, timeout: float | None = None) -> None:
+        """After ``release``: wait until the worker has given the device objects back."""
+        self._worker.join(timeout)
+
     def _require_live(self) -> None:
         if self.state is SessionState.RELEASED:
             raise InternalError(reason=f"session {self.sid} is released ({self.released_reason})")
@@ -404,7 +408,7 @@ def execute(session: Session, command: Command) -> StoredReply:
         elif op is Op.FREE_PROGRAM:
             ctx.free_program(h["prog"])
         elif op is Op.INFO:
-            fields = {"device": ctx.backend.info()} if hasattr(ctx, "backend") else {}
+            fields = {"device": ctx.info()}
         elif op is Op.RELEASE:
             ctx.finish()
             fields = {"released": True}

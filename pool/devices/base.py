@@ -60,6 +60,10 @@ class DeviceContext(abc.ABC):
     """One session's objects on a device.  Handles are the driver's."""
 
     @abc.abstractmethod
+    def info(self) -> dict:
+        """The device this context runs on (``DeviceBackend.info``)."""
+
+    @abc.abstractmethod
     def alloc(self, handle: int, nbytes: int) -> None: ...
 
     @abc.abstractmethod

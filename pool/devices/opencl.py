@@ -88,7 +88,11 @@ class OpenCLContext(DeviceContext):
         self.kernels: dict[tuple[int, str], cl.Kernel] = {}
         self._lock = threading.Lock()  # release() may come from another thread
 
+    def info(self) -> dict:
+        return self.backend.info()
+
     # -- lookups -----------------------------------------------------------------
+
     def _buffer(self, handle: int) -> tuple[cl.Buffer, int]:
         try:
             return self.buffers[handle]

@@ -1,53 +1,35 @@
-"""The pool: sessions, hosts, migration records, and the listeners.
+"""The pool's state: tenants, sessions, hosts, migration records and tickets,
+and every operation on them.
 
-One asyncio event loop owns all bookkeeping (sessions, records, tickets,
-hosts), so every operation on it is atomic with respect to every other: a
+One asyncio event loop owns all of it (``PoolServer`` runs that loop's
+listeners), so every operation is atomic with respect to every other: a
 resume, a control-plane call and a frame from a driver never interleave
 half-way.  Device work runs on per-session worker threads and reports back
-to the loop.
+to the loop through ``post``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import ipaddress
 import logging
-import os
 import secrets
 import time
 import uuid
 
 from accelmig.pool.buffers import PayloadBuffers
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
-from accelmig.pool.dataplane import DataConnection
+from accelmig.pool.hosts import HostState, host_for_address
 from accelmig.pool.metrics import PoolMetrics
-from accelmig.pool.migration import (FINAL, MigrationRecord, PausePolicy, RecordStateName,
-                                     TicketAuthority)
+from accelmig.pool.migration import MigrationRecord, TicketAuthority
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import (AuthFailed, BadRequest, Conflict, NoSuchRecord, SessionDiverged,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost)
-from accelmig.wire.sockets import OwnedUnixSocket
+from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
 
-LOG = logging.getLogger(__name__)
-
-
-class HostState:
-    def __init__(self, spec: HostSpec):
-        self.name = spec.name
-        self.secret = spec.secret
-        self.static_networks = list(spec.addresses)
-        self.networks = list(spec.addresses)
-        self.identity: dict = {}
-        self.registered_at: float | None = None
-        self.last_seen: float | None = None
-
-    def describe(self) -> dict:
-        return {"host": self.name, "networks": [str(n) for n in self.networks],
-                "identity": self.identity, "registered_at": self.registered_at,
-                "last_seen": self.last_seen}
+LOG = logging.getLogger("accelmig.pool")
 
 
 class Pool:
@@ -73,80 +55,10 @@ class Pool:
             self.metrics.sessions.labels(state.value).set_function(
                 lambda state=state: sum(1 for s in list(self.sessions.values()) if s.state is state))
         self.buffers = PayloadBuffers()
-        self.connections: set[DataConnection] = set()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._servers: list = []
-        self._admin_socket: OwnedUnixSocket | None = None
-        self._janitor: asyncio.Task | None = None
+        self.connections: set = set()            # DataConnections, for a clean stop
+        self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self._counter = 0
         self.started = time.time()
-        self.endpoints: dict[str, str] = {}
-
-    # -- lifecycle -------------------------------------------------------------
-    async def start(self) -> None:
-        from accelmig.pool.control import ControlServer
-        self.loop = asyncio.get_running_loop()
-        admin_sock = None
-        if self.config.admin_socket:
-            # First: a second pool on the same admin socket stops here, having touched nothing.
-            self._admin_socket = OwnedUnixSocket(self.config.admin_socket, mode=0o600,
-                                                 what="accelmig-pool (admin socket)")
-            admin_sock = self._admin_socket.open()
-        # ``listen`` may name several addresses ("0.0.0.0:7070,[::]:7070"); a
-        # port 0 after the first takes the port the first one got.
-        first_port = None
-        for item in [p.strip() for p in self.config.listen.split(",") if p.strip()]:
-            host, port = dp.parse_endpoint(item)
-            if port == 0 and first_port is not None:
-                port = first_port
-            server = await self.loop.create_server(lambda: DataConnection(self), host, port,
-                                                   reuse_address=True)
-            self._servers.append(server)
-            bound = _bound(server)
-            first_port = first_port or server.sockets[0].getsockname()[1]
-            self.endpoints.setdefault("data", bound)
-            self.endpoints.setdefault("data_all", []).append(bound)
-        self.control = ControlServer(self)
-        if self.config.control_listen:
-            chost, cport = dp.parse_endpoint(self.config.control_listen)
-            cserver = await asyncio.start_server(self.control.handle_host, chost, cport,
-                                                 reuse_address=True)
-            self._servers.append(cserver)
-            self.endpoints["control"] = _bound(cserver)
-        if admin_sock is not None:
-            aserver = await asyncio.start_unix_server(self.control.handle_admin, sock=admin_sock)
-            self._servers.append(aserver)
-            self.endpoints["admin"] = "unix:" + self.config.admin_socket
-        if self.config.metrics_listen:
-            from prometheus_client import start_http_server
-            mhost, mport = dp.parse_endpoint(self.config.metrics_listen)
-            start_http_server(mport, addr=mhost, registry=self.metrics.registry)
-            self.endpoints["metrics"] = self.config.metrics_listen
-        self._janitor = asyncio.ensure_future(self._janitor_loop())
-        LOG.info("pool %s serving", self.instance, extra={"instance": self.instance, **self.endpoints,
-                                                          "device": self.backend.spec})
-
-    async def stop(self) -> None:
-        if self._janitor is not None:
-            self._janitor.cancel()
-        for server in self._servers:
-            server.close()
-        for conn in list(self.connections):
-            conn._close()
-        if getattr(self, "control", None) is not None:
-            await self.control.close()
-        for server in self._servers:
-            try:
-                await asyncio.wait_for(server.wait_closed(), 2)
-            except (asyncio.TimeoutError, Exception):
-                pass
-        for session in list(self.sessions.values()):
-            session.release("pool stopping")
-        for session in list(self.sessions.values()):
-            session._worker.join(5)
-        if self._admin_socket is not None:
-            self._admin_socket.close()
-        LOG.info("pool %s stopped", self.instance)
 
     def post(self, fn) -> None:
         """From a worker thread: run ``fn`` on the loop."""
@@ -156,15 +68,6 @@ class Pool:
                 loop.call_soon_threadsafe(fn)
             except RuntimeError:  # loop closing
                 pass
-
-    async def _janitor_loop(self) -> None:
-        period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))
-        while True:
-            await asyncio.sleep(period)
-            try:
-                self.sweep(time.time())
-            except Exception:  # pragma: no cover - keep sweeping whatever happens
-                LOG.exception("janitor failed")
 
     def sweep(self, now: float) -> None:
         for session in list(self.sessions.values()):
@@ -192,25 +95,14 @@ class Pool:
 
     # -- hosts -----------------------------------------------------------------------
     def host_for_address(self, address: str) -> str | None:
-        try:
-            ip = ipaddress.ip_address(address.split("%")[0])
-        except ValueError:
-            return None
-        if ip.version == 6 and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped      # a dual-stack socket reports IPv4 peers this way
-        best, best_len = None, -1
-        for host in self.hosts.values():
-            for net in host.networks:
-                if ip.version == net.version and ip in net and net.prefixlen > best_len:
-                    best, best_len = host.name, net.prefixlen
-        return best
+        return host_for_address(self.hosts.values(), address)
 
     # -- sessions ------------------------------------------------------------------
     def _new_sid(self) -> str:
         self._counter += 1
         return f"s-{self.instance}-{self._counter}-{secrets.token_hex(3)}"
 
-    def open_session(self, conn: DataConnection, header: dict) -> Session:
+    def open_session(self, conn, header: dict) -> Session:
         tenant = self.tenants.get(header.get("token")) if isinstance(header.get("token"), str) else None
         if tenant is None:
             raise AuthFailed(reason="unknown tenant token")
@@ -242,7 +134,7 @@ class Pool:
             raise SessionLost(sid=sid, instance=self.instance)
         raise SessionExpired(sid=sid, details={"reason": self.tombstones.get(sid, "unknown")})
 
-    def resume_session(self, conn: DataConnection, header: dict) -> tuple[Session, list[StoredReply]]:
+    def resume_session(self, conn, header: dict) -> tuple[Session, list[StoredReply]]:
         """All checks first; the session changes only when every one passed."""
         now = time.time()
         sid = header.get("sid")
@@ -312,7 +204,7 @@ class Pool:
                         "blackout_s": blackout})
         return session, replay
 
-    def connection_lost(self, session: Session, conn: DataConnection) -> None:
+    def connection_lost(self, session: Session, conn) -> None:
         if not session.live:
             return
         session.detach(time.time(), self.config.grace)
@@ -376,7 +268,7 @@ class Pool:
         if source is None:
             bound = {s.bound_host for s in self.domain_sessions(domain_uuid)} - {None}
             source = bound.pop() if len(bound) == 1 else None
-        policy = PausePolicy(policy or (intent or {}).get("policy") or "none")
+        policy = PausePolicy.parse(policy or (intent or {}).get("policy") or "none")
         for record in self.records.values():
             if record.domain_uuid == domain_uuid and record.state in (
                     RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
@@ -387,9 +279,7 @@ class Pool:
         if f"{domain_uuid}/{mid}" in self.records:
             raise Conflict(reason=f"migration id {mid} was used for this domain already")
         self.records[record.key] = record
-        if policy is PausePolicy.START:
-            for session in self.domain_sessions(domain_uuid):
-                session.pause(record.key, now)
+        self.hold_if_paused(record, self.domain_sessions(domain_uuid), now)
         LOG.info("record %s opened: %s -> %s, policy %s", record.key, source, dest, policy.value,
                  extra={"domain": domain_uuid, "migration": mid})
         return record
@@ -398,10 +288,17 @@ class Pool:
         now = time.time()
         if record.source_host is None:
             record.source_host = source
-        if record.switchover(now) and record.policy is PausePolicy.SWITCHOVER:
-            for session in self.domain_sessions(record.domain_uuid):
-                session.pause(record.key, now)
+        if record.switchover(now):
+            self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), now)
         record.renew(now)
+
+    @staticmethod
+    def hold_if_paused(record: MigrationRecord, sessions, now: float) -> None:
+        """Pause ``sessions`` if the record's policy says so in its state (the
+        rule itself: ``accelmig.wire.records.pauses``)."""
+        if pauses(record.policy, record.state):
+            for session in sessions:
+                session.pause(record.key, now)
 
     def _complete_record(self, record: MigrationRecord, now: float) -> dict[str, str]:
         sessions = self.domain_sessions(record.domain_uuid)
@@ -476,8 +373,3 @@ class Pool:
         return [s.describe() for s in self.sessions.values()
                 if domain_uuid is None or s.domain_uuid == domain_uuid]
 
-
-def _bound(server) -> str:
-    sock = server.sockets[0]
-    host, port = sock.getsockname()[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,111 @@
+"""The pool's listeners: the data plane for drivers, the control plane for
+hosts, the local admin socket, Prometheus metrics — and the janitor that
+expires sessions and leases.  ``PoolServer`` starts and stops them around
+one ``Pool`` (the state model), on the pool's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from accelmig.pool.control import ControlServer
+from accelmig.pool.dataplane import DataConnection
+from accelmig.pool.state import Pool
+from accelmig.wire import dataplane as dp
+from accelmig.wire.sockets import OwnedUnixSocket
+
+LOG = logging.getLogger("accelmig.pool")
+
+
+class PoolServer:
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.control = ControlServer(pool)
+        self.endpoints: dict = {}
+        self._servers: list = []
+        self._admin_socket: OwnedUnixSocket | None = None
+        self._janitor: asyncio.Task | None = None
+
+    @property
+    def config(self):
+        return self.pool.config
+
+    async def start(self) -> None:
+        pool = self.pool
+        pool.loop = asyncio.get_running_loop()
+        admin_sock = None
+        if self.config.admin_socket:
+            # First: a second pool on the same admin socket stops here, having touched nothing.
+            self._admin_socket = OwnedUnixSocket(self.config.admin_socket, mode=0o600,
+                                                 what="accelmig-pool (admin socket)")
+            admin_sock = self._admin_socket.open()
+        # ``listen`` may name several addresses ("0.0.0.0:7070,[::]:7070"); a
+        # port 0 after the first takes the port the first one got.
+        first_port = None
+        for item in [p.strip() for p in self.config.listen.split(",") if p.strip()]:
+            host, port = dp.parse_endpoint(item)
+            if port == 0 and first_port is not None:
+                port = first_port
+            server = await pool.loop.create_server(lambda: DataConnection(pool), host, port,
+                                                   reuse_address=True)
+            self._servers.append(server)
+            bound = _bound(server)
+            first_port = first_port or server.sockets[0].getsockname()[1]
+            self.endpoints.setdefault("data", bound)
+            self.endpoints.setdefault("data_all", []).append(bound)
+        if self.config.control_listen:
+            chost, cport = dp.parse_endpoint(self.config.control_listen)
+            cserver = await asyncio.start_server(self.control.handle_host, chost, cport,
+                                                 reuse_address=True)
+            self._servers.append(cserver)
+            self.endpoints["control"] = _bound(cserver)
+        if admin_sock is not None:
+            aserver = await asyncio.start_unix_server(self.control.handle_admin, sock=admin_sock)
+            self._servers.append(aserver)
+            self.endpoints["admin"] = "unix:" + self.config.admin_socket
+        if self.config.metrics_listen:
+            from prometheus_client import start_http_server
+            mhost, mport = dp.parse_endpoint(self.config.metrics_listen)
+            start_http_server(mport, addr=mhost, registry=pool.metrics.registry)
+            self.endpoints["metrics"] = self.config.metrics_listen
+        self._janitor = asyncio.ensure_future(self._janitor_loop())
+        LOG.info("pool %s serving", pool.instance, extra={"instance": pool.instance, **self.endpoints,
+                                                          "device": pool.backend.spec})
+
+    async def stop(self) -> None:
+        pool = self.pool
+        if self._janitor is not None:
+            self._janitor.cancel()
+        for server in self._servers:
+            server.close()
+        for conn in list(pool.connections):
+            conn.close()
+        await self.control.close()
+        for server in self._servers:
+            try:
+                await asyncio.wait_for(server.wait_closed(), 2)
+            except (asyncio.TimeoutError, Exception):
+                pass
+        for session in list(pool.sessions.values()):
+            session.release("pool stopping")
+        for session in list(pool.sessions.values()):
+            session.wait_released(5)
+        if self._admin_socket is not None:
+            self._admin_socket.close()
+        LOG.info("pool %s stopped", pool.instance)
+
+    async def _janitor_loop(self) -> None:
+        period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.pool.sweep(time.time())
+            except Exception:  # pragma: no cover - keep sweeping whatever happens
+                LOG.exception("janitor failed")
+
+
+def _bound(server) -> str:
+    sock = server.sockets[0]
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
