@@ -18,8 +18,9 @@ host the pool has no secret for is refused.  (The pool's local admin socket
 speaks the same protocol with ``"host": "admin"`` and no MAC: filesystem
 permissions guard it.)
 
-Standard library only; the blocking ``ControlClient`` is used by the pool
-CLI and by tests, the asyncio one by hostd.
+Standard library only.  ``ControlSession`` is the protocol, written once;
+``ControlClient`` (blocking: the CLIs, the lab, tests) and
+``AsyncControlClient`` (asyncio, pipelined: hostd) only carry its bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import json
 import socket
 import threading
 
-from accelmig.wire.errors import AuthFailed, ProtocolError, Unavailable, from_wire
+from accelmig.wire.errors import AuthFailed, FrameError, ProtocolError, Unavailable, from_wire
 from accelmig.wire.frames import (DEFAULT_LIMITS, PREFIX_SIZE, FrameReader, decode_header,
                                   encode_frame, parse_prefix)
 
@@ -110,10 +111,67 @@ def check_answer(secret: bytes | None, challenge: str, answer: dict, call_id: in
     return answer.get("result")
 
 
+class ControlSession:
+    """The host's half of the control protocol, without any I/O.
+
+    It makes the bytes to send (``hello``, ``call``) and judges the frames
+    that come back (``welcome``, ``answer``): challenge, ids, MACs, errors.
+    The two clients below only move those bytes, one on a blocking socket
+    and one on asyncio — so the protocol is written once (as h11 does for
+    HTTP).  A session is one connection's worth: make a new one to reconnect.
+    """
+
+    def __init__(self, host: str, secret: bytes | None):
+        self.host = host
+        self.secret = secret
+        self.challenge: str | None = None
+        self.instance: str | None = None
+        self._ids = itertools.count(1)
+
+    def hello(self) -> bytes:
+        return encode_frame({"op": "hello", "versions": list(CONTROL_VERSIONS), "host": self.host})
+
+    def welcome(self, header: dict) -> None:
+        """Accept the pool's first frame, or raise what it says."""
+        if header.get("op") == "error":
+            raise from_wire(header.get("error", {}))
+        if header.get("op") != "welcome":
+            raise ProtocolError(reason=f"expected welcome, got {header.get('op')!r}")
+        self.challenge = str(header.get("challenge", ""))
+        self.instance = header.get("instance")
+
+    def call(self, method: str, args: dict) -> tuple[int, bytes]:
+        """(call id, frame) of a request; ids grow with every call."""
+        if self.challenge is None:
+            raise ProtocolError(reason="call before the pool's welcome")
+        call_id = next(self._ids)
+        header = {"op": "call", "id": call_id, "method": method, "args": args}
+        if self.secret is not None:
+            header["mac"] = request_mac(self.secret, self.challenge, call_id, method, args)
+        return call_id, encode_frame(header)
+
+    def answer_id(self, header: dict) -> int | None:
+        """The call a frame answers (None: a connection-level error frame)."""
+        call_id = header.get("id")
+        return call_id if header.get("op") == "result" and isinstance(call_id, int) else None
+
+    def answer(self, header: dict, call_id: int):
+        """The result of call ``call_id``, or the error it carries.  ``AuthFailed``
+        and ``ProtocolError`` mean the connection can no longer be trusted."""
+        return check_answer(self.secret, self.challenge or "", header, call_id)
+
+
+#: Errors after which a connection is dropped (the next call makes a new one).
+BROKEN = (ProtocolError, AuthFailed, FrameError)
+
+
 class ControlClient:
     """Blocking control-plane client, thread-safe (one call at a time).
 
-    ``endpoint`` is ``HOST:PORT`` or ``unix:/path`` (the admin socket).
+    ``endpoint`` is ``HOST:PORT`` or ``unix:/path`` (the admin socket).  A
+    connection that breaks, times out, or answers with a frame it cannot
+    trust is closed; the next call connects again (once more within a call
+    when the pool restarted or the connection idled out).
     """
 
     def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0):
@@ -123,10 +181,13 @@ class ControlClient:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._reader: FrameReader | None = None
-        self._challenge = ""
-        self._ids = itertools.count(1)
+        self._pending: list[dict] = []
+        self._session: ControlSession | None = None
         self._lock = threading.Lock()
-        self.instance: str | None = None
+
+    @property
+    def instance(self) -> str | None:
+        return self._session.instance if self._session else None
 
     def _connect(self) -> None:
         from accelmig.wire.dataplane import parse_endpoint
@@ -139,62 +200,62 @@ class ControlClient:
                 sock = socket.create_connection(parse_endpoint(self.endpoint), timeout=self.timeout)
         except OSError as exc:
             raise Unavailable(what=f"the pool's control plane at {self.endpoint}", reason=str(exc)) from None
-        self._sock = sock
-        self._reader = FrameReader()
-        sock.sendall(encode_frame({"op": "hello", "versions": list(CONTROL_VERSIONS), "host": self.host}))
-        welcome = self._recv()
-        if welcome.get("op") == "error":
+        self._sock, self._reader, self._pending = sock, FrameReader(), []
+        self._session = ControlSession(self.host, self.secret)
+        try:
+            self._send(self._session.hello())
+            self._session.welcome(self._recv())
+        except BaseException:
             self.close()
-            raise from_wire(welcome.get("error", {}))
-        if welcome.get("op") != "welcome":
-            self.close()
-            raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
-        self._challenge = welcome.get("challenge", "")
-        self.instance = welcome.get("instance")
+            raise
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            raise Unavailable(what="the pool's control plane", reason=str(exc)) from None
 
     def _recv(self) -> dict:
-        while True:
-            buf = self._reader.get_buffer()
+        while not self._pending:
             try:
-                n = self._sock.recv_into(buf)
+                n = self._sock.recv_into(self._reader.get_buffer())
             except OSError as exc:
                 raise Unavailable(what="the pool's control plane", reason=str(exc)) from None
             if n == 0:
                 raise Unavailable(what="the pool's control plane", reason="connection closed")
-            frames = self._reader.feed(n)
-            if frames:
-                # one request in flight at a time: one answer
-                return frames[0].header
+            self._pending += [frame.header for frame in self._reader.feed(n)]
+        return self._pending.pop(0)
 
     def call(self, method: str, **args):
         with self._lock:
             for attempt in (1, 2):
                 if self._sock is None:
                     self._connect()
-                call_id = next(self._ids)
-                header = {"op": "call", "id": call_id, "method": method, "args": args}
-                if self.secret is not None:
-                    header["mac"] = request_mac(self.secret, self._challenge, call_id, method, args)
+                call_id, frame = self._session.call(method, args)
                 try:
-                    self._sock.sendall(encode_frame(header))
-                    answer = self._recv()
-                except (Unavailable, OSError):
+                    self._send(frame)
+                    while True:
+                        answer = self._recv()
+                        if self._session.answer_id(answer) in (call_id, None):
+                            break       # an older id: the late answer of a call that timed out
+                except Unavailable:
                     self.close()
                     if attempt == 2:
                         raise
                     continue  # the pool restarted or the connection idled out: once more
+                except BROKEN:
+                    self.close()
+                    raise
                 try:
-                    return check_answer(self.secret, self._challenge, answer, call_id)
-                except (ProtocolError, AuthFailed):
+                    return self._session.answer(answer, call_id)
+                except BROKEN:
                     self.close()
                     raise
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+        sock, self._sock, self._session = self._sock, None, None
+        if sock is not None:
+            sock.close()
 
     def __enter__(self):
         return self
@@ -204,71 +265,139 @@ class ControlClient:
 
 
 class AsyncControlClient:
-    """The same client on asyncio (hostd)."""
+    """The control-plane client on asyncio (hostd).
+
+    Calls are pipelined on one connection: each is matched to its answer by
+    id, so a slow caller never holds up another (the hook's budgeted call
+    does not queue behind lease renewals and status polls), and a call that
+    is cancelled or times out leaves nothing behind — its late answer is
+    dropped by id.  A connection that breaks, or answers with a frame that
+    cannot be trusted, fails every call waiting on it and is closed; the next
+    call connects again.
+    """
 
     def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0):
         self.endpoint = endpoint
         self.host = host
         self.secret = secret
         self.timeout = timeout
-        self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._challenge = ""
-        self._ids = itertools.count(1)
-        self._lock = asyncio.Lock()
-        self.instance: str | None = None
+        self._session: ControlSession | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._connecting: asyncio.Future | None = None
 
-    async def _connect(self) -> None:
+    @property
+    def instance(self) -> str | None:
+        return self._session.instance if self._session else None
+
+    async def _connection(self) -> ControlSession:
+        if self._writer is not None and not self._writer.is_closing():
+            return self._session
+        if self._connecting is None or self._connecting.done():
+            self._connecting = asyncio.ensure_future(self._connect())
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> ControlSession:
         from accelmig.wire.dataplane import parse_endpoint
+        session = ControlSession(self.host, self.secret)
+        writer = None
         try:
             if self.endpoint.startswith("unix:"):
                 conn = asyncio.open_unix_connection(self.endpoint[5:])
             else:
                 host, port = parse_endpoint(self.endpoint)
                 conn = asyncio.open_connection(host, port)
-            self._reader, self._writer = await asyncio.wait_for(conn, self.timeout)
-            self._writer.write(encode_frame({"op": "hello", "versions": list(CONTROL_VERSIONS),
-                                             "host": self.host}))
-            welcome, _ = await asyncio.wait_for(read_frame_async(self._reader), self.timeout)
+            reader, writer = await asyncio.wait_for(conn, self.timeout)
+            writer.write(session.hello())
+            welcome, _ = await asyncio.wait_for(read_frame_async(reader), self.timeout)
+            session.welcome(welcome)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
-            await self.close()
+            if writer is not None:
+                writer.close()
             raise Unavailable(what=f"the pool's control plane at {self.endpoint}",
                               reason=str(exc) or type(exc).__name__) from None
-        if welcome.get("op") != "welcome":
-            await self.close()
-            raise from_wire(welcome.get("error", {})) if welcome.get("op") == "error" else \
-                ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
-        self._challenge = welcome.get("challenge", "")
-        self.instance = welcome.get("instance")
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            raise
+        self._writer, self._session = writer, session
+        self._reader_task = asyncio.ensure_future(self._read_answers(reader, writer, session))
+        return session
+
+    async def _read_answers(self, reader, writer, session: ControlSession) -> None:
+        error: Exception = Unavailable(what="the pool's control plane", reason="connection closed")
+        try:
+            while True:
+                header, _ = await read_frame_async(reader)
+                call_id = session.answer_id(header)
+                if call_id is None:             # the pool closes the connection with an error
+                    error = from_wire(header.get("error", {})) if header.get("op") == "error" else \
+                        ProtocolError(reason=f"unexpected {header.get('op')!r} frame")
+                    return
+                waiter = self._waiters.pop(call_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(header)
+                # else: the answer of a call nobody waits for any more (cancelled, timed out)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            error = Unavailable(what="the pool's control plane", reason=str(exc) or "connection closed")
+        except FrameError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = Unavailable(what="the pool's control plane", reason="client closed")
+            raise
+        finally:
+            self._drop(writer, error)
+
+    def _drop(self, writer, error: Exception) -> None:
+        """Close ``writer``'s connection and fail every call still waiting on it."""
+        if self._writer is writer:
+            self._writer, self._session = None, None
+        writer.close()
+        waiters, self._waiters = self._waiters, {}
+        for waiter in waiters.values():
+            if not waiter.done():
+                waiter.set_exception(error)
 
     async def call(self, method: str, **args):
-        async with self._lock:
-            for attempt in (1, 2):
-                if self._writer is None:
-                    await self._connect()
-                call_id = next(self._ids)
-                header = {"op": "call", "id": call_id, "method": method, "args": args}
-                if self.secret is not None:
-                    header["mac"] = request_mac(self.secret, self._challenge, call_id, method, args)
-                try:
-                    self._writer.write(encode_frame(header))
-                    answer, _ = await asyncio.wait_for(read_frame_async(self._reader), self.timeout)
-                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
-                    await self.close()
-                    if attempt == 2:
-                        raise Unavailable(what="the pool's control plane",
-                                          reason=str(exc) or type(exc).__name__) from None
-                    continue
-                try:
-                    return check_answer(self.secret, self._challenge, answer, call_id)
-                except (ProtocolError, AuthFailed):
-                    await self.close()
+        for attempt in (1, 2):
+            session = await self._connection()
+            writer = self._writer
+            call_id, frame = session.call(method, args)
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[call_id] = waiter
+            try:
+                writer.write(frame)
+                answer = await asyncio.wait_for(waiter, self.timeout)
+            except asyncio.TimeoutError:
+                raise Unavailable(what="the pool's control plane",
+                                  reason=f"no answer to {method} within {self.timeout:.1f} s") from None
+            except Unavailable:
+                if attempt == 2:
                     raise
+                continue          # the pool restarted or the connection idled out: once more
+            finally:
+                self._waiters.pop(call_id, None)
+            try:
+                return session.answer(answer, call_id)
+            except BROKEN:
+                if self._writer is writer:
+                    self._drop(writer, Unavailable(what="the pool's control plane",
+                                                   reason="an answer did not verify"))
+                raise
 
     async def close(self) -> None:
-        writer, self._writer, self._reader = self._writer, None, None
+        task, self._reader_task = self._reader_task, None
+        writer = self._writer
         if writer is not None:
-            writer.close()
+            self._drop(writer, Unavailable(what="the pool's control plane", reason="client closed"))
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if writer is not None:
             try:
                 await writer.wait_closed()
             except (OSError, asyncio.CancelledError):
