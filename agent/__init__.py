@@ -1,5 +1,6 @@
 """The guest side of accelmig: the user-space driver (``accelmig.agent.driver``)
-and the guest agent daemon (``accelmig-agent``).  Standard library only."""
+and the guest agent daemon (``accelmig.agent.daemon``, run as ``accelmig-agent``).
+Standard library only, and Python 3.9 or later (guest images are old)."""
 
 import logging as _logging
 

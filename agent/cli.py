@@ -57,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _ask_agent(socket_path: str, message: dict, timeout: float = 60.0) -> dict:
-    from accelmig.agent.registry import _Conn
+    from accelmig.agent.driver.registry import AgentConnection
     try:
-        conn = _Conn(socket_path, timeout=timeout)
+        conn = AgentConnection(socket_path, timeout=timeout)
     except OSError as exc:
         print(f"accelmig-agent: no agent answers at {socket_path}: {exc.strerror or exc}", file=sys.stderr)
         sys.exit(3)
@@ -72,7 +72,7 @@ def _ask_agent(socket_path: str, message: dict, timeout: float = 60.0) -> dict:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
-        from accelmig.agent.agentd import Agent
+        from accelmig.agent.daemon import Agent
         from accelmig.wire.identity import HostIdentity
         logs.setup("accelmig-agent", args.log_format, args.log_level)
         identity = None

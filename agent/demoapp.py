@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                              "agent where the pool is (a guest that just booted)")
     args = parser.parse_args(argv)
     from accelmig.agent.driver import connect
-    from accelmig.agent.registry import endpoint_from_agent
+    from accelmig.agent.driver.registry import endpoint_from_agent
     from accelmig.wire.errors import AccelmigError
     endpoint = args.endpoint
     deadline = time.monotonic() + args.wait_endpoint

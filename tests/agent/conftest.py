@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from accelmig.agent.agentd import Agent
+from accelmig.agent.daemon import Agent
 
 
 @pytest.fixture

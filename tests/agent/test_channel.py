@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from accelmig.agent.agentd import Agent, ChannelState
+from accelmig.agent.daemon import Agent, ChannelState
 from accelmig.plugin.channel import GuestChannel
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import UnknownOp

@@ -2,7 +2,7 @@
 
 import pytest
 
-from accelmig.agent.netconfig import choose_interface
+from accelmig.agent.daemon.netconfig import choose_interface
 from accelmig.wire.errors import Unavailable
 
 LINKS = [("eth0", "52:54:00:00:00:01"), ("eth1", "52:54:00:00:00:02")]

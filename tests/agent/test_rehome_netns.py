@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from accelmig.agent.agentd import Agent
+from accelmig.agent.daemon import Agent
+from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.driver import connect
-from accelmig.agent.netconfig import NetworkConfigurator
 from accelmig.plugin.channel import GuestChannel
 from accelmig.pool.harness import PoolThread
 from accelmig.wire.control import ControlClient

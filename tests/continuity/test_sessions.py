@@ -133,14 +133,14 @@ FORK_SCRIPT = textwrap.dedent("""
     dev.finish()
     # Copy the driver's memory, as a snapshot of the guest would: hold its
     # locks so the copy is consistent, fork, then let both copies go.
-    with dev._send_lock, dev._cond:
+    with dev._session.link.send_lock, dev._session.cond:
         pid = os.fork()
     if pid == 0:
         # The copy: its threads are gone, its socket is the parent's.  Drop it
         # (close, never shutdown: that would cut the original too) and wait
         # until the original has moved on, then try to resume.
-        os.close(dev._sock.detach())
-        dev._sock = None
+        os.close(dev._session.link.sock.detach())
+        dev._session.link.sock = None
         time.sleep(1.5)
         try:
             dev.resume()
@@ -180,7 +180,7 @@ def test_grace_expiry_releases_device_memory():
         dev.alloc(8 << 20)
         dev.finish()
         assert pool.call(lambda: pool.pool.tenants[ALICE].used) == 8 << 20
-        dev._sock.shutdown(socket.SHUT_RDWR)          # the connection dies
+        dev._session.link.sock.shutdown(socket.SHUT_RDWR)          # the connection dies
         deadline = time.time() + 5
         while pool.call(lambda: len(pool.pool.sessions)) and time.time() < deadline:
             time.sleep(0.1)
@@ -199,7 +199,7 @@ def test_parked_sessions_outlive_the_grace_period():
         hosts.a.call("bind_session", sid=dev.sid, domain_uuid="dom-saved")
         parked = hosts.a.call("park", domain_uuid="dom-saved", retention=30)
         assert parked["parked"] == [dev.sid]
-        dev._sock.shutdown(socket.SHUT_RDWR)     # the guest is frozen in a save image
+        dev._session.link.sock.shutdown(socket.SHUT_RDWR)     # the guest is frozen in a save image
         time.sleep(1.0)                          # well past the grace period
         assert pool.session(dev.sid)["state"] == "parked"
         hosts.a.call("unpark", domain_uuid="dom-saved")

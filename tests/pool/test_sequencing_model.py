@@ -4,7 +4,7 @@ Hypothesis drives the pool's ``SequenceLog`` and the driver's
 ``CommandWindow`` (the real classes) through any interleaving of sends,
 deliveries, executions, acknowledgements, connection cuts, resumes, and
 snapshots of the driver that later try to resume (stale copies).  The glue
-between them does what pool/server.py and agent/driver.py do at a resume.
+between them does what pool/server.py and agent/driver/session.py do at a resume.
 
 Invariants: no command executes twice; whatever executed is what the live
 driver lineage issued under that number; no reply reaches the application
@@ -20,7 +20,7 @@ import copy
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from accelmig.agent.window import CommandWindow
+from accelmig.agent.driver.window import CommandWindow
 from accelmig.pool.sequencing import SequenceLog, StoredReply, Verdict
 from accelmig.wire.dataplane import command_digest
 from accelmig.wire.errors import SessionDiverged

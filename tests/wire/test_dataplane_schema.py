@@ -133,9 +133,9 @@ def test_guest_side_imports_only_the_standard_library(tmp_path):
         "import sys, importlib, pkgutil\n"
         "import accelmig.agent, accelmig.wire\n"
         "for pkg in (accelmig.agent, accelmig.wire):\n"
-        "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-        "        if m.name != '__main__':\n"
-        "            importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        if not m.name.endswith('.__main__'):\n"
+        "            importlib.import_module(m.name)\n"
         "std = set(sys.stdlib_module_names)\n"
         "bad = sorted({n.split('.')[0] for n in sys.modules} - std - {'accelmig', '__main__'})\n"
         "print(','.join(bad))\n")

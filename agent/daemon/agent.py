@@ -1,13 +1,10 @@
-"""``accelmig-agent run``: the guest agent daemon.
+"""The guest agent: the guest end of the host channel and the hub of the
+guest's drivers.
 
-It is the guest end of the host channel and the hub of the guest's
-drivers.  One thread polls the channel port, the local socket and every
-registered driver's connection; a rehome runs on a thread of its own (it
-waits for drivers) while polling goes on.
-
-Channel state machine (the guest's view)::
-
-    NO_HOST --host writes--> CONNECTED --sync--> SYNCED --host goes--> NO_HOST
+One thread polls the channel port, the local socket and every registered
+driver's connection; a rehome runs on a thread of its own (it waits for
+drivers) while polling goes on.  The channel's state is a
+``ChannelStateMachine`` (``accelmig.agent.daemon.channel``).
 
 A ``rehome`` is applied once per migration id: delivered again (the host
 reconnected, reconciled, or fell back to guest-exec), it gets the same
@@ -18,7 +15,6 @@ that dies is noticed when its socket closes.
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import json
 import logging
@@ -28,8 +24,9 @@ import socket
 import threading
 import time
 
-from accelmig.agent.netconfig import NetworkConfigurator
-from accelmig.agent.port import PortClosed, open_port
+from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
+from accelmig.agent.daemon.netconfig import NetworkConfigurator
+from accelmig.agent.daemon.ports import PortClosed, open_port
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, UnknownOp
 from accelmig.wire.identity import HostIdentity
@@ -37,12 +34,6 @@ from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
-
-
-class ChannelState(enum.Enum):
-    NO_HOST = "no_host"
-    CONNECTED = "connected"
-    SYNCED = "synced"
 
 
 class DriverLink:
@@ -98,7 +89,7 @@ class Agent:
         self.network = network or NetworkConfigurator()
         self.port = None
         self.listener: socket.socket | None = None
-        self.state = ChannelState.NO_HOST
+        self.channel = ChannelStateMachine()
         self.parser = ch.LineParser(name="channel")
         self.drivers: dict[int, DriverLink] = {}
         self.rehomes: collections.OrderedDict[str, Rehome] = collections.OrderedDict()
@@ -113,6 +104,11 @@ class Agent:
         self.stats = collections.Counter()
 
     # -- state ------------------------------------------------------------------------
+    @property
+    def state(self) -> ChannelState:
+        """The host channel's state."""
+        return self.channel.state
+
     @property
     def identity_file(self) -> str:
         return os.path.join(self.state_dir, "identity.json")
@@ -228,14 +224,12 @@ class Agent:
     def _on_port(self, revents: int) -> None:
         data = self.port.read(revents)
         if data is None:
-            if self.state is not ChannelState.NO_HOST:
-                self.state = ChannelState.NO_HOST
+            self.channel.host_gone()
             self.parser.reset()
             return
         if not data:
             return
-        if self.state is ChannelState.NO_HOST:
-            self.state = ChannelState.CONNECTED
+        self.channel.host_wrote()
         for message in self.parser.feed(data):
             self._on_host_message(message)
 
@@ -256,7 +250,7 @@ class Agent:
         self.stats[f"host_{kind}"] += 1
         try:
             if kind == "sync":
-                self.state = ChannelState.SYNCED
+                self.channel.host_synced()
                 self.send_host({"type": "sync", "id": request_id, "nonce": message.get("nonce")},
                                resync=True)
                 self.send_host(self.hello())

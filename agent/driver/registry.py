@@ -1,6 +1,6 @@
 """The driver's side of the guest agent's local socket.
 
-Each ``Device`` registers its session with the agent (if one runs in this
+Each session registers with the agent (if one runs in this
 guest) over a connection of its own, kept open for the session's life: the
 agent notices a driver that dies when that connection closes.  Over it the
 agent asks the driver to ``resume`` (new endpoint, ticket, migration id)
@@ -34,8 +34,9 @@ def agent_socket_path(agent) -> str | None:
     return os.environ.get("ACCELMIG_AGENT_SOCKET", DEFAULT_AGENT_SOCKET)
 
 
-class _Conn:
-    """A blocking line connection to the agent."""
+class AgentConnection:
+    """A blocking line connection to the agent (also what ``accelmig-agent``
+    uses to ask the running agent)."""
 
     def __init__(self, path: str, timeout: float | None = 5.0):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -83,7 +84,7 @@ def endpoint_from_agent(agent=None) -> str | None:
     if path is None or not os.path.exists(path):
         return None
     try:
-        conn = _Conn(path)
+        conn = AgentConnection(path)
         try:
             answer = conn.call({"type": "where"})
         finally:
@@ -95,25 +96,26 @@ def endpoint_from_agent(agent=None) -> str | None:
 
 
 class AgentRegistration:
-    """Keeps one device's session registered with the guest agent."""
+    """Keeps one session (``accelmig.agent.driver.session.Session``)
+    registered with the guest agent."""
 
     RETRY = 1.0
 
-    def __init__(self, device, path: str):
-        self.device = device
+    def __init__(self, session, path: str):
+        self.session = session
         self.path = path
         self._stop = threading.Event()
-        self._conn: _Conn | None = None
+        self._conn: AgentConnection | None = None
         self.registered = threading.Event()
         self.resumes = 0
-        self._thread = threading.Thread(target=self._run, name=f"accelmig-{device.sid}-agent", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"accelmig-{session.sid}-agent", daemon=True)
 
     @classmethod
-    def start(cls, device, agent) -> "AgentRegistration | None":
+    def start(cls, session, agent) -> "AgentRegistration | None":
         path = agent_socket_path(agent)
         if path is None or (agent is None and not os.path.exists(path)):
             return None      # no agent in this guest: the driver works on its own
-        registration = cls(device, path)
+        registration = cls(session, path)
         registration._thread.start()
         registration.registered.wait(2.0)
         return registration
@@ -121,15 +123,15 @@ class AgentRegistration:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                conn = _Conn(self.path, timeout=None)
+                conn = AgentConnection(self.path, timeout=None)
             except OSError:
                 self._stop.wait(self.RETRY)
                 continue
             self._conn = conn
             try:
-                d = self.device
-                conn.send({"type": "register", "id": next(conn.ids), "sid": d.sid, "endpoint": d.endpoint,
-                           "pid": os.getpid(), "name": d.name, "epoch": d.epoch})
+                s = self.session
+                conn.send({"type": "register", "id": next(conn.ids), "sid": s.sid, "endpoint": s.endpoint,
+                           "pid": os.getpid(), "name": s.name, "epoch": s.epoch})
                 while not self._stop.is_set():
                     message = conn.recv()
                     if message is None:
@@ -147,12 +149,12 @@ class AgentRegistration:
                 self.registered.clear()
                 conn.close()
             if not self._stop.is_set():
-                LOG.info("session %s: the guest agent went away; registering again", self.device.sid)
+                LOG.info("session %s: the guest agent went away; registering again", self.session.sid)
                 self._stop.wait(self.RETRY)
 
-    def _resume(self, conn: _Conn, message: dict) -> None:
+    def _resume(self, conn: AgentConnection, message: dict) -> None:
         try:
-            outcome = self.device.resume(message.get("endpoint"), message.get("ticket"))
+            outcome = self.session.resume(message.get("endpoint"), message.get("ticket"))
             self.resumes += 1
             answer = ch.result(message.get("id"), result=outcome)
         except AccelmigError as exc:
@@ -164,7 +166,7 @@ class AgentRegistration:
         conn = self._conn
         if conn is not None:
             try:
-                conn.send({"type": "unregister", "id": next(conn.ids), "sid": self.device.sid})
+                conn.send({"type": "unregister", "id": next(conn.ids), "sid": self.session.sid})
             except OSError:
                 pass
             conn.close()

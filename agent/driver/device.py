@@ -1,0 +1,313 @@
+"""What applications hold: ``Device`` (a session on a pooled accelerator),
+the ``Buffer`` and ``Program`` handles it makes, and ``connect``.
+
+Launches, small writes, allocations and copies are pipelined (no round trip
+each); reads, ``finish``, builds and large writes wait for their reply.  A
+pipelined command that fails raises at the next call that waits.  Writes of
+``ZERO_COPY_WRITE`` bytes or more are sent from the caller's memory and wait
+for their reply (nothing is copied); smaller writes are copied and pipelined.
+"""
+
+from __future__ import annotations
+
+import os
+
+from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg
+from accelmig.agent.driver.registry import AgentRegistration, endpoint_from_agent
+from accelmig.agent.driver.session import LinkState, Session
+from accelmig.wire.dataplane import Op
+from accelmig.wire.errors import BadRequest, Unavailable
+
+ZERO_COPY_WRITE = 1 << 20
+DEFAULT_TIMEOUT = 60.0
+
+
+class Buffer:
+    """Device memory owned by a session.  ``handle`` is chosen by the driver."""
+
+    def __init__(self, device: "Device", handle: int, size: int):
+        self.device = device
+        self.handle = handle
+        self.size = size
+        self.freed = False
+
+    def write(self, data, offset: int = 0) -> None:
+        self.device.write(self, data, offset)
+
+    def read(self, nbytes: int | None = None, offset: int = 0) -> bytes:
+        return self.device.read(self, nbytes, offset)
+
+    def free(self) -> None:
+        self.device.free(self)
+
+    def __repr__(self) -> str:
+        return f"<Buffer {self.handle} {self.size} bytes>"
+
+
+class Program:
+    """A built program; ``kernels`` lists its kernel names."""
+
+    def __init__(self, device: "Device", handle: int, kernels: list[str], log: str = ""):
+        self.device = device
+        self.handle = handle
+        self.kernels = list(kernels)
+        self.build_log = log
+
+    def launch(self, kernel_name: str, global_size, local_size=None, *args) -> None:
+        """Enqueue ``kernel_name`` over ``global_size`` (pipelined)."""
+        self.device.launch(self, kernel_name, global_size, local_size, *args)
+
+    def binary(self) -> bytes:
+        """The device binary (to build the same program elsewhere with ``build_binary``)."""
+        return self.device.program_binary(self)
+
+    def free(self) -> None:
+        self.device.free_program(self)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.handle} {self.kernels}>"
+
+
+class Device:
+    """A session on a pooled accelerator.  Thread-safe.
+
+    Parameters: ``endpoint`` ``"HOST:PORT"``; ``token`` the tenant token;
+    ``timeout`` how long a call may wait for a reply, and how long a call
+    made while disconnected waits for the connection to come back;
+    ``window_commands``/``window_bytes`` bound the commands kept for replay
+    (a full window blocks the caller); ``auto_reconnect`` retries the last
+    endpoint with backoff when the connection drops (accepted by the pool
+    only at the current epoch, from the host the session is bound to);
+    ``agent`` registers the session with the guest agent so it can be
+    rehomed after a migration (``None``: the default socket if it exists).
+    """
+
+    def __init__(self, endpoint: str, token: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 window_commands: int = 4096, window_bytes: int = 512 << 20,
+                 auto_reconnect: bool = True, agent: str | bool | None = None,
+                 name: str | None = None, connect_timeout: float = 10.0):
+        self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
+                                window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
+                                connect_timeout=connect_timeout)
+        self._agent = None
+        if agent is not False:
+            self._agent = AgentRegistration.start(self._session, agent)
+
+    # -- the session's state ------------------------------------------------------------
+    @property
+    def sid(self) -> str:
+        return self._session.sid
+
+    @property
+    def epoch(self) -> int:
+        return self._session.epoch
+
+    @property
+    def endpoint(self) -> str:
+        """Where the pool is (the last endpoint resumed at)."""
+        return self._session.endpoint
+
+    @property
+    def bound_host(self) -> str | None:
+        return self._session.bound_host
+
+    @property
+    def pool_instance(self) -> str | None:
+        return self._session.pool_instance
+
+    @property
+    def name(self) -> str:
+        return self._session.name
+
+    @property
+    def timeout(self) -> float:
+        return self._session.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self._session.timeout = seconds
+
+    @property
+    def auto_reconnect(self) -> bool:
+        return self._session.auto_reconnect
+
+    @auto_reconnect.setter
+    def auto_reconnect(self, on: bool) -> None:
+        self._session.auto_reconnect = on
+
+    @property
+    def stats(self) -> dict:
+        return self._session.stats
+
+    @property
+    def state(self) -> LinkState:
+        return self._session.state
+
+    @property
+    def last_seen(self) -> int:
+        return self._session.window.last_seen
+
+    def resume(self, endpoint: str | None = None, ticket: str | None = None) -> dict:
+        """Continue this session on a new connection (thread-safe).
+
+        ``endpoint``: where the pool is now (default: the last endpoint);
+        ``ticket``: the resume ticket of a migration, when the session moved
+        to another host.  Returns what happened (epoch, replayed replies,
+        re-sent commands, seconds); raises the pool's refusal otherwise.
+        """
+        return self._session.resume(endpoint, ticket)
+
+    def describe(self) -> dict:
+        return self._session.describe()
+
+    # -- the API -----------------------------------------------------------------------
+    def _submit(self, op: Op, fields: dict, payload=b"", **options):
+        return self._session.submit(op, fields, payload, **options)
+
+    def _own(self, obj, kind):
+        if obj.device is not self:
+            raise BadRequest(reason=f"that {kind} belongs to another session")
+
+    def info(self) -> dict:
+        """The pool's device: name, vendor, memory sizes, limits."""
+        return self._submit(Op.INFO, {}, wait=True).reply.get("device", {})
+
+    def build(self, source: str, options: str = "") -> Program:
+        """Build OpenCL C ``source``; BuildFailed (with ``.build_log``) on error."""
+        handle = self._session.new_handle()
+        cmd = self._submit(Op.BUILD, {"prog": handle, "options": options}, source.encode("utf-8"), wait=True)
+        return Program(self, handle, cmd.reply.get("kernels", []), cmd.reply.get("log", ""))
+
+    def build_binary(self, binary: bytes, options: str = "") -> Program:
+        """Build a program from a device binary (FPGA bitstreams, cached binaries)."""
+        handle = self._session.new_handle()
+        cmd = self._submit(Op.BUILD_BINARY, {"prog": handle, "options": options}, bytes(binary), wait=True)
+        return Program(self, handle, cmd.reply.get("kernels", []), cmd.reply.get("log", ""))
+
+    def program_binary(self, program: Program) -> bytes:
+        self._own(program, "program")
+        cmd = self._submit(Op.PROGRAM_BINARY, {"prog": program.handle}, wait=True)
+        return bytes(cmd.reply_payload)
+
+    def free_program(self, program: Program) -> None:
+        self._own(program, "program")
+        self._submit(Op.FREE_PROGRAM, {"prog": program.handle}, wait=False)
+
+    def alloc(self, nbytes: int) -> Buffer:
+        """Allocate ``nbytes`` of device memory (pipelined; quota errors raise
+        at the next waiting call)."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise BadRequest(reason="alloc: nbytes must be a non-negative int")
+        handle = self._session.new_handle()
+        self._submit(Op.ALLOC, {"buf": handle, "size": nbytes}, wait=False)
+        return Buffer(self, handle, nbytes)
+
+    def upload(self, data) -> Buffer:
+        """A new buffer holding ``data`` (bytes, memoryview or numpy array)."""
+        view = as_bytes_view(data)
+        buf = self.alloc(view.nbytes)
+        self.write(buf, view)
+        return buf
+
+    def write(self, buffer: Buffer, data, offset: int = 0) -> None:
+        self._own(buffer, "buffer")
+        view = as_bytes_view(data)
+        if view.nbytes >= ZERO_COPY_WRITE:
+            # Sent from the caller's memory; waiting keeps that memory stable
+            # for as long as a replay might need it.
+            self._submit(Op.WRITE, {"buf": buffer.handle, "offset": offset}, view, wait=True)
+        else:
+            self._submit(Op.WRITE, {"buf": buffer.handle, "offset": offset}, bytes(view), wait=False)
+
+    def read(self, buffer: Buffer, nbytes: int | None = None, offset: int = 0) -> bytes:
+        """``nbytes`` (default: the rest of the buffer) from ``offset``."""
+        self._own(buffer, "buffer")
+        if nbytes is None:
+            nbytes = buffer.size - offset
+        cmd = self._submit(Op.READ, {"buf": buffer.handle, "offset": offset, "size": nbytes}, wait=True)
+        payload = cmd.reply_payload
+        return payload if isinstance(payload, bytes) else bytes(payload)
+
+    def read_into(self, buffer: Buffer, out, offset: int = 0) -> None:
+        """Read ``len(out)`` bytes straight into ``out`` (a writable buffer, e.g.
+        a numpy array): no intermediate copy for large reads."""
+        self._own(buffer, "buffer")
+        view = as_bytes_view(out)
+        if view.readonly:
+            raise BadRequest(reason="read_into needs a writable buffer")
+        cmd = self._submit(Op.READ, {"buf": buffer.handle, "offset": offset, "size": view.nbytes},
+                           wait=True, sink=view)
+        if cmd.reply_payload is not view and cmd.reply_payload is not None:
+            # copy, unless the reader already put the payload in place
+            got = memoryview(cmd.reply_payload).cast("B")
+            if got.obj is not view.obj:
+                view[:] = got
+
+    def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0,
+             dst_offset: int = 0) -> None:
+        self._own(src, "buffer")
+        self._own(dst, "buffer")
+        if nbytes is None:
+            nbytes = min(src.size - src_offset, dst.size - dst_offset)
+        self._submit(Op.COPY, {"src": src.handle, "dst": dst.handle, "src_offset": src_offset,
+                               "dst_offset": dst_offset, "size": nbytes}, wait=False)
+
+    def free(self, buffer: Buffer) -> None:
+        self._own(buffer, "buffer")
+        if not buffer.freed:
+            buffer.freed = True
+            self._submit(Op.FREE, {"buf": buffer.handle}, wait=False)
+
+    def launch(self, program: Program, kernel_name: str, global_size, local_size=None, *args) -> None:
+        self._own(program, "program")
+        wire_args = []
+        for index, arg in enumerate(args):
+            if isinstance(arg, Buffer):
+                self._own(arg, "buffer")
+                wire_args.append({"buf": arg.handle})
+            else:
+                wire_args.append(encode_arg(index, arg))
+        fields = {"prog": program.handle, "kernel": kernel_name, "gsize": dims(global_size, "global_size"),
+                  "args": wire_args}
+        lsize = dims(local_size, "local_size")
+        if lsize is not None:
+            fields["lsize"] = lsize
+        self._submit(Op.LAUNCH, fields, wait=False)
+
+    def finish(self) -> None:
+        """Wait until every command so far has completed on the device."""
+        self._submit(Op.FINISH, {}, wait=True)
+
+    def close(self) -> None:
+        """End the session: the pool frees its device memory."""
+        self._session.close()
+        if self._agent is not None:
+            self._agent.stop()
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Device {self.sid} {self.state.value} at {self.endpoint}>"
+
+
+def connect(endpoint: str | None = None, token: str | None = None, **options) -> Device:
+    """Open a session on the pool at ``endpoint`` (``"HOST:PORT"``).
+
+    Without ``endpoint``, the guest agent is asked where the pool is (the
+    host told it), then ``$ACCELMIG_ENDPOINT``; without ``token``,
+    ``$ACCELMIG_TOKEN``.  Options: see ``Device``.
+    """
+    if endpoint is None:
+        endpoint = endpoint_from_agent(options.get("agent")) or os.environ.get("ACCELMIG_ENDPOINT")
+        if not endpoint:
+            raise Unavailable(what="the pool's endpoint",
+                              reason="no endpoint given, no guest agent knows one, ACCELMIG_ENDPOINT unset")
+    if token is None:
+        token = os.environ.get("ACCELMIG_TOKEN")
+        if not token:
+            raise BadRequest(reason="no tenant token given and ACCELMIG_TOKEN unset")
+    return Device(endpoint, token, **options)

@@ -1,0 +1,357 @@
+"""The socket link between a session and the pool.
+
+A session has one link at a time; a resume replaces the socket under it.
+Each socket is numbered (``gen``): a reader or a sender still holding an
+older socket finds its number stale and touches nothing.
+
+What goes out: frames are sent without joining a large payload to its
+header (no copy); small pipelined frames are *corked* — gathered for a
+moment and sent as one batch by the flusher thread, or ahead of the next
+frame that cannot wait.  What comes in: the reader thread reads frames
+(a read's payload straight into the caller's buffer when one waits for it)
+and dispatches replies to the command window; it acknowledges when many
+replies have piled up.
+
+Locks: ``send_lock`` (one sender at a time) is always taken before the
+session's ``cond``, which guards ``sock`` and ``gen``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from accelmig.wire import dataplane as dp
+from accelmig.wire.dataplane import Op
+from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, ProtocolError, Timeout,
+                                  Unavailable, from_wire)
+from accelmig.wire.frames import FrameReader, Limits, encode_frame
+
+LOG = logging.getLogger(__name__)
+
+CORK_PAYLOAD = 16 << 10        # pipelined frames up to this payload are batched
+CORK_BYTES = 256 << 10         # a batch goes out at this size at the latest
+CORK_DELAY = 0.0002            # s a pipelined frame may wait for others to join it
+ACK_EVERY = 256                # replies the reader lets pile up before it acknowledges
+_PLAIN_OK = {"op": "reply", "ok": True}
+
+
+# -- sockets ------------------------------------------------------------------------
+def configure_socket(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # A connection whose path vanished (the guest moved to another subnet)
+    # fails silently; let the kernel give up on it within ~15 s.
+    for name, value in (("TCP_KEEPIDLE", 5), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 15000)):
+        if hasattr(socket, name):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+            except OSError:
+                pass
+
+
+def send_all(sock: socket.socket, head: bytes, payload) -> None:
+    """Send head + payload without joining them (no copy of the payload)."""
+    if not payload:
+        sock.sendall(head)
+        return
+    parts = [memoryview(head), memoryview(payload).cast("B")]
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
+
+
+def shut(sock: socket.socket) -> None:
+    # close() alone does not wake a thread blocked in recv() on the socket
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def handshake_send(sock: socket.socket, header: dict) -> None:
+    try:
+        sock.sendall(encode_frame(header))
+    except OSError as exc:
+        raise Unavailable(what="the pool", reason=str(exc)) from None
+
+
+def read_answer(sock: socket.socket, reader: FrameReader):
+    """Block for the next frame (handshakes only); the frames after it are
+    returned too, for the reader to dispatch."""
+    while True:
+        try:
+            n = sock.recv_into(reader.get_buffer())
+        except socket.timeout:
+            raise Timeout(what="the pool's answer", timeout=sock.gettimeout() or 0) from None
+        except OSError as exc:
+            raise Unavailable(what="the pool", reason=str(exc)) from None
+        if n == 0:
+            raise Unavailable(what="the pool", reason="connection closed during the handshake")
+        frames = reader.feed(n)
+        if frames:
+            first = frames[0].header
+            if first.get("op") == Op.ERROR.value:
+                raise from_wire(first.get("error", {}))
+            return first, frames[1:]
+
+
+# -- the link ----------------------------------------------------------------------
+class Link:
+    """The connection of one session (``accelmig.agent.driver.session.Session``),
+    whose condition, window, state and statistics it shares."""
+
+    def __init__(self, session):
+        self.session = session
+        self.limits = Limits()
+        self.send_lock = threading.Lock()
+        self.sock: socket.socket | None = None     # the session's cond guards sock and gen
+        self.gen = 0
+        self.acked_sent = 0                        # the highest acknowledgement sent
+        self.attempt_sock: socket.socket | None = None   # a connect in progress
+        self._cork: list[bytes] = []               # pipelined frames not yet sent (send lock)
+        self._cork_bytes = 0
+        self._cork_pending = threading.Event()
+
+    # -- opening ------------------------------------------------------------------
+    def dial(self, endpoint: str, timeout: float):
+        """Connect to the pool and agree on the protocol: (sock, reader, welcome)."""
+        host, port = dp.parse_endpoint(endpoint)
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise Unavailable(what=f"the pool at {endpoint}", reason=str(exc)) from None
+        self.attempt_sock = sock
+        try:
+            sock.settimeout(timeout)
+            sock.connect((host, port))
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(what=f"the pool at {endpoint}", reason=str(exc)) from None
+        finally:
+            self.attempt_sock = None
+        configure_socket(sock)
+        reader = FrameReader(self.limits, payload_sink=self._payload_sink)
+        try:
+            handshake_send(sock, {"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
+            welcome, leftovers = read_answer(sock, reader)
+        except BaseException:
+            sock.close()
+            raise
+        if welcome.get("op") != Op.WELCOME.value or leftovers:
+            sock.close()
+            raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
+        return sock, reader, welcome
+
+    def cut_attempt(self) -> None:
+        """Cut a connect in progress (a background reconnect in the way of an
+        explicit resume)."""
+        attempt = self.attempt_sock
+        if attempt is not None:
+            shut(attempt)
+
+    def install(self, sock: socket.socket, reader: FrameReader, leftovers) -> None:
+        """Make ``sock`` the link: dispatch the frames that came with the
+        handshake's answer, then start its reader."""
+        session = self.session
+        sock.settimeout(None)
+        error = None
+        with session.cond:
+            self.gen += 1
+            gen = self.gen
+            self.sock = sock
+            try:
+                for frame in leftovers:
+                    self._dispatch_locked(frame.header, frame.payload)
+            except AccelmigError as exc:
+                error = exc
+        if error is not None:
+            self.lost(gen, error)      # as the reader would have: the session may resume
+            return
+        threading.Thread(target=self._read_loop, args=(sock, reader, gen),
+                         name=f"accelmig-{session.sid}-rx{gen}", daemon=True).start()
+
+    def detach_locked(self) -> socket.socket | None:
+        """Take the socket away (the caller holds the session's cond and shuts
+        it): its reader's frames are ignored from now on."""
+        self.gen += 1
+        sock, self.sock = self.sock, None
+        return sock
+
+    def lost(self, gen: int, error) -> None:
+        """The socket of generation ``gen`` failed (the reader, a sender)."""
+        session = self.session
+        with session.cond:
+            if gen != self.gen:
+                return
+            session.link_lost_locked(error)
+            sock, self.sock = self.sock, None
+            session.cond.notify_all()
+        if sock is not None:
+            shut(sock)
+
+    # -- sending ------------------------------------------------------------------
+    def send_command(self, sock: socket.socket, gen: int, head: bytes, payload, pipelined: bool) -> None:
+        """Send one command frame (the caller holds the send lock).  A failure
+        loses the link; the command stays in the window for the resume."""
+        nbytes = len(payload)
+        try:
+            if pipelined and nbytes <= CORK_PAYLOAD:
+                # Corked: the flusher (or the next waiting command) sends a
+                # batch in one system call.
+                first = not self._cork
+                self._cork.append(head + payload if nbytes else head)
+                self._cork_bytes += len(head) + nbytes
+                if self._cork_bytes >= CORK_BYTES:
+                    self._flush_cork_locked(sock)
+                elif first:
+                    self._cork_pending.set()
+            else:
+                if self._cork:
+                    self._flush_cork_locked(sock)
+                send_all(sock, head, payload)
+        except OSError as exc:
+            self.drop_cork()
+            self.lost(gen, exc)
+
+    def drop_cork(self) -> None:
+        """Forget the corked frames (send lock): they are in the window, and a
+        resume re-sends them."""
+        self._cork.clear()
+        self._cork_bytes = 0
+
+    def _flush_cork_locked(self, sock) -> None:
+        data = b"".join(self._cork)
+        self.drop_cork()
+        sock.sendall(data)
+
+    def run_flusher(self) -> None:
+        """Sends corked pipelined frames soon after they were queued (a thread
+        for the session's life)."""
+        session = self.session
+        while not session.states.ended:
+            if not self._cork_pending.wait(0.5):
+                continue
+            self._cork_pending.clear()
+            time.sleep(CORK_DELAY)      # let a burst gather: one system call for many
+            with self.send_lock:
+                with session.cond:
+                    sock, gen = self.sock, self.gen
+                if not self._cork or sock is None:
+                    continue
+                try:
+                    self._flush_cork_locked(sock)
+                except OSError as exc:
+                    self.drop_cork()
+                    self.lost(gen, exc)
+
+    def try_ack(self, sock, gen: int, upto: int) -> None:
+        """Send an ack frame unless a sender holds the lock (its command will
+        carry the acknowledgement anyway) or the link has changed."""
+        if not self.send_lock.acquire(blocking=False):
+            return
+        try:
+            with self.session.cond:
+                if gen != self.gen or not self.session.states.connected:
+                    return
+            sock.sendall(encode_frame({"op": Op.ACK.value, "ack": upto}))
+            self.acked_sent = max(self.acked_sent, upto)
+        except OSError:
+            pass
+        finally:
+            self.send_lock.release()
+
+    # -- receiving ----------------------------------------------------------------
+    def _payload_sink(self, header: dict, size: int):
+        """Where a frame's payload lands: the buffer a ``read_into`` waits
+        with, when the sizes agree, or a new one."""
+        seq = header.get("seq")
+        with self.session.cond:
+            sink = self.session.window.waiting_sink(seq) if isinstance(seq, int) else None
+        if sink is not None and len(sink) == size:
+            return sink
+        return bytearray(size)
+
+    def _read_loop(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:
+        cond = self.session.cond
+        error: Exception | None = None
+        try:
+            while True:
+                n = sock.recv_into(reader.get_buffer())
+                if n == 0:
+                    error = Unavailable(what="the pool", reason="connection closed")
+                    break
+                for frame in reader.feed(n):
+                    with cond:
+                        if gen != self.gen:
+                            return
+                        self._dispatch_locked(frame.header, frame.payload)
+                self._maybe_ack(sock, gen)
+        except (OSError, AccelmigError) as exc:
+            error = exc
+        self.lost(gen, error)
+
+    def _dispatch_locked(self, header: dict, payload) -> None:
+        """Match a frame from the pool to the command window (the caller holds
+        the session's cond)."""
+        session = self.session
+        window, stats = session.window, session.stats
+        op = header.get("op")
+        if op == Op.DONE.value:
+            first, last = header.get("from"), header.get("to")
+            if not isinstance(first, int) or not isinstance(last, int) or last < first:
+                raise ProtocolError(reason=f"bad done frame {header!r}")
+            for seq in range(first, last + 1):
+                try:
+                    cmd = window.complete(seq, _PLAIN_OK)
+                except ValueError as exc:
+                    raise ProtocolError(reason=str(exc)) from None
+                if cmd is None:
+                    stats["duplicate_replies"] += 1
+                else:
+                    stats["replies"] += 1
+            session.cond.notify_all()
+        elif op == Op.REPLY.value:
+            seq = header.get("seq")
+            try:
+                cmd = window.complete(seq, header, payload)
+            except ValueError as exc:
+                raise ProtocolError(reason=str(exc)) from None
+            if cmd is None:
+                stats["duplicate_replies"] += 1
+                return
+            stats["replies"] += 1
+            if not header.get("ok", False) and not cmd.waited:
+                # nobody waits for it: the next call that waits raises it
+                err = from_wire(header.get("error", {}))
+                err.details.setdefault("seq", seq)
+                err.details.setdefault("op", cmd.header.get("op"))
+                session.pipeline_errors.append(err)
+            session.cond.notify_all()
+        elif op == Op.ERROR.value:
+            err = from_wire(header.get("error", {}))
+            if err.code in TERMINAL_SESSION_CODES:
+                session.fail_locked(err)
+            raise err
+        else:
+            raise ProtocolError(reason=f"unexpected {op!r} from the pool")
+
+    def _maybe_ack(self, sock, gen) -> None:
+        """Acknowledge from the reader when many replies piled up (best effort:
+        commands also carry the acknowledgement)."""
+        with self.session.cond:
+            upto = self.session.window.last_seen
+            due = upto - self.acked_sent >= ACK_EVERY
+        if due:
+            self.try_ack(sock, gen, upto)

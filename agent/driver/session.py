@@ -1,0 +1,440 @@
+"""A session on the pool: its connection's state machine, the command path,
+resume with tickets, and housekeeping.
+
+The session's state lives in guest memory and moves with the VM: its id and
+secret (which never leaves the guest), its epoch, the command window.  After
+a live migration ``resume()`` continues it on a new connection — from a new
+host — without losing or repeating any command.
+
+Connection states (``LinkStateMachine``; every change goes through it)::
+
+    CONNECTING --opened--> CONNECTED --link lost--> DISCONNECTED
+                             |    ^                   |    ^
+                      resume |    | accepted   resume |    | refused, unreachable,
+                             v    |                   v    | or the new link died
+                            RESUMING <----------------+    |
+                             |    \\------------------------+
+                             +--> FAILED (refused for good: diverged, lost, expired)
+
+    FAILED: from every open state (a terminal error from the pool).
+    CLOSED: ``close()``, from every open state but CONNECTING.
+    CONNECTING -> DISCONNECTED: the first link died before the open finished.
+
+Threads: the application's (commands, ``resume``), the link's reader and
+flusher, and the housekeeper (idle acknowledgements; reconnection with
+backoff while auto-reconnect is on).  An explicit ``resume`` preempts a
+background reconnect: it cuts the connect in its way and takes the resume
+lock first.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+
+from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all, shut
+from accelmig.agent.driver.window import CommandWindow, PendingCommand
+from accelmig.agent.statemachine import StateMachine
+from accelmig.wire import dataplane as dp
+from accelmig.wire.dataplane import Op
+from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, Closed, Disconnected,
+                                  FrameTooLarge, ProtocolError, Timeout, Unavailable, WindowFull,
+                                  from_wire)
+from accelmig.wire.frames import encode_prefix_and_header
+
+LOG = logging.getLogger(__name__)
+
+RECONNECT_BACKOFF = (0.05, 2.0)    # s: the first and the longest wait between reconnects
+HOUSEKEEPING_TICK = 0.1            # s between idle acknowledgements
+
+
+class LinkState(enum.Enum):
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    DISCONNECTED = "disconnected"
+    RESUMING = "resuming"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class LinkStateMachine(StateMachine):
+    """The state of a session's connection (the session's cond serialises
+    its changes)."""
+
+    TRANSITIONS = {
+        # the session opened; or its first link died at once; or the pool ended it
+        LinkState.CONNECTING: frozenset({LinkState.CONNECTED, LinkState.DISCONNECTED, LinkState.FAILED}),
+        LinkState.CONNECTED: frozenset({LinkState.DISCONNECTED, LinkState.RESUMING, LinkState.FAILED,
+                                        LinkState.CLOSED}),
+        LinkState.DISCONNECTED: frozenset({LinkState.RESUMING, LinkState.FAILED, LinkState.CLOSED}),
+        # accepted; refused, unreachable or the new link died; terminal refusal; closed meanwhile
+        LinkState.RESUMING: frozenset({LinkState.CONNECTED, LinkState.DISCONNECTED, LinkState.FAILED,
+                                       LinkState.CLOSED}),
+        LinkState.FAILED: frozenset(),
+        LinkState.CLOSED: frozenset(),
+    }
+
+    def __init__(self) -> None:
+        super().__init__(LinkState.CONNECTING)
+
+    @property
+    def connected(self) -> bool:
+        return self._state is LinkState.CONNECTED
+
+    @property
+    def ended(self) -> bool:
+        return self._state is LinkState.FAILED or self._state is LinkState.CLOSED
+
+
+class Session:
+    """One session and its link.  ``accelmig.agent.driver.device.Device`` is
+    its public face; the guest agent's registration drives ``resume``.
+
+    ``cond`` guards the state, the window, the epoch and endpoint, and the
+    link's socket; the link's ``send_lock`` is taken before it.
+    """
+
+    def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
+                 window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float):
+        dp.parse_endpoint(endpoint)
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.auto_reconnect = auto_reconnect
+        self.name = name or f"pid{os.getpid()}"
+        self.secret = os.urandom(32)          # proves ownership at a resume; never leaves the guest
+        self.cond = threading.Condition(threading.Lock())
+        self.states = LinkStateMachine()
+        self.window = CommandWindow(window_commands, window_bytes)
+        self.failure: AccelmigError | None = None
+        self.last_error: object = None
+        self.pipeline_errors: list[AccelmigError] = []
+        self.sid: str | None = None
+        self.epoch = 0
+        self.bound_host: str | None = None
+        self.pool_instance: str | None = None
+        self.stats = {"resumes": 0, "resent_commands": 0, "resent_bytes": 0, "replies": 0,
+                      "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None}
+        self.link = Link(self)
+        self._challenge = ""
+        self._max_payload = self.link.limits.max_payload
+        self._next_handle = 1
+        self._resume_lock = threading.Lock()
+        self._preempt = threading.Event()      # an explicit resume is on its way: background, step aside
+        self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
+        self._used_tickets: set[str] = set()
+        self._open(token)
+        threading.Thread(target=self._housekeep, name=f"accelmig-{self.sid}-hk", daemon=True).start()
+        threading.Thread(target=self.link.run_flusher, name=f"accelmig-{self.sid}-tx", daemon=True).start()
+        LOG.info("session %s opened at %s", self.sid, endpoint)
+
+    @property
+    def state(self) -> LinkState:
+        return self.states.state
+
+    # -- opening --------------------------------------------------------------------
+    def _dial(self, endpoint: str, timeout: float):
+        sock, reader, welcome = self.link.dial(endpoint, timeout)
+        self.pool_instance = welcome.get("instance")
+        self._challenge = welcome.get("challenge", "")
+        self._max_payload = int(welcome.get("max_payload") or self.link.limits.max_payload)
+        return sock, reader
+
+    def _open(self, token: str) -> None:
+        sock, reader = self._dial(self.endpoint, self.connect_timeout)
+        try:
+            handshake_send(sock, {"op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
+                                  "client": {"name": self.name, "pid": os.getpid()}})
+            answer, leftovers = read_answer(sock, reader)
+        except BaseException:
+            sock.close()
+            raise
+        if answer.get("op") != Op.OPENED.value:
+            sock.close()
+            raise ProtocolError(reason=f"expected opened, got {answer.get('op')!r}")
+        self.sid = answer["sid"]
+        self.epoch = answer["epoch"]
+        self.bound_host = answer.get("bound_host")
+        self.link.install(sock, reader, leftovers)
+        with self.cond:
+            if self.states.state is LinkState.CONNECTING:   # its reader may have lost it already
+                self.states.to(LinkState.CONNECTED)
+
+    # -- state changes that others report ---------------------------------------------
+    def link_lost_locked(self, error) -> None:
+        """The link's socket failed (the caller holds cond)."""
+        if self.states.state in (LinkState.CONNECTING, LinkState.CONNECTED, LinkState.RESUMING):
+            # RESUMING: the new link died while the resume re-sent; the
+            # resume must not then declare it connected.
+            self.states.to(LinkState.DISCONNECTED)
+            self.last_error = error
+            LOG.warning("session %s: connection lost (%s)", self.sid, error)
+
+    def fail_locked(self, err: AccelmigError) -> None:
+        """The pool ended the session for good (the caller holds cond)."""
+        if self.states.ended:
+            return
+        self.states.to(LinkState.FAILED)
+        self.failure = err
+        LOG.error("session %s failed: %s", self.sid, err)
+        self.cond.notify_all()
+
+    # -- commands ---------------------------------------------------------------------
+    def new_handle(self) -> int:
+        """A buffer or program handle: chosen here, so that a re-sent command
+        is idempotent."""
+        with self.cond:
+            handle = self._next_handle
+            self._next_handle += 1
+            return handle
+
+    def submit(self, op: Op, fields: dict, payload=b"", *, wait: bool, sink=None,
+               timeout: float | None = None) -> PendingCommand:
+        """Number a command, keep it in the window and send it; with ``wait``,
+        block for its reply (and raise a pipelined command's failure)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        nbytes = len(payload)
+        if nbytes > self._max_payload:
+            # The pool would close the connection on it, again at every resume.
+            raise FrameTooLarge(part=f"{op.value} payload", size=nbytes, limit=self._max_payload)
+        link = self.link
+        while True:
+            with self.cond:
+                self._wait_ready_locked(nbytes, deadline)
+            with link.send_lock:
+                with self.cond:
+                    if not self.states.connected or link.sock is None or not self.window.has_room(nbytes):
+                        continue   # lost it between the two locks: wait again
+                    header = {"op": op.value, "epoch": self.epoch, "ack": self.window.last_seen}
+                    header.update(fields)
+                    cmd = self.window.add(header, payload, waited=wait, sink=sink)
+                    sock, gen = link.sock, link.gen
+                    link.acked_sent = max(link.acked_sent, header["ack"])
+                link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
+                                  pipelined=not wait)
+            break
+        if not wait:
+            return cmd
+        return self._wait_reply(cmd, deadline)
+
+    def _wait_ready_locked(self, nbytes: int, deadline: float) -> None:
+        """Until connected with room in the window (the caller holds cond)."""
+        while True:
+            state = self.states.state
+            if state is LinkState.FAILED:
+                raise self.failure
+            if state is LinkState.CLOSED:
+                raise Closed(what=f"session {self.sid}")
+            if state is LinkState.CONNECTED and self.window.has_room(nbytes):
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if state is LinkState.CONNECTED:
+                    raise WindowFull(timeout=self.timeout, count=len(self.window.pending),
+                                     bytes=self.window.bytes)
+                raise Disconnected(timeout=self.timeout, reason=f"state {state.value}, "
+                                   f"last error: {self.last_error}")
+            self.cond.wait(remaining)
+
+    def _wait_reply(self, cmd: PendingCommand, deadline: float) -> PendingCommand:
+        with self.cond:
+            while cmd.reply is None:
+                state = self.states.state
+                if state is LinkState.FAILED:
+                    raise self.failure
+                if state is LinkState.CLOSED:
+                    raise Closed(what=f"session {self.sid}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    what = f"{cmd.header['op']} (seq {cmd.seq}; it stays in flight"
+                    if state is not LinkState.CONNECTED:
+                        what += f"; {state.value}, last error: {self.last_error}"
+                    raise Timeout(what=what + ")", timeout=self.timeout)
+                self.cond.wait(remaining)
+            if not cmd.reply.get("ok", False):
+                raise from_wire(cmd.reply.get("error", {}))
+            errors, self.pipeline_errors = self.pipeline_errors, []
+        if errors:
+            first = errors[0]
+            if len(errors) > 1:
+                first.details["more_errors"] = len(errors) - 1
+            raise first
+        return cmd
+
+    # -- resume -----------------------------------------------------------------------
+    def resume(self, endpoint: str | None = None, ticket: str | None = None) -> dict:
+        """Continue this session on a new connection (thread-safe).
+
+        ``endpoint``: where the pool is now (default: the last endpoint);
+        ``ticket``: the resume ticket of a migration, when the session moved
+        to another host.  Returns what happened (epoch, replayed replies,
+        re-sent commands, seconds); raises the pool's refusal otherwise.
+        """
+        self._preempt.set()
+        self.link.cut_attempt()      # a background reconnect is in the way: cut it
+        with self._resume_lock:
+            self._preempt.clear()
+            target = endpoint or self.endpoint
+            if ticket and ticket in self._used_tickets:
+                # This move already happened (a background retry made it, or
+                # the rehome was delivered twice): the session is bound there.
+                if self.states.connected and target == self.endpoint:
+                    return {"sid": self.sid, "epoch": self.epoch, "endpoint": target,
+                            "replayed": 0, "resent": 0, "seconds": 0.0, "ticket": True,
+                            "already": True}
+                ticket = None
+            try:
+                return self._resume(target, ticket)
+            except AccelmigError as exc:
+                if exc.retriable or isinstance(exc, Unavailable):
+                    # Keep trying in the background where we were told to go:
+                    # the answer may have been lost, or the path not be up yet.
+                    self._target = (target, ticket)
+                raise
+
+    def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None) -> dict:
+        """One resume attempt (the caller holds the resume lock)."""
+        started = time.monotonic()
+        link = self.link
+        with self.cond:
+            if self.states.ended:
+                raise self.failure or Closed(what=f"session {self.sid}")
+            self.states.to(LinkState.RESUMING)
+            old = link.detach_locked()
+        if old is not None:
+            shut(old)
+        try:
+            sock, reader = self._dial(endpoint, timeout or self.connect_timeout)
+            try:
+                with self.cond:
+                    last_seen = self.window.last_seen
+                    next_seq = self.window.next_seq
+                    epoch = self.epoch
+                request = {"op": Op.RESUME.value, "sid": self.sid, "epoch": epoch,
+                           "last_seen": last_seen, "next_seq": next_seq,
+                           "proof": dp.ownership_proof(self.secret, self._challenge, self.sid, epoch)}
+                if ticket:
+                    request["ticket"] = ticket
+                handshake_send(sock, request)
+                answer, leftovers = read_answer(sock, reader)
+                if answer.get("op") != Op.RESUMED.value:
+                    raise ProtocolError(reason=f"expected resumed, got {answer.get('op')!r}")
+            except BaseException:
+                sock.close()
+                raise
+        except BaseException as exc:
+            # Whatever failed, never leave the state at RESUMING.
+            with self.cond:
+                if isinstance(exc, AccelmigError) and exc.code in TERMINAL_SESSION_CODES:
+                    self.fail_locked(exc)
+                elif self.states.state is LinkState.RESUMING:
+                    self.states.to(LinkState.DISCONNECTED)
+                    self.last_error = exc
+                self.cond.notify_all()
+            raise
+        # Accepted: switch to the new link, then re-send what the pool lacks.
+        self._target = None
+        if ticket:
+            self._used_tickets.add(ticket)
+        with link.send_lock:
+            link.drop_cork()          # corked commands are in the window: re-sent below
+            with self.cond:
+                self.epoch = answer["epoch"]
+                self.endpoint = endpoint
+                self.bound_host = answer.get("bound_host")
+            link.install(sock, reader, leftovers)
+            with self.cond:
+                resend = self.window.resend_from(answer["expect"])
+                ack = self.window.last_seen
+            resent_bytes = 0
+            try:
+                for cmd in resend:
+                    cmd.header["epoch"] = self.epoch
+                    cmd.header["ack"] = ack
+                    cmd.resent += 1
+                    send_all(sock, encode_prefix_and_header(cmd.header, len(cmd.payload)), cmd.payload)
+                    resent_bytes += len(cmd.payload)
+            except OSError as exc:
+                LOG.warning("session %s: connection lost while re-sending: %s", self.sid, exc)
+            with self.cond:
+                if self.states.state is LinkState.RESUMING:
+                    self.states.to(LinkState.CONNECTED)
+                link.acked_sent = ack
+                self.cond.notify_all()
+        elapsed = time.monotonic() - started
+        self.stats["resumes"] += 1
+        self.stats["resent_commands"] += len(resend)
+        self.stats["resent_bytes"] += resent_bytes
+        self.stats["last_resume_s"] = elapsed
+        result = {"sid": self.sid, "epoch": self.epoch, "endpoint": endpoint,
+                  "replayed": answer.get("replay", 0), "resent": len(resend),
+                  "seconds": round(elapsed, 6), "ticket": bool(ticket)}
+        LOG.info("session %s resumed at %s: epoch %d, %d replayed, %d re-sent, %.1f ms", self.sid,
+                 endpoint, self.epoch, result["replayed"], len(resend), elapsed * 1000)
+        return result
+
+    # -- housekeeping -----------------------------------------------------------------
+    def _housekeep(self) -> None:
+        """Acknowledges when idle; reconnects with backoff (a thread for the
+        session's life)."""
+        first, longest = RECONNECT_BACKOFF
+        backoff = first
+        while True:
+            time.sleep(HOUSEKEEPING_TICK if self.states.state is not LinkState.DISCONNECTED else backoff)
+            state = self.states.state
+            if state is LinkState.FAILED or state is LinkState.CLOSED:
+                return
+            if state is LinkState.CONNECTED:
+                backoff = first
+                self._idle_ack()
+            elif state is LinkState.DISCONNECTED and self.auto_reconnect and not self._preempt.is_set():
+                if not self._resume_lock.acquire(blocking=False):
+                    continue
+                try:
+                    if self.states.state is LinkState.DISCONNECTED:
+                        self.stats["reconnect_attempts"] += 1
+                        endpoint, ticket = self._target or (self.endpoint, None)
+                        self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout))
+                except AccelmigError as exc:
+                    backoff = min(backoff * 2, longest)
+                    LOG.debug("session %s: reconnect to %s failed: %s", self.sid, self.endpoint, exc)
+                finally:
+                    self._resume_lock.release()
+
+    def _idle_ack(self) -> None:
+        link = self.link
+        with self.cond:
+            upto = self.window.last_seen
+            sock, gen = link.sock, link.gen
+        if upto > link.acked_sent and sock is not None:
+            link.try_ack(sock, gen, upto)
+
+    # -- the end ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the session at the pool (when connected) and drop the link."""
+        with self.cond:
+            connected = self.states.connected
+        if connected:
+            try:
+                self.submit(Op.RELEASE, {}, wait=True, timeout=min(self.timeout, 10.0))
+            except AccelmigError as exc:
+                LOG.warning("session %s: release failed: %s", self.sid, exc)
+        with self.cond:
+            if not self.states.ended:
+                self.states.to(LinkState.CLOSED)
+            sock = self.link.detach_locked()
+            self.cond.notify_all()
+        if sock is not None:
+            shut(sock)
+
+    def describe(self) -> dict:
+        with self.cond:
+            return {"sid": self.sid, "epoch": self.epoch, "state": self.states.state.value,
+                    "endpoint": self.endpoint, "bound_host": self.bound_host,
+                    "last_seen": self.window.last_seen, "next_seq": self.window.next_seq,
+                    "pending": len(self.window.pending), "window_bytes": self.window.bytes,
+                    **self.stats}
