@@ -48,11 +48,11 @@ install_venv() {
   fi
   local stamp="$VENV/.accelmig-installed"
   local want
-  want=$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)
+  want=$(cat setup.cfg pyproject.toml lab/pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    say "installing accelmig and its dependencies into $VENV"
+    say "installing accelmig, accelmig-lab (the local lab: lab/) and their dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
-    "$VENV/bin/pip" install -q -e ".[pool,host,dev]"
+    "$VENV/bin/pip" install -q -e ".[pool,host,dev]" -e ./lab
     echo "$want" > "$stamp"
   fi
 }

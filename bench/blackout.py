@@ -69,7 +69,7 @@ def main(argv=None) -> None:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    from accelmig.plugin.lab.accel import AccelLab
+    from accelmig.lab.accel import AccelLab
     accel = AccelLab(args.lab_name)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     t_start = time.monotonic()

@@ -2,13 +2,19 @@
 
 Each command lives in its own module under accelmig.plugin.commands and is
 imported only when used (``accelmig --help`` and the libvirt hook stay fast).
+Other installed distributions add commands through entry points of the group
+``accelmig.commands`` (``accelmig lab`` comes from accelmig-lab, a test rig
+that production hosts do not install); a built-in name always wins.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
 import click
+
+COMMANDS_GROUP = "accelmig.commands"
 
 COMMANDS = {
     "hook": ("accelmig.plugin.commands.hook", "hook", "The libvirt qemu hook (libvirt calls it)."),
@@ -19,24 +25,41 @@ COMMANDS = {
     "uninstall": ("accelmig.plugin.commands.install", "uninstall", "Remove the hook."),
     "domain": ("accelmig.plugin.commands.domain", "domain", "Render accelerator-ready domain XML."),
     "doctor": ("accelmig.plugin.commands.doctor", "doctor", "Check hook, hostd, pool and channels."),
-    "lab": ("accelmig.plugin.commands.lab", "lab", "A local lab: two libvirt hosts, a pool, a VM."),
 }
 
 
 class LazyGroup(click.Group):
+    """The built-in ``COMMANDS`` plus those of the installed ``accelmig.commands``
+    entry points (``entry_points``: the ones to use instead, for tests)."""
+
+    def __init__(self, *args, entry_points=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entry_points = entry_points
+
+    def added_commands(self) -> dict[str, importlib.metadata.EntryPoint]:
+        found = self.entry_points
+        if found is None:
+            found = importlib.metadata.entry_points(group=COMMANDS_GROUP)
+        return {ep.name: ep for ep in found if ep.name not in COMMANDS}
+
     def list_commands(self, ctx):
-        return list(COMMANDS)
+        return [*COMMANDS, *sorted(self.added_commands())]
 
     def get_command(self, ctx, name):
         entry = COMMANDS.get(name)
-        if entry is None:
-            return None
-        module, attr, _ = entry
-        return getattr(importlib.import_module(module), attr)
+        if entry is not None:       # the hook's path: no entry-point scan
+            module, attr, _ = entry
+            return getattr(importlib.import_module(module), attr)
+        added = self.added_commands().get(name)
+        return added.load() if added is not None else None
 
     def format_commands(self, ctx, formatter):
-        # Short help without importing every command module.
+        # Short help without importing every built-in command module; an
+        # added command is loaded for its own.
+        added = sorted(self.added_commands().items())
+        limit = formatter.width - 6 - max(len(name) for name in [*COMMANDS, *dict(added)])
         rows = [(name, help_text) for name, (_, _, help_text) in COMMANDS.items()]
+        rows += [(name, ep.load().get_short_help_str(limit)) for name, ep in added]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

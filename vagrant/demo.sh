@@ -4,7 +4,7 @@
 set -euo pipefail
 PY=/opt/accelmig/venv/bin/python
 IMAGE=$($PY - <<PYCODE
-from accelmig.plugin.lab.image import ImageSpec, build_image
+from accelmig.lab.image import ImageSpec, build_image
 cmd = ("python3 -m accelmig.agent.demoapp --token vagrant-demo-token --steps 2000 --size 128 "
        "--report 20 --pause 0.3 --wait-endpoint 120 --timeout 120 --prefix 'DEMO '")
 img = build_image(ImageSpec(app_command=cmd))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from accelmig.plugin.commands.lab import VM
-from accelmig.plugin.lab.accel import AccelLab
+from accelmig.lab.accel import AccelLab
+from accelmig.lab.cli import VM
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.root, pytest.mark.libvirt, pytest.mark.vm, pytest.mark.slow]

@@ -32,20 +32,20 @@ pytestmark = [pytest.mark.root, pytest.mark.libvirt, pytest.mark.vm]
 
 libvirt = pytest.importorskip("libvirt")
 
+from accelmig.lab import netns  # noqa: E402
+from accelmig.lab.image import ExtraFile, ImageSpec, build_image  # noqa: E402
+from accelmig.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab  # noqa: E402
+from accelmig.lab.topology import POOL_ADDRESS  # noqa: E402
 from accelmig.plugin import qga  # noqa: E402
-from accelmig.plugin.lab import netns as labnet  # noqa: E402
-from accelmig.plugin.lab.image import ExtraFile, ImageSpec, build_image  # noqa: E402
-from accelmig.plugin.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab  # noqa: E402
 from accelmig.wire.control import ControlClient  # noqa: E402
 from accelmig.wire.errors import ErrorCode  # noqa: E402
 from accelmig.wire.identity import GuestNic, HostIdentity  # noqa: E402
 from tests.e2e.test_rig import assert_clean, diagnostics, snapshot  # noqa: E402
-from tests.support.netns import NS  # noqa: E402
 
 TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox", "apt-get", "dpkg-deb"]
 MISSING = [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(t)]
 RUN_ID = f"{os.getpid() % 100000}"
-POOL_DATA = f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}"
+POOL_DATA = f"{POOL_ADDRESS}:{POOL_DATA_PORT}"
 
 #: A guest application holding one accelerator session open and using it
 #: every 0.2 s; its state in /run/e2e-session.json (read through guest-exec).
@@ -122,9 +122,9 @@ def host_identity(lab: Lab, host: str, with_nic: bool = False) -> HostIdentity:
 def control(lab: Lab, host: str) -> ControlClient:
     """A control-plane client of ``host``, its socket made inside that
     host's network namespace (the pool's control port exists only there)."""
-    client = ControlClient(f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}", host,
+    client = ControlClient(f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}", host,
                            lab.state["host_secrets"][host].encode())
-    with NS(lab.topology.host_ns[host], host).entered():
+    with netns.entered(lab.topology.host_ns[host]):
         client.call("ping")
     return client
 

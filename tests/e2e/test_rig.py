@@ -28,14 +28,16 @@ pytestmark = pytest.mark.root
 
 libvirt = pytest.importorskip("libvirt")
 
+from accelmig.lab import netns  # noqa: E402
+from accelmig.lab.boottest import PEER_ECHO_PORT, readdress_argv, start_peer_echo  # noqa: E402
+from accelmig.lab.guest import channel_state, echo_responder_files  # noqa: E402
+from accelmig.lab.image import ImageSpec, build_image  # noqa: E402
+from accelmig.lab.image.kernel import elf_notes  # noqa: E402
+from accelmig.lab.libvirtd import same_process  # noqa: E402
+from accelmig.lab.rig import Lab, kvm_status  # noqa: E402
+from accelmig.lab.topology import POOL_ADDRESS, Topology  # noqa: E402
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME  # noqa: E402
 from accelmig.plugin.domain.render import render  # noqa: E402
-from accelmig.plugin.lab import netns as labnet  # noqa: E402
-from accelmig.plugin.lab.boottest import PEER_ECHO_PORT, readdress_argv, start_peer_echo  # noqa: E402
-from accelmig.plugin.lab.guest import channel_state, echo_responder_files  # noqa: E402
-from accelmig.plugin.lab.image import ImageSpec, build_image, elf_notes  # noqa: E402
-from accelmig.plugin.lab.libvirtd import same_process  # noqa: E402
-from accelmig.plugin.lab.rig import Lab, kvm_status  # noqa: E402
 
 TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox"]
 MISSING = [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(t)]
@@ -60,7 +62,7 @@ def snapshot() -> dict:
     with open("/proc/self/mountinfo") as f:
         mounts = sorted(line.split()[4] for line in f)
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    return {"netns": sorted(labnet.netns.listnetns()), "mounts": mounts,
+    return {"netns": sorted(netns.names()), "mounts": mounts,
             "links": sorted(line.split(":")[1].strip().split("@")[0] for line in links.splitlines())}
 
 
@@ -121,8 +123,8 @@ def test_virt_type_is_detected_not_assumed():
 @pytest.mark.timeout(60)
 def test_topology_up_down_leaves_nothing():
     before = snapshot()
-    topo = labnet.Topology(unique("a"))
-    dir_state = labnet.netns_dir_state()
+    topo = Topology(unique("a"))
+    dir_state = netns.netns_dir_state()
     try:
         topo.up()
         topo.up()                               # idempotent
@@ -130,7 +132,7 @@ def test_topology_up_down_leaves_nothing():
         pool, a, b = topo.pool_ns, topo.host_ns["hostA"], topo.host_ns["hostB"]
         # the links and the explicit bridge MACs
         for ns, plan in ((a, topo.host("hostA")), (b, topo.host("hostB"))):
-            with labnet.NetNS(ns, flags=0) as ip:
+            with netns.ipr(ns) as ip:
                 names = {link.get("ifname") for link in ip.get_links()}
                 assert {"to-pool", "fab0"} <= names
                 fab = ip.get_links(ifname="fab0")[0]
@@ -149,7 +151,7 @@ def test_topology_up_down_leaves_nothing():
     finally:
         topo.down()
         topo.down()                             # idempotent
-        labnet.restore_netns_dir(dir_state)
+        netns.restore_netns_dir(dir_state)
     left = leftovers(topo.prefix, before)
     assert left == {"netns": [], "mounts": [], "links": []}, left
 
@@ -276,7 +278,7 @@ def test_guest_channel_and_fabric_on_A(guest_lab):
         mounts = ch.call("run", argv=["cat", "/proc/mounts"])["stdout"]
         assert all(f" {m} " in mounts for m in ("/proc", "/sys", "/dev", "/run")), mounts
         # the guest reaches the pool namespace from A's subnet, un-NATed
-        reply = ch.call("connect", host=labnet.POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
+        reply = ch.call("connect", host=POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
         assert reply["reply"].strip() == "10.89.1.10", reply
         assert reply["local"][0] == "10.89.1.10"
     # the kernel is the uncompressed ELF with its PVH note
@@ -327,7 +329,7 @@ def test_live_migration_A_to_B(guest_lab):
         # as a rehome would, reaches the pool from B un-NATed
         assert ch.call("info")["uptime"] > 3
         assert ch.call("run", argv=readdress_argv(lab, "hostB"))["rc"] == 0
-        reply = ch.call("connect", host=labnet.POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
+        reply = ch.call("connect", host=POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
         assert reply["reply"].strip() == "10.89.2.10", reply
     print(f"channel answered on B {gap * 1000:.0f} ms after the migration returned")
     # and back again, through the rig's own helper (libvirt-python migrateToURI3)
@@ -341,7 +343,7 @@ def test_live_migration_A_to_B(guest_lab):
 
 CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    from accelmig.plugin.lab import libvirtd, rig
+    from accelmig.lab import libvirtd, rig
     real = libvirtd.LibvirtNode.wait_ready
     def wait_then_die(self, *a, **k):
         if self.name == "hostB":             # A is up, B's daemon just spawned: die here
@@ -375,6 +377,6 @@ def test_down_after_a_crash_halfway_through_up():
         assert same_process(libvirtd_a["pid"], libvirtd_a["pid_starttime"])
         leftovers = recorded + [(libvirtd_a["pid"], libvirtd_a["pid_starttime"])]
     finally:
-        # a fresh object, as `python -m accelmig.plugin.lab down` would make
+        # a fresh object, as `accelmig lab down` would make
         Lab(name).down()
     assert_clean(lab, before, leftovers)

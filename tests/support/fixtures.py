@@ -1,6 +1,7 @@
 """pytest fixtures of tests/support, registered by ``pytest_plugins`` in tests/conftest.py.
 
-``netns_factory``: a ``tests.support.netns.NetnsFactory`` for one test;
+``netns_factory``: a ``tests.support.netns.NetnsFactory`` (on the lab's
+netns toolkit, ``accelmig.lab.netns``) for one test;
 ``netns_factory_module``: one shared by a test module.  Both remove every
 namespace, link and process they made, whatever the test did, and skip
 loudly where this is not root.

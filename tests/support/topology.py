@@ -22,8 +22,8 @@ so it sees the guest's own addresses: 10.89.1.0/24 means hostA.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 
+from accelmig.lab import netns
 from tests.support.netns import NS, NetnsFactory
 
 POOL_ADDRESS = "10.77.0.1"
@@ -67,22 +67,18 @@ class MovingGuest:
             return
         src_ns, dst_ns = self.hosts[self.at], self.hosts[dest]
         with src_ns.ipr() as ipr:
-            index = ipr.link_lookup(ifname=self.wire)[0]
-            ipr.link("set", index=index, net_ns_fd=dst_ns.name)
-        gateway = ipaddress.ip_interface(f"{GATEWAYS[dest]}/24")
+            ipr.link("set", index=netns.index(ipr, self.wire), net_ns_fd=dst_ns.name)
         with dst_ns.ipr() as ipr:
-            index = ipr.link_lookup(ifname=self.wire)[0]
-            ipr.addr("add", index=index, address=str(gateway.ip), prefixlen=24)
-            ipr.link("set", index=index, state="up")
+            netns.address(ipr, self.wire, f"{GATEWAYS[dest]}/24")
+            netns.set_link(ipr, self.wire)
         self.at = dest
 
     def readdress_guest(self, dest: str) -> None:
         """What the guest agent does for a host-bound fabric: new address and route."""
         with self.guest.ipr() as ipr:
-            index = ipr.link_lookup(ifname=self.guest_nic)[0]
-            ipr.flush_addr(index=index)
-            ipr.addr("add", index=index, address=GUEST_ADDRESSES[dest], prefixlen=24)
-            ipr.route("replace", dst="0.0.0.0", dst_len=0, gateway=GATEWAYS[dest])
+            ipr.flush_addr(index=netns.index(ipr, self.guest_nic))
+            netns.address(ipr, self.guest_nic, f"{GUEST_ADDRESSES[dest]}/24")
+            netns.route(ipr, "default", GATEWAYS[dest])
 
     def move(self, dest: str) -> None:
         self.move_wire(dest)

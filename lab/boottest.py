@@ -3,7 +3,7 @@ hostA, talk to it over the agent channel, reach the pool's namespace from
 its fabric NIC (un-NATed), live-migrate it to hostB, talk to it again there,
 re-address it for B's subnet and reach the pool again.
 
-Used by ``python -m accelmig.plugin.lab boot-test`` (a smoke test for a
+Used by ``accelmig lab boot-test`` (a smoke test for a
 person setting up a machine) and as the reference sequence the end-to-end
 tests check step by step.
 """
@@ -16,9 +16,9 @@ import time
 
 import libvirt
 
-from . import netns as labnet
 from .guest import echo_responder_files, peer_echo_argv
 from .image import GuestImage, ImageSpec, build_image
+from .topology import POOL_ADDRESS
 
 LOG = logging.getLogger("accelmig.lab.boottest")
 
@@ -37,7 +37,7 @@ def start_peer_echo(lab, port: int = PEER_ECHO_PORT, timeout: float = 10.0):
     log = lab.dir / "peer-echo.log"
     log.write_bytes(b"")
     with open(log, "ab") as out:
-        proc = lab.spawn("peer-echo", "pool", peer_echo_argv(labnet.POOL_ADDRESS, port), stdout=out, log=log)
+        proc = lab.spawn("peer-echo", "pool", peer_echo_argv(POOL_ADDRESS, port), stdout=out, log=log)
     deadline = time.monotonic() + timeout
     while b"listening" not in log.read_bytes():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -75,7 +75,7 @@ def run(lab, *, image: GuestImage | None = None, domain: str = "boot-test", migr
             t1 = time.monotonic()
             ch.call("echo", data="x")
             out["channel_rtt_ms"] = (time.monotonic() - t1) * 1000
-            reply = ch.call("connect", host=labnet.POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
+            reply = ch.call("connect", host=POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
             out["pool_saw_from_A"] = reply["reply"].strip()
             out["guest_address_A"] = a.guest_address(10).split("/")[0]
         if migrate:
@@ -88,7 +88,7 @@ def run(lab, *, image: GuestImage | None = None, domain: str = "boot-test", migr
                 out["channel_after_migration_seconds"] = time.monotonic() - t1
                 out["guest_hostname"] = ch.call("info")["hostname"]
                 ch.call("run", argv=readdress_argv(lab, "hostB"))
-                reply = ch.call("connect", host=labnet.POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
+                reply = ch.call("connect", host=POOL_ADDRESS, port=PEER_ECHO_PORT, timeout=10)
                 out["pool_saw_from_B"] = reply["reply"].strip()
                 out["guest_address_B"] = lab.topology.host("hostB").guest_address(10).split("/")[0]
             out["source_domains_left"] = [d.name() for d in conn_a.listAllDomains()]

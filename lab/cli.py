@@ -1,4 +1,8 @@
-"""``accelmig lab``: a local lab on this machine (root).
+"""``accelmig lab`` (also ``accelmig-lab``): a local lab on this machine (root).
+
+It ships in the ``accelmig-lab`` distribution, a test rig: ``accelmig``
+offers the ``lab`` command only where that is installed (the entry point
+``lab`` of the group ``accelmig.commands``).
 
 Network namespaces for a pool node and two hypervisor hosts; a real libvirt
 daemon per host (its own mount and UTS namespace, hostname, host UUID);
@@ -28,7 +32,7 @@ def _need_root():
 
 
 def _lab(name: str):
-    from accelmig.plugin.lab.accel import AccelLab
+    from accelmig.lab.accel import AccelLab
     return AccelLab(name)
 
 
@@ -36,17 +40,21 @@ name_option = click.option("--name", default=DEFAULT_NAME, show_default=True,
                            help="The lab's name (several labs can coexist).")
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def lab():
-    """A local lab: pool + two libvirt hosts + a VM computing on the pool.
+    """A local lab: two libvirt hosts, a pool, a VM.
+
+    The VM computes on the pool while it live-migrates between the hosts.
 
     \b
-      accelmig lab demo     the whole story, with a table per migration
-      accelmig lab up       bring it up and leave it running
-      accelmig lab env      KEY=value lines to drive it with plain virsh
-      accelmig lab boot     start the demo VM on hostA
-      accelmig lab migrate  move the VM to the other host
-      accelmig lab down     remove everything (also after a crash)
+      accelmig lab demo       the whole story, with a table per migration
+      accelmig lab up         bring it up and leave it running
+      accelmig lab env        KEY=value lines to drive it with plain virsh
+      accelmig lab boot       start the demo VM on hostA
+      accelmig lab migrate    move the VM to the other host
+      accelmig lab down       remove everything (also after a crash)
+      accelmig lab image      build (or find in the cache) the guest image
+      accelmig lab boot-test  the rig's plumbing alone, timed (no accelmig in it)
     """
 
 
@@ -77,7 +85,8 @@ def down(name):
 @lab.command()
 @name_option
 @click.option("--domain", default=VM, show_default=True)
-def env(name, domain):
+@click.option("--json", "as_json", is_flag=True, help="Everything the lab knows of itself, as JSON.")
+def env(name, domain, as_json):
     """Shell lines to drive the lab by hand, e.g.
 
     \b
@@ -90,6 +99,9 @@ def env(name, domain):
     if accel.lab.state.get("status") != "up":
         click.echo(f"accelmig lab: lab {name} is not up (accelmig lab up --name {name})", err=True)
         sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(accel.lab.env(), indent=1))
+        return
     for line in accel.env_lines(domain):
         click.echo(line)
 
@@ -221,4 +233,44 @@ def demo(name, keep, steps):
             click.echo(f"lab {name} left up: accelmig lab env --name {name}; accelmig lab down --name {name}")
         else:
             accel.down()
+    sys.exit(0 if ok else 1)
+
+
+@lab.command()
+@click.option("--with-qemu-ga", is_flag=True, help="Add qemu-guest-agent (a VM rehomed through guest-exec).")
+@click.option("--force", is_flag=True, help="Build again even if the cache has it.")
+def image(with_qemu_ga, force):
+    """Build the guest image (or take it from the cache); say where."""
+    _need_root()
+    from accelmig.lab.image import ImageSpec, build_image
+    built = build_image(ImageSpec(with_qemu_ga=with_qemu_ga), force=force)
+    click.echo(json.dumps({"kernel": str(built.kernel), "initrd": str(built.initrd), "key": built.key,
+                           "build_seconds": built.build_seconds, "cmdline": built.cmdline()}, indent=1))
+
+
+@lab.command("boot-test")
+@click.option("--name", default="boot-test", show_default=True,
+              help="The lab's name (not the demo lab's: this one goes down afterwards).")
+@click.option("--keep", is_flag=True, help="Leave the lab up afterwards.")
+def boot_test(name, keep):
+    """Time the rig's plumbing alone (boot, channel, migration).
+
+    A guest boots on hostA, answers on its channel, reaches the pool's
+    namespace un-NATed, live-migrates to hostB, answers there and reaches
+    the pool from B's subnet.  No pool, hostd or hook: a smoke test for a
+    machine being set up."""
+    _need_root()
+    from accelmig.lab import boottest
+    from accelmig.lab.rig import Lab
+    rig = Lab(name)
+    try:
+        rig.up()
+        result = boottest.run(rig)
+        result["lab_timings"] = rig.timings
+    finally:
+        if not keep:
+            rig.down()
+    click.echo(json.dumps(result, indent=1, default=str))
+    ok = (result.get("pool_saw_from_A") == result.get("guest_address_A")
+          and result.get("pool_saw_from_B") == result.get("guest_address_B"))
     sys.exit(0 if ok else 1)

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import libvirt
 
-from accelmig.plugin.lab import netns as labnet
-from accelmig.plugin.lab.image import GuestImage, ImageSpec, build_image
-from accelmig.plugin.lab.libvirtd import proc_starttime, same_process
-from accelmig.plugin.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab
+from accelmig.lab import netns
+from accelmig.lab.image import GuestImage, ImageSpec, build_image
+from accelmig.lab.libvirtd import proc_starttime, same_process
+from accelmig.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab
+from accelmig.lab.topology import BRIDGE, POOL_ADDRESS
 from accelmig.wire.control import ControlClient
 
 LOG = logging.getLogger("accelmig.lab")
@@ -102,15 +103,15 @@ class AccelLab:
 [host]
 id = "{host}"
 [pool]
-endpoint = "{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}"
-control = "{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}"
+endpoint = "{POOL_ADDRESS}:{POOL_DATA_PORT}"
+control = "{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
 secret_file = "{secret}"
 [fabric]
 mode = "bridge"
-bridge = "{labnet.BRIDGE}"
+bridge = "{BRIDGE}"
 guest_subnet = "{plan.guest_subnet}"
 gateway = "{plan.gateway}"
-routes = ["{labnet.POOL_ADDRESS}/32"]
+routes = ["{POOL_ADDRESS}/32"]
 [hostd]
 socket = "{self.hostd_socket(host)}"
 state_dir = "{hdir / 'state'}"
@@ -155,7 +156,7 @@ libvirt_uri = "qemu:///system"
             self.hostd_socket(host).unlink()
 
     def wait_hostd(self, host: str, timeout: float = 30.0) -> dict:
-        from accelmig.plugin.localapi import LocalClient
+        from accelmig.plugin.hostd.client import LocalClient
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:
@@ -253,10 +254,10 @@ libvirt_uri = "qemu:///system"
 
     def reference(self, steps: int = DEMO_STEPS, size: int = DEMO_SIZE) -> dict:
         """The same solver, never migrated: run from hostA's namespace."""
-        out = subprocess.run(["ip", "netns", "exec", self.lab.ns_of("hostA"), sys.executable, "-m",
-                              "accelmig.agent.demoapp", "--endpoint", f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
-                              "--token", self.token, "--steps", str(steps), "--size", str(size),
-                              "--report", str(steps)], capture_output=True, text=True, timeout=300)
+        argv = [sys.executable, "-m", "accelmig.agent.demoapp", "--endpoint", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
+                "--token", self.token, "--steps", str(steps), "--size", str(size), "--report", str(steps)]
+        out = subprocess.run(netns.exec_argv(self.lab.ns_of("hostA"), argv), capture_output=True, text=True,
+                             timeout=300)
         if out.returncode != 0:
             raise RuntimeError(f"reference run failed: {out.stderr[-2000:]}")
         return json.loads(out.stdout.strip().splitlines()[-1])

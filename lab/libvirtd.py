@@ -17,7 +17,7 @@ Why each piece (measured, LAB-NOTES):
 - Debian's QEMU driver looks up the ``libvirt-qemu`` user before it reads
   qemu.conf: the daemon sees private copies of /etc/passwd and /etc/group
   that have it, so the machine's own files stay untouched.
-- The daemon runs under :mod:`accelmig.plugin.lab.reaper`, a child subreaper
+- The daemon runs under :mod:`accelmig.lab.reaper`, a child subreaper
   that reaps QEMU at once (halves migration time here).
 - QEMU's capabilities cache is copied between nodes (daemon start 1.5 s ->
   0.2 s): libvirt validates it and re-probes if QEMU or libvirt changed.
@@ -42,6 +42,8 @@ import uuid as uuidlib
 from pathlib import Path
 
 import libvirt
+
+from .netns import exec_argv
 
 LOG = logging.getLogger("accelmig.lab.libvirtd")
 
@@ -279,7 +281,7 @@ class LibvirtNode:
             inner += ["--bind", f"{source}:{target}"]
         inner += ["--", LIBVIRTD, "--listen", "--pid-file", "/run/libvirt/libvirtd.pid"]
         unshare = ["unshare", "--mount", "--uts", "--propagation", "private", *inner]
-        return ["ip", "netns", "exec", self.netns, *unshare] if self.netns else unshare
+        return exec_argv(self.netns, unshare) if self.netns else unshare
 
     def start(self) -> int:
         """Start the daemon (returns the reaper's PID at once; then

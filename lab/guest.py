@@ -3,7 +3,7 @@ responder the lab puts into test images to prove that channel works.
 
 The responder is *not* the guest agent (``accelmig.agent`` owns the real
 channel protocol): it answers one JSON object per line on the agent's port
-so that tests and ``python -m accelmig.plugin.lab boot-test`` can check the
+so that tests and ``accelmig lab boot-test`` can check the
 plumbing — virtio ports named without udev, libvirt's per-domain socket on
 each host, the channel after a live migration, and the guest's fabric NIC
 (``connect`` opens a TCP connection from inside the guest).  Boot the guest

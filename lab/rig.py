@@ -4,8 +4,8 @@ machine, behind ``Lab.up()`` / ``Lab.down()``.
 Crash safety is the point of the design: ``up()`` writes the state file
 (JSON under the lab's directory) **before** each resource is created —
 namespaces, directories, processes — and again once a process's PID is
-known, so a ``down()`` from any later process (``python -m
-accelmig.plugin.lab down``, the next test run) finds and removes everything
+known, so a ``down()`` from any later process (``accelmig lab down``,
+the next test run) finds and removes everything
 a crashed ``up()`` or a killed test left behind.  ``down()`` is idempotent
 and also sweeps by identity rather than by memory: every process still
 inside one of the lab's network namespaces is stopped (found by namespace
@@ -35,10 +35,11 @@ import libvirt
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME
 from accelmig.plugin.domain.render import render
 
-from . import netns as labnet
+from . import netns
 from .guest import ChannelClient, channel_source
 from .image import DEFAULT_CACHE, GuestImage
 from .libvirtd import LIBVIRT_DIRS, LibvirtNode, proc_starttime, same_process, stop_process
+from .topology import BRIDGE, POOL_ADDRESS, Topology
 
 LOG = logging.getLogger("accelmig.lab.rig")
 
@@ -138,7 +139,7 @@ class Lab:
                  cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
                  pool: bool = False, tenants: dict | None = None, pool_args: list | None = None):
         self.name = name
-        self.topology = labnet.Topology(name)
+        self.topology = Topology(name)
         self.dir = Path(base_dir) / name
         self.state_file = self.dir / "state.json"
         self.cache = Path(cache)
@@ -302,7 +303,7 @@ class Lab:
         self._record_process(key, None, netns=self.ns_of(node), argv=argv)
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
-            proc = subprocess.Popen(["ip", "netns", "exec", self.ns_of(node), *argv],
+            proc = subprocess.Popen(netns.exec_argv(self.ns_of(node), argv),
                                     stdin=subprocess.DEVNULL, stdout=stdout if stdout is not None else out,
                                     stderr=out, start_new_session=True)
         finally:
@@ -340,8 +341,8 @@ class Lab:
         exe = Path(sys.executable).with_name("accelmig-pool")
         ready = pdir / "stdout"
         ready.write_bytes(b"")
-        argv = [str(exe), "serve", "--listen", f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
-                "--control-listen", f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}",
+        argv = [str(exe), "serve", "--listen", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
+                "--control-listen", f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}",
                 "--tokens", str(tokens), "--hosts", str(hosts),
                 "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text", *self.pool_args]
         with open(ready, "ab") as out:
@@ -380,7 +381,7 @@ class Lab:
             node.stop()
         # 2. anything still inside the lab's namespaces (a crash between
         #    spawning and recording a PID, a QEMU that outlived its reaper)
-        labnet.kill_namespace_processes(self.topology.exists())
+        netns.stop_processes_inside(self.topology.exists())
         # 3. namespaces (links, bridges, addresses go with them)
         self.topology.down()
         self._restore_netns_dir()
@@ -411,7 +412,7 @@ class Lab:
         return self.dir.parent / ".netns-dir-created-by-lab.json"
 
     def _note_netns_dir(self) -> dict:
-        before = labnet.netns_dir_state()
+        before = netns.netns_dir_state()
         if not before["mounted"] and not self._netns_marker.exists():
             self._netns_marker.parent.mkdir(parents=True, exist_ok=True)
             self._netns_marker.write_text(json.dumps(before))
@@ -422,8 +423,8 @@ class Lab:
             before = json.loads(self._netns_marker.read_text())
         except (OSError, ValueError):
             return
-        labnet.restore_netns_dir(before)
-        if not labnet.netns_dir_state()["mounted"]:
+        netns.restore_netns_dir(before)
+        if not netns.netns_dir_state()["mounted"]:
             self._netns_marker.unlink(missing_ok=True)
 
     # libvirt's fixed paths are only mount points for the nodes' own
@@ -514,7 +515,7 @@ class Lab:
                       virt_type=self.virt_type, kernel=str(image.kernel), initrd=str(image.initrd),
                       cmdline=cmdline, console_log=f"/var/log/libvirt/qemu/{name}-console.log",
                       fabric_mac=mac or guest_mac(name), fabric_type="bridge",
-                      fabric_source=labnet.BRIDGE, **values)
+                      fabric_source=BRIDGE, **values)
 
     def console_log(self, host: str, name: str) -> Path:
         return self.nodes[host].host_path(f"/var/log/libvirt/qemu/{name}-console.log")
@@ -571,12 +572,12 @@ class Lab:
                 "dir": str(node.root) if node else None,
                 "log": str(node.log_file) if node else None,
                 "guest_subnet": plan.guest_subnet, "gateway": plan.gateway,
-                "bridge": labnet.BRIDGE, "bridge_mac": plan.bridge_mac,
+                "bridge": BRIDGE, "bridge_mac": plan.bridge_mac,
                 "uplink": plan.uplink, "secret": self.state.get("host_secrets", {}).get(host),
             }
-        pool = {"netns": self.topology.pool_ns, "address": labnet.POOL_ADDRESS,
-                "data": f"{labnet.POOL_ADDRESS}:{POOL_DATA_PORT}",
-                "control": f"{labnet.POOL_ADDRESS}:{POOL_CONTROL_PORT}",
+        pool = {"netns": self.topology.pool_ns, "address": POOL_ADDRESS,
+                "data": f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
+                "control": f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}",
                 "running": "pool" in self.state.get("processes", {})}
         if "pool" in self.state:
             pdir = Path(self.state["pool"]["dir"])

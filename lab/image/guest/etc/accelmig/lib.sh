@@ -1,0 +1,48 @@
+# /etc/accelmig/lib.sh: helpers for /init, rc and the init.d scripts.
+export PATH=/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin
+export HOME=/root PYTHONUNBUFFERED=1 LANG=C.UTF-8
+ACCELMIG_SITE=@SITE@
+log() { echo "accelmig-guest[${0##*/}]: $*" >/dev/console; }
+uptime_s() { cut -d' ' -f1 /proc/uptime; }
+
+# Settings: guest.conf (baked into the image), then accelmig.* words of the
+# kernel command line (accelmig.net=... -> ACCELMIG_NET=...).
+load_settings() {
+    [ -f /etc/accelmig/guest.conf ] && . /etc/accelmig/guest.conf
+    [ -f /run/accelmig/settings ] && . /run/accelmig/settings
+}
+parse_cmdline() {
+    mkdir -p /run/accelmig
+    : > /run/accelmig/settings
+    for word in $(cat /proc/cmdline); do
+        case "$word" in
+            accelmig.*=*)
+                key=${word%%=*}; value=${word#*=}
+                key=$(echo "$key" | tr 'a-z.-' 'A-Z__')
+                case "$value" in *"'"*) log "ignoring $key: quote in value"; continue;; esac
+                echo "$key='$value'" >> /run/accelmig/settings;;
+        esac
+    done
+}
+
+# udev's job, done by hand: /dev/virtio-ports/<name> -> ../vportNpM.
+link_ports() {
+    mkdir -p /dev/virtio-ports
+    for port in /sys/class/virtio-ports/*; do
+        [ -r "$port/name" ] || continue
+        name=$(cat "$port/name")
+        [ -n "$name" ] && ln -sfn "../${port##*/}" "/dev/virtio-ports/$name"
+    done
+}
+# wait_port NAME SECONDS: the host announces port names asynchronously.
+wait_port() {
+    tries=$(( ${2:-10} * 20 ))
+    while [ ! -e "/dev/virtio-ports/$1" ]; do
+        link_ports
+        [ -e "/dev/virtio-ports/$1" ] && break
+        tries=$((tries - 1))
+        [ "$tries" -le 0 ] && return 1
+        usleep 50000
+    done
+    return 0
+}

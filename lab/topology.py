@@ -1,0 +1,180 @@
+"""The lab's network: a pool node and two hypervisor hosts, each a network
+namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns`).
+
+::
+
+                      pool  (10.88.0.1/32 on lo: the pool's service address)
+               to-hostA /  \\ to-hostB
+          10.88.1.1/30 /    \\ 10.88.2.1/30
+                      /      \\
+          10.88.1.2/30         10.88.2.2/30
+             to-pool            to-pool
+              hostA --to-hostB----to-hostA-- hostB
+                  10.88.3.1/30   10.88.3.2/30       (migration link)
+             fab0 10.89.1.1/24       fab0 10.89.2.1/24
+             (guests on A)           (guests on B)
+
+- Every address exists only inside the lab's namespaces: nothing touches the
+  machine's own network, and several labs (distinct prefixes) can run at once
+  with the same addresses.
+- Each host routes its guests' subnet to the pool and the pool routes both
+  guest subnets back through the right host, **without NAT**: the pool sees
+  the guest's own source address (10.89.1.x from A, 10.89.2.x from B), which
+  is what accelmig's host identity and the pool's per-host address checks
+  are about.
+- Each bridge ``fab0`` gets an **explicit MAC**: a bridge with a random MAC
+  takes its first port's MAC, which libvirt derives from the guest MAC, so
+  both hosts' bridges ended up with the same MAC and a migrated guest's
+  cached gateway entry still "worked" on B with its old address (LAB-NOTES).
+- Veths are created inside the namespaces (the peer placed straight into the
+  other namespace), never in the root namespace, so names cannot collide
+  with anything outside the lab.
+
+Setup and teardown are idempotent: ``up()`` completes a half-built topology,
+``down()`` removes whatever part of it exists, after killing any process
+still inside (a process holding a namespace would keep its links alive
+after the name is gone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import time
+
+from . import netns
+
+LOG = logging.getLogger("accelmig.lab.topology")
+
+POOL_ADDRESS = "10.88.0.1"
+BRIDGE = "fab0"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """One hypervisor host's addressing."""
+
+    name: str                     # hostA / hostB
+    index: int                    # 1 / 2
+    uplink: str                   # this host's end of the pool link, CIDR
+    pool_side: str                # the pool's end of that link, CIDR
+    migration: str                # this host's end of the host<->host link, CIDR
+    guest_subnet: str             # the subnet of this host's guests (fab0)
+    bridge_mac: str
+
+    @property
+    def address(self) -> str:
+        """The host's address on the migration link (what ``--migrateuri`` names)."""
+        return self.migration.split("/")[0]
+
+    @property
+    def uplink_address(self) -> str:
+        """The source address the pool sees for this host's own connections."""
+        return self.uplink.split("/")[0]
+
+    @property
+    def gateway(self) -> str:
+        """The guests' default gateway: fab0's address."""
+        return str(next(ipaddress.ip_network(self.guest_subnet).hosts()))
+
+    @property
+    def gateway_cidr(self) -> str:
+        return f"{self.gateway}/{ipaddress.ip_network(self.guest_subnet).prefixlen}"
+
+    def guest_address(self, n: int = 10) -> str:
+        """The n-th guest address of this host's subnet, CIDR (10.89.1.10/24)."""
+        net = ipaddress.ip_network(self.guest_subnet)
+        return f"{net.network_address + n}/{net.prefixlen}"
+
+    def guest_net(self, n: int = 10) -> str:
+        """The guest kernel's ``accelmig.net=`` value (address, gateway)."""
+        return f"{self.guest_address(n)},{self.gateway}"
+
+
+HOSTS = (
+    HostPlan("hostA", 1, uplink="10.88.1.2/30", pool_side="10.88.1.1/30", migration="10.88.3.1/30",
+             guest_subnet="10.89.1.0/24", bridge_mac="02:ac:4d:00:01:01"),
+    HostPlan("hostB", 2, uplink="10.88.2.2/30", pool_side="10.88.2.1/30", migration="10.88.3.2/30",
+             guest_subnet="10.89.2.0/24", bridge_mac="02:ac:4d:00:02:01"),
+)
+
+
+class Topology:
+    """The lab's namespaces and links, named ``<prefix>-pool``,
+    ``<prefix>-hostA``, ``<prefix>-hostB``."""
+
+    def __init__(self, prefix: str):
+        if not prefix or len(prefix) > 40 or not all(c.isalnum() or c in "-_." for c in prefix):
+            raise ValueError(f"lab prefix {prefix!r}: 1-40 characters of [A-Za-z0-9._-]")
+        self.prefix = prefix
+        self.pool_ns = f"{prefix}-pool"
+        self.hosts = {h.name: h for h in HOSTS}
+        self.host_ns = {h.name: f"{prefix}-{h.name}" for h in HOSTS}
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.pool_ns, *self.host_ns.values()]
+
+    def host(self, name: str) -> HostPlan:
+        return self.hosts[name]
+
+    def up(self):
+        """Create (or complete) the topology."""
+        t0 = time.monotonic()
+        existing = set(netns.names())
+        for name in self.namespaces:
+            if name not in existing:
+                netns.create(name)
+            netns.sysctl(name, {
+                "net.ipv6.conf.all.disable_ipv6": "1",      # no DAD/RS noise on lab links
+                "net.ipv6.conf.default.disable_ipv6": "1",
+                "net.ipv4.ip_forward": "0" if name == self.pool_ns else "1",
+            })
+        a, b = self.hosts["hostA"], self.hosts["hostB"]
+        netns.veth(self.pool_ns, "to-hostA", self.host_ns["hostA"], "to-pool")
+        netns.veth(self.pool_ns, "to-hostB", self.host_ns["hostB"], "to-pool")
+        netns.veth(self.host_ns["hostA"], "to-hostB", self.host_ns["hostB"], "to-hostA")
+        with netns.ipr(self.pool_ns) as ipr:
+            netns.address(ipr, "lo", f"{POOL_ADDRESS}/32")
+            for host in (a, b):
+                netns.address(ipr, f"to-{host.name}", host.pool_side)
+                netns.set_link(ipr, f"to-{host.name}")
+                netns.route(ipr, host.guest_subnet, host.uplink_address)
+        for host in (a, b):
+            other = b if host is a else a
+            with netns.ipr(self.host_ns[host.name]) as ipr:
+                netns.bridge(ipr, BRIDGE, mac=host.bridge_mac)
+                netns.address(ipr, "to-pool", host.uplink)
+                netns.address(ipr, f"to-{other.name}", host.migration)
+                netns.address(ipr, BRIDGE, host.gateway_cidr)
+                for link in ("to-pool", f"to-{other.name}", BRIDGE):
+                    netns.set_link(ipr, link)
+                netns.route(ipr, f"{POOL_ADDRESS}/32", host.pool_side.split("/")[0])
+        LOG.info("topology %s up in %.2f s", self.prefix, time.monotonic() - t0)
+
+    def exists(self) -> list[str]:
+        """Which of this lab's namespaces exist now."""
+        present = set(netns.names())
+        return [n for n in self.namespaces if n in present]
+
+    def pids(self) -> dict[str, list[int]]:
+        """PIDs of the processes inside each of this lab's namespaces."""
+        return {n: netns.pids_inside([n]) for n in self.namespaces}
+
+    def down(self, kill_timeout: float = 5.0):
+        """Remove the topology: processes still inside first, then the
+        namespaces (their links and bridges go with them)."""
+        t0 = time.monotonic()
+        netns.stop_processes_inside(self.exists(), term_timeout=kill_timeout)
+        for name in self.exists():
+            netns.remove(name)
+        LOG.info("topology %s down in %.2f s", self.prefix, time.monotonic() - t0)
+
+    def etc_hosts(self) -> str:
+        """An /etc/hosts for the host namespaces: the other lab nodes by name
+        (the plain names and the prefixed ones)."""
+        lines = ["127.0.0.1\tlocalhost", f"{POOL_ADDRESS}\tpool {self.pool_ns}"]
+        for host in self.hosts.values():
+            lines.append(f"{host.address}\t{host.name} {self.host_ns[host.name]}")
+        return "\n".join(lines) + "\n"
