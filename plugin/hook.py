@@ -6,7 +6,9 @@ domain XML on stdin, for every domain and every lifecycle step (libvirt >=
 
 Rules it lives by (LAB-NOTES measured why):
 - it acts only on accelmig domains (its metadata or its agent channel) and
-  exits 0 at once, silently, for every other domain;
+  only at ``migrate begin`` and ``restore begin``: for every other domain
+  and every other step it exits 0 at once, silently (the installed script
+  does not even start Python for the other steps);
 - it never calls libvirt (that deadlocks the daemon) and leaves no child
   behind; it talks only to hostd, over a unix socket, within a time budget;
 - only ``migrate begin`` and ``restore begin`` may fail: in strict mode
@@ -49,53 +51,39 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         _log(f"expected DOMAIN OPERATION SUB-OPERATION [EXTRA], got {argv!r}; ignoring")
         return 0
     domain, operation, sub = argv[0], argv[1], argv[2]
-    gated = (operation, sub) in GATED
-    # Cheap filter first: most domains on a host are not ours.
-    if b"accelmig" not in xml:
+    # Cheap filters first: hostd follows every other step through libvirt's
+    # events, and most domains on a host are not ours.
+    if (operation, sub) not in GATED or b"accelmig" not in xml:
         return 0
     try:
-        return _run(domain, operation, sub, xml, gated, started, stdout)
-    except Exception as exc:  # never a traceback into libvirt's logs for an ungated step
-        if gated:
-            _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
-            return 1
-        _log(f"{operation} {sub} of {domain}: ignored internal error {type(exc).__name__}: {exc}")
-        return 0
+        return _run(domain, operation, sub, xml, started, stdout)
+    except Exception as exc:
+        _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
+        return 1
 
 
-def _run(domain: str, operation: str, sub: str, xml: bytes, gated: bool, started: float, stdout) -> int:
+def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout) -> int:
     from accelmig.plugin.config import HostConfig
     from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
-    from accelmig.plugin.localapi import LocalClient
+    from accelmig.plugin.hostd.client import LocalClient
     from accelmig.wire.errors import AccelmigError
 
     try:
         model = DomainXML.parse(xml)
     except AccelmigError as exc:
-        if gated:
-            _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
-            return 1
-        return 0
+        _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
+        return 1
     if not model.is_accelmig():
         return 0
     try:
         config = HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))
     except AccelmigError as exc:
-        if gated:
-            # Without a config there is no way to know this host's pool or
-            # fabric: strict is the only safe default.
-            _log(f"refusing {operation} of {domain}: {exc}")
-            return 1
-        return 0
+        # Without a config there is no way to know this host's pool or
+        # fabric: strict is the only safe default.
+        _log(f"refusing {operation} of {domain}: {exc}")
+        return 1
     budget = config.hostd.hook_timeout
     client = LocalClient(config.hostd.socket, timeout=budget)
-    if not gated:
-        try:
-            client.call("hook", timeout=min(0.5, budget), op=operation, sub=sub, uuid=model.uuid,
-                        name=model.name)
-        except AccelmigError:
-            pass        # hostd follows libvirt events and reconciles: a lost note costs nothing
-        return 0
 
     rewritten, changes = None, []
     try:

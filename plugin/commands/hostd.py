@@ -49,7 +49,7 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
       libvirt_uri = "qemu:///system"
     """
     from accelmig.plugin.config import HostConfig
-    from accelmig.plugin.hostd import HostDaemon
+    from accelmig.plugin.hostd.daemon import HostDaemon
     logs.setup("accelmig-hostd", log_format, log_level)
     logging.getLogger("pyroute2").setLevel(logging.WARNING)   # its debug output is per message
     try:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import sys
@@ -48,8 +49,6 @@ STATE_FILE = "hook-install.json"
 #: /proc/stat's btime has whole seconds: a daemon start this close to the
 #: hook's mtime proves nothing either way.
 START_MARGIN_S = 1.0
-#: Linux reads at most this much of a "#!" line (BINPRM_BUF_SIZE, 6.1).
-MAX_SHEBANG = 255
 
 
 # ---------------------------------------------------------------- errors and output
@@ -267,53 +266,40 @@ def check_name(name: str) -> str:
 
 
 def hook_script(interpreter: str, config: str | None) -> str:
-    """The script libvirt runs.  ``-I``: the hook's own directory and any
-    PYTHON* variable stay out of its imports.  If accelmig cannot even be
-    imported, only ``migrate begin``/``restore begin`` fail (a refused
-    migration beats a VM that arrives without its accelerator); every other
-    operation must exit 0 (a failing prepare/start stops a boot, a failing
-    reconnect kills a running QEMU)."""
+    """The script libvirt runs: a few lines of sh.  libvirt runs the hook for
+    every step of every domain, and only ``migrate begin``/``restore begin``
+    need accelmig: every other operation exits 0 at once, without starting
+    Python.  The gated two run the hook module with ``-I`` (the hook's own
+    directory and any PYTHON* variable stay out of its imports); if accelmig
+    cannot even be imported they fail, which refuses the migration (a refused
+    migration beats a VM that arrives without its accelerator)."""
     if not os.path.isabs(interpreter) or re.search(r"\s", interpreter):
-        raise BadRequest(f"interpreter {interpreter!r}: the hook needs an absolute path "
-                                f"without blanks for its '#!' line")
-    shebang = f"#!{interpreter} -I"
-    if len(shebang) > MAX_SHEBANG:
-        raise BadRequest(f"interpreter path is {len(interpreter)} characters: too long "
-                                f"for a '#!' line")
+        raise BadRequest(f"interpreter {interpreter!r}: the hook needs an absolute path without blanks")
     lines = [
-        shebang,
+        "#!/bin/sh",
         "# accelmig's libvirt qemu hook, written by 'accelmig install' (removed by",
         "# 'accelmig uninstall').  libvirt runs it as DOMAIN OPERATION SUB-OPERATION EXTRA",
         "# with the domain XML on stdin.  Do not edit: rerun 'accelmig install'.",
-        "import os",
-        "import sys",
+        'case "$2 $3" in',
+        '    "migrate begin"|"restore begin") ;;',
+        "    *) exec cat >/dev/null ;;      # drain the XML libvirt writes; nothing to do",
+        "esac",
     ]
     if config is not None:
-        lines.append(f"os.environ[{CONFIG_ENV!r}] = {config!r}")
-    lines += [
-        "try:",
-        f"    from {HOOK_MODULE} import main",
-        "except Exception as exc:",
-        "    sys.stderr.write(f'accelmig hook: cannot import accelmig ({exc!r}) with {sys.executable}\\n')",
-        "    sys.exit(1 if sys.argv[2:4] in (['migrate', 'begin'], ['restore', 'begin']) else 0)",
-        "sys.exit(main())",
-        "",
-    ]
+        lines.append(f"{CONFIG_ENV}={shlex.quote(config)}; export {CONFIG_ENV}")
+    lines += [f'exec {shlex.quote(interpreter)} -I -m {HOOK_MODULE} "$@"', ""]
     return "\n".join(lines)
 
 
 def parse_hook_script(text: str) -> dict:
     """What an installed script says: its interpreter and baked config."""
-    first = text.split("\n", 1)[0]
     out = {"interpreter": None, "config": None, "accelmig": HOOK_MODULE in text}
-    if first.startswith("#!"):
-        parts = first[2:].split()
-        out["interpreter"] = parts[0] if parts else None
-    match = re.search(r"^os\.environ\[%r\] = (.+)$" % CONFIG_ENV, text, re.M)
-    if match:
-        import ast
-        with contextlib.suppress(ValueError, SyntaxError):
-            out["config"] = ast.literal_eval(match.group(1))
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True) if line.strip() else []
+        if words[:1] == ["exec"] and HOOK_MODULE in words:
+            out["interpreter"] = words[1]
+        elif words and words[0].startswith(f"{CONFIG_ENV}="):
+            out["config"] = words[0].split("=", 1)[1].rstrip(";")
     return out
 
 

@@ -2,7 +2,9 @@
 
 Plain ``virsh migrate --live`` works just as well (the hook and hostd do the
 work); this command adds a pause policy, a progress bar, waits until every
-session is rebound at the destination, and reports what it cost.
+session is rebound at the destination, and reports what it cost.  It talks
+to libvirt (to migrate) and to this host's hostd (the intent, the wait, the
+counters): never to the pool or the destination directly.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ def _fail(message: str, code: int = 1):
     sys.exit(code)
 
 
-def _pool_sessions(config, domain_uuid: str) -> dict:
-    from accelmig.wire.control import ControlClient
+def _pool_sessions(hostd, domain_uuid: str) -> dict:
+    """The domain's sessions as the pool sees them (through hostd: the one
+    holder of this host's pool connection and secret)."""
     try:
-        with ControlClient(config.pool.control, config.host_id, config.read_secret()) as pool:
-            return {s["sid"]: s for s in pool.call("list_sessions", domain_uuid=domain_uuid)["sessions"]}
+        return {s["sid"]: s for s in hostd.call("sessions", uuid=domain_uuid)["sessions"]}
     except AccelmigError:
         return {}
 
@@ -71,7 +73,7 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
     import libvirt
 
     from accelmig.plugin.config import HostConfig
-    from accelmig.plugin.localapi import LocalClient
+    from accelmig.plugin.hostd.client import LocalClient
     try:
         config = HostConfig.load(config_path)
     except AccelmigError as exc:
@@ -90,7 +92,7 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         intent = hostd.call("intent", uuid=uuid, policy=pause_policy, dest_host=dest_host)
     except AccelmigError as exc:
         _fail(f"cannot register the migration at the pool through hostd: {exc}")
-    before = _pool_sessions(config, uuid)
+    before = _pool_sessions(hostd, uuid)
 
     flags = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER
     if postcopy:
@@ -152,15 +154,8 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
     except AccelmigError as exc:
         rehomed = {"error": str(exc), "record": None, "job": None}
     record = rehomed.get("record") or {}
-    job = rehomed.get("job") or {}
-    if not job.get("downtime"):
-        try:
-            dest = libvirt.open(dest_uri)
-            job = dest.lookupByUUIDString(uuid).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED) or job
-            dest.close()
-        except libvirt.libvirtError:
-            pass
-    after = _pool_sessions(config, uuid)
+    job = rehomed.get("job") or {}       # the source's completed job, downtime included
+    after = _pool_sessions(hostd, uuid)
     resent = 0
     for sid, session in after.items():
         was = before.get(sid, {}).get("counters", {})

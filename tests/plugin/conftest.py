@@ -18,7 +18,7 @@ SECRET = "hostA-secret-0123456789"
 
 
 def write_config(tmp_path, pool: PoolThread, *, strict: bool = True, libvirt_uri: str = "test:///default",
-                 fabric: str = "") -> str:
+                 fabric: str = "", control: str | None = None) -> str:
     secret = tmp_path / "host.secret"
     secret.write_text(SECRET)
     os.chmod(secret, 0o600)
@@ -29,7 +29,7 @@ def write_config(tmp_path, pool: PoolThread, *, strict: bool = True, libvirt_uri
 id = "hostA"
 [pool]
 endpoint = "127.0.0.1:{port}"
-control = "{pool.control_endpoint}"
+control = "{control or pool.control_endpoint}"
 secret_file = "{secret}"
 {fabric}
 [hostd]
@@ -47,7 +47,7 @@ class HostdThread:
 
     def __init__(self, config_path: str, **options):
         from accelmig.plugin.config import HostConfig
-        from accelmig.plugin.hostd import HostDaemon
+        from accelmig.plugin.hostd.daemon import HostDaemon
         self.config = HostConfig.load(config_path)
         self.daemon = HostDaemon(self.config, **options)
         self.loop = asyncio.new_event_loop()

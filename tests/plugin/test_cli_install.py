@@ -28,7 +28,9 @@ from click.testing import CliRunner
 
 from accelmig.plugin.cli import main as cli
 from accelmig.plugin.commands import install as inst
-from accelmig.plugin.localapi import LocalServer
+from accelmig.plugin.commands.install import hook_script, parse_hook_script
+from accelmig.plugin.hostd.api import LocalServer
+from accelmig.wire.errors import Unavailable
 from tests.conftest import run_cli
 
 # ---------------------------------------------------------------- helpers (also used by
@@ -158,9 +160,10 @@ def test_install_writes_an_executable_hook_and_is_idempotent(tmp_path):
     assert result.exit_code == 0, result.output
     script = installed(hooks)
     text = script.read_text()
-    assert text.startswith(f"#!{os.path.abspath(sys.executable)} -I\n")
-    assert f"os.environ['ACCELMIG_CONFIG'] = '{config}'" in text
-    assert "from accelmig.plugin.hook import main" in text
+    assert text.startswith("#!/bin/sh\n")
+    assert f'exec {os.path.abspath(sys.executable)} -I -m accelmig.plugin.hook "$@"' in text
+    assert parse_hook_script(text) == {"interpreter": os.path.abspath(sys.executable),
+                                       "config": str(config), "accelmig": True}
     assert stat.S_IMODE(script.stat().st_mode) == 0o755
     assert f"hook {script}: written" in result.stdout
     assert "not reloaded (--no-reload)" in result.stdout
@@ -178,7 +181,7 @@ def test_install_writes_an_executable_hook_and_is_idempotent(tmp_path):
     third = invoke("install", "--hooks-dir", str(hooks), "--config", str(other), "--no-reload", "--json")
     assert json.loads(third.stdout)["action"] == "written"
     assert script.stat().st_ino != inode
-    assert f"'{other}'" in script.read_text()
+    assert parse_hook_script(script.read_text())["config"] == str(other)
 
 
 def test_the_hook_runs_with_only_libvirts_environment(tmp_path):
@@ -190,7 +193,7 @@ def test_the_hook_runs_with_only_libvirts_environment(tmp_path):
                    "--no-reload", timeout=60)
     assert proc.returncode == 0, proc.stderr
     script = installed(hooks)
-    interpreter = script.read_text().split("\n", 1)[0][2:].split()[0]
+    interpreter = parse_hook_script(script.read_text())["interpreter"]
     assert interpreter == os.path.join(os.path.dirname(sys.executable), "python3") or \
         os.path.samefile(os.path.dirname(interpreter), os.path.dirname(sys.executable))
     env = {"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/"}
@@ -200,6 +203,26 @@ def test_the_hook_runs_with_only_libvirts_environment(tmp_path):
     assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
 
 
+def test_only_the_gated_steps_start_python(tmp_path):
+    """libvirt runs the hook for every step of every domain: every step but
+    migrate begin and restore begin exits 0 from sh, Python never starts —
+    proven with an interpreter that does not exist."""
+    script = tmp_path / "50-accelmig"
+    script.write_text(hook_script("/nonexistent/python3", str(tmp_path / "host.toml")))
+    script.chmod(0o755)
+    env = {"LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/"}
+    xml = "<domain><name>vm1</name><metadata><accelmig:domain/></metadata></domain>"
+    for op, sub in (("prepare", "begin"), ("start", "begin"), ("started", "begin"), ("stopped", "end"),
+                    ("release", "end"), ("reconnect", "begin"), ("attach", "begin"), ("migrate", "end")):
+        run = subprocess.run([str(script), "vm1", op, sub, "-"], input=xml, env=env, capture_output=True,
+                             text=True, timeout=30)
+        assert (run.returncode, run.stdout, run.stderr) == (0, "", ""), (op, sub, run)
+    for op in ("migrate", "restore"):
+        run = subprocess.run([str(script), "vm1", op, "begin", "-"], input=xml, env=env, capture_output=True,
+                             text=True, timeout=30)
+        assert run.returncode != 0 and "/nonexistent/python3" in run.stderr    # it did try Python
+
+
 def test_missing_config_is_a_warning_and_qemu_d_is_created(tmp_path):
     hooks = tmp_path / "hooks"                      # neither hooks nor qemu.d exist
     missing = tmp_path / "nowhere" / "host.toml"
@@ -207,7 +230,7 @@ def test_missing_config_is_a_warning_and_qemu_d_is_created(tmp_path):
     assert result.exit_code == 0, result.output
     assert f"warning: config {missing} not found" in result.stderr
     assert installed(hooks).is_file()
-    assert f"'{missing}'" in installed(hooks).read_text()
+    assert parse_hook_script(installed(hooks).read_text())["config"] == str(missing)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -328,8 +351,8 @@ def lab(request):
     if missing:
         pytest.skip(f"SKIPPED LOUDLY: not installed: {missing}")
     libvirt = pytest.importorskip("libvirt")
-    from accelmig.plugin.lab.image import build_image
-    from accelmig.plugin.lab.rig import Lab
+    from accelmig.lab.image import build_image
+    from accelmig.lab.rig import Lab
     tag = request.module.__name__.rsplit("_", 1)[-1][:6]          # install / doctor
     lab = Lab(f"cli{tag}{os.getpid() % 100000}")
     try:
@@ -356,9 +379,28 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
     return predicate()
 
 
+def saved_domain(lab, name: str, directory: Path) -> str:
+    """A real accelmig domain, started paused and saved to a file: its
+    ``restore`` is one of the two steps the hook gates (the other is
+    ``migrate begin``); every other step starts no Python at all."""
+    dom = start_paused(lab, name)
+    path = str(directory / f"{name}.save")
+    dom.save(path)
+    return path
+
+
+def restore_and_destroy(lab, path: str, host: str = "hostA") -> str:
+    conn = lab.connect(host)
+    conn.restore(path)
+    dom = next(d for d in conn.listAllDomains(0) if d.isActive())
+    uuid_ = dom.UUIDString()
+    dom.destroy()
+    return uuid_
+
+
 @pytest.mark.root
 @pytest.mark.libvirt
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab, tmp_path):
     node = lab.node("hostA")
     assert list(node.hooks_dir.iterdir()) == []          # the daemon started without hooks
@@ -371,9 +413,7 @@ def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab
         proc = run_cli("accelmig", "install", "--hooks-dir", str(hooks_dir), "--config", str(config),
                        "--no-reload", timeout=60)
         assert proc.returncode == 0, proc.stderr
-        dom = start_paused(lab, name + "-0")
-        time.sleep(0.7)
-        dom.destroy()
+        restore_and_destroy(lab, saved_domain(lab, name + "-0", tmp_path))
         assert stub.requests == [], "libvirtd ran a hook it should not know of yet"
 
         # the real console script, as an operator runs it: the same file, now reloaded
@@ -387,19 +427,24 @@ def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab
         assert (data["reload"]["pid"], data["reload"]["starttime"]) == (node.pid, node.pid_starttime)
         time.sleep(0.5)                                    # libvirtd handles SIGHUP asynchronously
 
+        # a start and a stop: every step runs the installed script, none asks hostd
         dom = start_paused(lab, name)
-        dom_uuid = dom.UUIDString()
-        notes = wait_for(lambda: [(m["op"], m["sub"]) for m in stub.received("hook")
-                                  if m.get("uuid") == dom_uuid and m.get("op") == "started"])
-        seen = [(m["op"], m["sub"]) for m in stub.received("hook") if m.get("uuid") == dom_uuid]
-        assert notes, f"libvirtd never ran the installed hook (notes: {stub.requests}); {node.tail()}"
-        assert seen[:3] == [("prepare", "begin"), ("start", "begin"), ("started", "begin")], seen
-        assert all(m.get("name") == name for m in stub.received("hook") if m.get("uuid") == dom_uuid)
         dom.destroy()
-        assert wait_for(lambda: ("release", "end") in [(m["op"], m["sub"]) for m in stub.received("hook")
-                                                       if m.get("uuid") == dom_uuid])
+        assert stub.requests == [], f"an ungated step reached hostd: {stub.requests}"
+        # a restore: the gated step asks hostd, with the domain's identity, and goes ahead
+        dom_uuid = restore_and_destroy(lab, saved_domain(lab, name, tmp_path))
+        notes = [(m["op"], m["sub"], m["uuid"], m["name"]) for m in stub.received("hook")]
+        assert notes == [("restore", "begin", dom_uuid, name)], \
+            f"libvirtd did not run the installed hook once at restore (notes: {stub.requests}); {node.tail()}"
+        # hostd refusing the restore (strict mode): libvirt refuses it, with the hook's reason
+        stub.answers["hook"] = Unavailable("the pool is unreachable")
+        refused = saved_domain(lab, name + "-r", tmp_path)
+        with pytest.raises(libvirt.libvirtError, match="accelmig hook: refusing restore"):
+            lab.connect("hostA").restore(refused)
+        assert not [d for d in lab.connect("hostA").listAllDomains(0) if d.isActive()]
+        del stub.answers["hook"]
 
-        # uninstall: removed and reloaded; the next domain start runs no accelmig hook
+        # uninstall: removed and reloaded; the next restore runs no accelmig hook
         proc = run_cli("accelmig", "uninstall", "--hooks-dir", str(hooks_dir), "--config", str(config),
                        "--libvirtd-pid-file", str(node.pid_file), "--json", timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -407,9 +452,7 @@ def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab
         assert list(node.hooks_dir.iterdir()) == []
         time.sleep(0.5)
         before = len(stub.requests)
-        dom = start_paused(lab, name + "b")
-        time.sleep(0.5)
-        dom.destroy()
+        restore_and_destroy(lab, refused)
         assert len(stub.requests) == before, stub.requests[before:]
         assert node.running() and os.kill(node.pid, 0) is None     # SIGHUP did not stop it
     finally:

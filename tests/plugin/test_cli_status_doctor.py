@@ -231,7 +231,7 @@ def test_doctor_finds_the_problems(tmp_path, pool):
         assert data["hook seen"]["status"] == "ok" and "after the hook was written" in data["hook seen"]["reason"]
 
         # a hook whose interpreter is gone
-        text = hook.read_text().replace("#!/", "#!/nonexistent/", 1)
+        text = hook.read_text().replace("\nexec /", "\nexec /nonexistent/", 1)
         hook.write_text(text)
         data = checks_of(invoke("doctor", "--config", str(config), "--json"))
         assert data["hook"]["status"] == "FAIL" and "interpreter /nonexistent/" in data["hook"]["reason"]
@@ -272,7 +272,7 @@ def test_doctor_help():
 @pytest.mark.timeout(150)
 def test_doctor_against_a_real_daemon_and_real_domains(lab, tmp_path, hostd, pool):  # noqa: F811
     import libvirt
-    from accelmig.plugin.lab.guest import channel_state
+    from accelmig.lab.guest import channel_state
     node = lab.node("hostA")
     conn = lab.connect("hostA")
     config = write_config(tmp_path / "etc", socket=hostd.path, control=pool.control_endpoint,

@@ -4,6 +4,7 @@ migration, so migrations are in tests/e2e), and a real pool."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid as uuid_module
 from pathlib import Path
@@ -12,7 +13,7 @@ import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.plugin.localapi import LocalClient
+from accelmig.plugin.hostd.client import LocalClient
 from accelmig.pool.harness import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
@@ -82,7 +83,7 @@ def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
         wait_for(lambda: not pool.session(dev.sid)["parked"], what="the session unparked")
         status = LocalClient(str(tmp_path / "hostd.sock")).call("status")
         watched = {d["uuid"]: d for d in status["domains"]}
-        assert [e[1] for e in watched[uuid]["events"]][-2:] == ["STOPPED_SAVED", "STARTED_RESTORED"]
+        assert [h["trigger"] for h in watched[uuid]["history"]][-2:] == ["saved", "restored"]
         dev.close()
     finally:
         hostd.stop()
@@ -147,7 +148,7 @@ def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resume
     resumes on a later attempt without anyone stepping in (issue 9)."""
     import threading
 
-    from accelmig.agent.agentd import Agent
+    from accelmig.agent.daemon import Agent
     pool, config, conn, created = world
     uuid = str(uuid_module.uuid4())
     channel, agent_socket = tmp_path / "channel.sock", tmp_path / "agent.sock"
@@ -243,3 +244,109 @@ def test_hostd_refuses_a_socket_path_that_is_not_a_socket(world, tmp_path):
     out = run_cli("accelmig", "hostd", "--config", config, "--log-format", "text", timeout=60)
     assert out.returncode == 2 and "not a socket" in out.stderr
     assert (tmp_path / "hostd.sock").read_text() == "precious"
+
+
+def foreign_domain_xml(name: str, uuid: str) -> str:
+    """A domain nothing of accelmig's is in (Nova's or anyone's)."""
+    return f"""<domain type='test'><name>{name}</name><uuid>{uuid}</uuid><memory>65536</memory>
+  <vcpu>1</vcpu><os><type arch='x86_64'>hvm</type></os></domain>"""
+
+
+def hostd_status(tmp_path) -> dict:
+    return LocalClient(str(tmp_path / "hostd.sock")).call("status")
+
+
+def test_foreign_domains_cost_one_look_and_no_watch(world, tmp_path):
+    """A compute host with 50 other domains: each is read once (one XMLDesc),
+    remembered by UUID, and never watched, however many events they make."""
+    pool, config, conn, created = world
+    hostd = HostdThread(config).start()
+    try:
+        existing = len(conn.listAllDomains(0))        # test:///default's own domain(s)
+        wait_for(lambda: hostd_status(tmp_path)["foreign_domains"] == existing, what="hostd reconciled")
+        start_calls = hostd_status(tmp_path)["libvirt"]["calls"].get("XMLDesc", 0)
+        doms = []
+        for n in range(50):
+            dom = conn.defineXML(foreign_domain_xml(f"nova-{n}", str(uuid_module.uuid4())))
+            created.append(dom)
+            doms.append(dom)
+        for _ in range(3):
+            for dom in doms:
+                dom.create()
+                dom.suspend()
+                dom.resume()
+                dom.destroy()
+        # a sentinel: hostd handles events in order, so once it has this
+        # accelmig domain running, every foreign event before it was handled
+        sentinel = str(uuid_module.uuid4())
+        dom = conn.defineXML(accel_domain_xml("accel-sentinel", sentinel))
+        created.append(dom)
+        dom.create()
+        wait_for(lambda: any(d["uuid"] == sentinel and d["phase"] == "running"
+                             for d in hostd_status(tmp_path)["domains"]), what="the sentinel watched")
+        status = hostd_status(tmp_path)
+        assert status["foreign_domains"] == existing + 50
+        assert [d["uuid"] for d in status["domains"]] == [sentinel]
+        assert hostd.call(lambda: asyncio.sleep(0, len(hostd.daemon.watches))) == 1
+        # 50 foreign looks plus the sentinel's (its first look and its start)
+        assert status["libvirt"]["calls"]["XMLDesc"] - start_calls <= 50 + 3
+    finally:
+        hostd.stop()
+
+
+def test_a_gone_domain_is_forgotten_and_its_guest_address_released(world, tmp_path):
+    pool, config, conn, created = world
+    fabric = '[fabric]\nmode = "bridge"\nbridge = "fab0"\nguest_subnet = "10.89.1.0/24"\n'
+    config = write_config(tmp_path, pool, fabric=fabric)
+    from accelmig.plugin.addresses import GuestAddressAllocator
+    from accelmig.plugin.config import HostConfig
+    leases = GuestAddressAllocator.for_config(HostConfig.load(config))
+    hostd = HostdThread(config).start()
+    try:
+        uuid = str(uuid_module.uuid4())
+        dom = conn.createXML(accel_domain_xml("accel-transient", uuid), 0)    # transient
+        wait_for(lambda: leases.lookup(uuid), what="a guest address leased at first contact")
+        kept = conn.defineXML(accel_domain_xml("accel-kept", str(uuid_module.uuid4())))
+        created.append(kept)
+        kept.create()
+        wait_for(lambda: leases.lookup(kept.UUIDString()), what="the persistent domain's lease")
+        dom.destroy()                                   # a transient domain: gone for good
+        wait_for(lambda: leases.lookup(uuid) is None, what="the lease released")
+        wait_for(lambda: hostd.call(lambda: asyncio.sleep(0, hostd.daemon.watches.get(uuid))) is None,
+                 what="its watch forgotten")
+        kept.destroy()                                  # stopped but still defined: keeps its address
+        wait_for(lambda: all(d["uuid"] != kept.UUIDString() for d in hostd_status(tmp_path)["domains"]),
+                 what="the stopped domain no longer shown")
+        assert leases.lookup(kept.UUIDString()) is not None
+        kept.undefine()
+        created.remove(kept)
+        wait_for(lambda: leases.lookup(kept.UUIDString()) is None, what="the lease released at undefine")
+    finally:
+        hostd.stop()
+
+
+def test_a_refused_hook_leaves_no_open_record_behind(world, tmp_path):
+    """The pool answers the hook's open_migration only after the hook gave up
+    (strict mode refuses the migration): the record it opened late is aborted."""
+    from accelmig.pool.harness import CutProxy
+    pool, config, conn, created = world
+    relay = CutProxy(pool.control_endpoint)
+    config = write_config(tmp_path, pool, control=relay.endpoint)
+    hostd = HostdThread(config).start()
+    try:
+        client = LocalClient(str(tmp_path / "hostd.sock"))
+        wait_for(lambda: client.call("ping")["pool"], what="hostd reached the pool")
+        uuid = str(uuid_module.uuid4())
+        relay.hold()                                    # the pool becomes slow
+        with pytest.raises(Unavailable, match="no answer within the hook's 0.3 s"):
+            client.call("hook", timeout=5, op="migrate", sub="begin", uuid=uuid, name="late-vm", budget=0.3)
+        relay.release()
+        with control(pool) as a:
+            def record():
+                records = a.call("list_records", domain_uuid=uuid)["records"]
+                return records[0] if records and records[0]["state"] == "aborted" else None
+            late = wait_for(record, what="the late record aborted")
+        assert "the hook refused the migration" in late["abort_reason"]
+    finally:
+        hostd.stop()
+        relay.close()

@@ -14,12 +14,13 @@ import uuid
 
 import pytest
 
+from accelmig.lab.netns import IFNAMSIZ, NETNS_DIR
 from accelmig.plugin.config import HostConfig
-from accelmig.plugin.identity import (LEASES_FILE, GuestAddressAllocator, discover_identity,
-                                      guest_nic, route_towards)
+from accelmig.plugin.addresses import LEASES_FILE, GuestAddressAllocator, guest_nic
+from accelmig.plugin.routes import host_identity, route_towards
 from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
 from accelmig.wire.identity import HostIdentity
-from tests.support.netns import IFNAMSIZ, NETNS_DIR, NetnsFactory
+from tests.support.netns import NetnsFactory
 
 DOM_A = "7c2f6a4e-1d3b-4c8e-9a5f-0b1c2d3e4f51"
 DOM_B = "0e9d8c7b-6a5f-4e3d-8c2b-1a0f9e8d7c62"
@@ -176,7 +177,7 @@ def host_config(tmp_path, endpoint="203.0.113.7:7070", fabric=""):
 def test_identity_discovered_inside_the_namespace(rig, tmp_path):
     f, host, router, pool, mgmt, fab = rig
     cfg = host_config(tmp_path)
-    inside = host.call(discover_identity, cfg)           # a process that lives in host
+    inside = host.call(host_identity, cfg)           # a process that lives in host
     assert isinstance(inside, HostIdentity)
     assert inside.host_id == "hostA" and inside.pool_endpoint == "203.0.113.7:7070"
     assert inside.host_address == "198.51.100.2"
@@ -185,7 +186,7 @@ def test_identity_discovered_inside_the_namespace(rig, tmp_path):
     assert inside.mac == HOST_MAC
     assert inside.guest_nic is None
     # From outside, naming the namespace: the same answer.
-    assert discover_identity(cfg, netns=host.name) == inside
+    assert host_identity(cfg, netns=host.name) == inside
     assert HostIdentity.from_wire(inside.to_wire()) == inside
 
 
@@ -224,25 +225,26 @@ def test_the_pool_sees_the_discovered_source_address(rig, tmp_path):
         thread.join(5)
     finally:
         listener.close()
-    identity = discover_identity(host_config(tmp_path), netns=host.name)
+    identity = host_identity(host_config(tmp_path), netns=host.name)
     assert seen["peer"] == identity.host_address == "198.51.100.2"
 
 
 @pytest.mark.root
-def test_host_bound_fabric_identity_carries_the_guest_nic(rig, tmp_path):
+def test_host_bound_fabric_guest_nic_from_the_lease(rig, tmp_path):
     f, host, router, pool, mgmt, fab = rig
     cfg = host_config(tmp_path, fabric='[fabric]\nmode = "bridge"\nbridge = "fab0"\n'
                                        'guest_subnet = "10.89.1.0/24"\nmtu = 1400\n')
-    identity = discover_identity(cfg, netns=host.name, domain_uuid=DOM_A, guest_mac="52:54:00:a1:00:01")
-    nic = identity.guest_nic
+    allocator = GuestAddressAllocator.for_config(cfg)
+    nic = guest_nic(cfg.fabric, allocator.allocate(DOM_A), "52:54:00:a1:00:01")
     leased = GuestAddressAllocator.for_config(cfg).lookup(DOM_A)
     assert leased is not None and nic.address == leased
+    assert host_identity(cfg, netns=host.name).guest_nic is None      # the route says nothing of guests
     assert ipaddress.ip_address(nic.address) in ipaddress.ip_network("10.89.1.0/24")
     assert (nic.prefixlen, nic.gateway, nic.mtu, nic.mac, nic.routes) == \
            (24, "10.89.1.1", 1400, "52:54:00:a1:00:01", ("203.0.113.7/32",))
     assert (tmp_path / LEASES_FILE).exists()
-    # The same domain asks again (a second migration here): the same address.
-    assert discover_identity(cfg, netns=host.name, domain_uuid=DOM_A).guest_nic.address == nic.address
+    # The same domain asks again (a second migration here, a restarted hostd): the same address.
+    assert GuestAddressAllocator.for_config(cfg).allocate(DOM_A) == nic.address
 
 
 @pytest.mark.root
@@ -250,7 +252,7 @@ def test_no_route_is_unavailable(netns_factory, tmp_path):
     lonely = netns_factory.add("lonely")
     with pytest.raises(Unavailable, match=r"a route to the pool at 203.0.113.7 in network namespace .*"
                                           r"Network is unreachable \(errno 101\)"):
-        discover_identity(host_config(tmp_path), netns=lonely.name)
+        host_identity(host_config(tmp_path), netns=lonely.name)
     with pytest.raises(Unavailable, match="Network is unreachable"):
         lonely.call(route_towards, "203.0.113.7")
 
@@ -259,7 +261,7 @@ def test_no_route_is_unavailable(netns_factory, tmp_path):
 def test_a_missing_namespace_is_unavailable_and_not_created(tmp_path):
     name = f"am-missing-{os.getpid()}"
     with pytest.raises(Unavailable, match=f"network namespace '{name}' is unavailable: it does not exist"):
-        discover_identity(host_config(tmp_path), netns=name)
+        host_identity(host_config(tmp_path), netns=name)
     assert not os.path.exists(os.path.join(NETNS_DIR, name))
 
 

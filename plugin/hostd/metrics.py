@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from accelmig.plugin.hostd.watch import Phase
+
 
 class HostMetrics:
     def __init__(self, daemon):
@@ -28,11 +30,11 @@ class HostMetrics:
         Gauge("accelmig_host_pool_reachable", "1 while the pool's control plane answers",
               registry=r).set_function(lambda: float(daemon.pool_reachable))
         domains = Gauge("accelmig_host_domains", "accelmig domains by phase", ["phase"], registry=r)
-        from accelmig.plugin.hostd import Phase
         for phase in Phase:
             domains.labels(phase.value).set_function(
-                lambda phase=phase: float(sum(1 for w in list(daemon.watches.values())
-                                              if w.accelmig and w.phase is phase)))
+                lambda phase=phase: float(sum(1 for w in daemon.watches if w.phase is phase)))
+        Gauge("accelmig_host_foreign_domains", "other domains seen here (remembered by UUID only)",
+              registry=r).set_function(lambda: float(daemon.watches.foreign_count))
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

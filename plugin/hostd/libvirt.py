@@ -1,4 +1,4 @@
-"""libvirt behind one wrapper, in the manner of KubeVirt's.
+"""hostd's one libvirt connection, in the manner of nova's ``host.py``.
 
 ``LibvirtSession`` holds the host daemon's single libvirt connection on
 asyncio (libvirtaio, registered before the connection opens): it opens the
@@ -6,8 +6,11 @@ connection with keepalive, registers the domain event callbacks, notices
 when the connection closes (the daemon restarted or died), reconnects with
 backoff and registers the callbacks again, and tells its owner each time it
 is connected again so the owner can reconcile (libvirt replays no events).
+Reconnection is handled here and nowhere else.
 
-``call()`` runs a libvirt API call off the event loop and turns a
+Lifecycle events reach the owner as typed ``DomainEvent``s, made here once.
+``call()`` runs a libvirt API call on this session's own threads (never the
+loop's default executor, which the rest of hostd shares) and turns a
 ``libvirtError`` into an ``accelmig.wire.errors.LibvirtFailure`` with a
 ``kind``: no-domain, connection, invalid-state, agent, other.
 """
@@ -15,12 +18,14 @@ is connected again so the owner can reconcile (libvirt replays no events).
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import logging
 import threading
-import time
 
 import libvirt
 
+from accelmig.plugin.hostd.events import DomainEvent
 from accelmig.wire.errors import LibvirtFailure
 
 LOG = logging.getLogger(__name__)
@@ -91,10 +96,14 @@ def event_loop() -> asyncio.AbstractEventLoop:
 class LibvirtSession:
     """The daemon's one libvirt connection.
 
-    ``on_lifecycle(dom, event, detail)`` and ``on_job_completed(dom, stats)``
+    ``on_lifecycle(dom, DomainEvent)`` and ``on_job_completed(dom, stats)``
     are called on the event loop; ``on_connected()`` (a coroutine function)
     after every (re)connection, callbacks already registered.
     """
+
+    #: libvirt calls in flight at once (XMLDesc, job stats, lookups): bounded,
+    #: and apart from the default executor
+    THREADS = 4
 
     def __init__(self, uri: str, *, on_lifecycle, on_job_completed=None, on_connected=None,
                  keepalive: tuple[int, int] = (5, 3)):
@@ -110,6 +119,8 @@ class LibvirtSession:
         self._stop = False
         self._callback_ids: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.THREADS, thread_name_prefix="libvirt-call")
+        self.calls: collections.Counter = collections.Counter()   # API calls made, by name
 
     async def run(self) -> None:
         """Connect, and connect again whenever the connection goes."""
@@ -139,7 +150,7 @@ class LibvirtSession:
     async def _open(self) -> None:
         self._closed.clear()
         try:
-            conn = await asyncio.get_running_loop().run_in_executor(None, libvirt.open, self.uri)
+            conn = await asyncio.get_running_loop().run_in_executor(self._executor, libvirt.open, self.uri)
         except libvirt.libvirtError as exc:
             raise classify(exc) from None
         if conn is None:
@@ -193,7 +204,8 @@ class LibvirtSession:
 
     # libvirt calls these on its event loop's thread: hand them to ours, in order.
     def _lifecycle(self, conn, dom, event, detail, opaque) -> None:
-        self._loop.call_soon_threadsafe(self._safely, self.on_lifecycle, dom, event, detail)
+        self._loop.call_soon_threadsafe(self._safely, self.on_lifecycle, dom,
+                                        DomainEvent.from_libvirt(event, detail))
 
     def _job_completed(self, conn, dom, params, opaque) -> None:
         self._loop.call_soon_threadsafe(self._safely, self.on_job_completed, dom, params)
@@ -207,18 +219,21 @@ class LibvirtSession:
 
     async def call(self, fn, *args, timeout: float = 30.0):
         """``fn(*args)`` (a libvirt API call) off the loop, errors classified."""
+        self.calls[getattr(fn, "__name__", "?")] += 1
         def run():
             try:
                 return fn(*args)
             except libvirt.libvirtError as exc:
                 raise classify(exc) from None
-        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, run), timeout)
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(self._executor, run),
+                                      timeout)
 
     async def stop(self) -> None:
         self._stop = True
         self._closed.set()
         await asyncio.sleep(0)
         self._teardown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def _version(conn) -> str:
@@ -228,25 +243,3 @@ def _version(conn) -> str:
     except libvirt.libvirtError:
         return "?"
 
-
-LIFECYCLE = {
-    libvirt.VIR_DOMAIN_EVENT_DEFINED: "DEFINED", libvirt.VIR_DOMAIN_EVENT_UNDEFINED: "UNDEFINED",
-    libvirt.VIR_DOMAIN_EVENT_STARTED: "STARTED", libvirt.VIR_DOMAIN_EVENT_SUSPENDED: "SUSPENDED",
-    libvirt.VIR_DOMAIN_EVENT_RESUMED: "RESUMED", libvirt.VIR_DOMAIN_EVENT_STOPPED: "STOPPED",
-    libvirt.VIR_DOMAIN_EVENT_SHUTDOWN: "SHUTDOWN", libvirt.VIR_DOMAIN_EVENT_PMSUSPENDED: "PMSUSPENDED",
-    libvirt.VIR_DOMAIN_EVENT_CRASHED: "CRASHED",
-}
-
-
-def event_name(event: int, detail: int) -> str:
-    """``"RESUMED_MIGRATED"``: the names LAB-NOTES and libvirt's docs use."""
-    name = LIFECYCLE.get(event, str(event))
-    prefix = f"VIR_DOMAIN_EVENT_{name}_"
-    for attr in dir(libvirt):
-        if attr.startswith(prefix) and getattr(libvirt, attr) == detail:
-            return f"{name}_{attr[len(prefix):]}"
-    return f"{name}_{detail}"
-
-
-def monotonic_ms() -> float:
-    return time.monotonic() * 1000

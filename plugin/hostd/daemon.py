@@ -1,0 +1,389 @@
+"""``HostDaemon``: hostd's parts put together.
+
+It owns the one libvirt connection (``LibvirtSession``: typed events,
+reconnection), the one control-plane client to the pool, the watches of this
+host's accelmig domains, and the local API.  A libvirt event becomes a
+``Trigger`` (``watch.TRIGGERS``); the domain's watch says which ``Step``
+that is in its phase (``watch.TRANSITIONS``); the step is one coroutine of
+``MigrationSteps`` or of this class.  Each domain's events are taken one at
+a time (its watch's lock); reconciliation takes the same path.
+
+This host's identity towards the pool is discovered when hostd starts and
+refreshed with every registration at the pool; a rehome uses it as it is
+(no route lookup on the accelerator's blackout path) plus the domain's
+guest address lease on a host-bound fabric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+from accelmig.plugin.config import HostConfig
+from accelmig.plugin.domain.model import DomainXML
+from accelmig.plugin.hostd.api import LocalApi
+from accelmig.plugin.hostd.delivery import ChannelDelivery, GuestExecDelivery, NoDelivery
+from accelmig.plugin.hostd.events import DomainEvent, EventKind
+from accelmig.plugin.hostd.libvirt import LibvirtSession
+from accelmig.plugin.hostd.metrics import HostMetrics
+from accelmig.plugin.hostd.migration import MigrationSteps
+from accelmig.plugin.hostd.reconcile import Reconciler
+from accelmig.plugin.hostd.watch import TRIGGERS, DomainWatch, Phase, Step, Trigger, WatchTable
+from accelmig.wire.control import AsyncControlClient
+from accelmig.wire.errors import AccelmigError, LibvirtFailure, Unavailable
+from accelmig.wire.identity import HostIdentity
+
+LOG = logging.getLogger("accelmig.hostd")
+
+#: triggers after which the live XML may say something new (the channel's
+#: socket path changes with every incoming migration)
+_INSPECT = {Trigger.BOOTED, Trigger.ARRIVING, Trigger.RESUMED_HERE, Trigger.RESUMED_POSTCOPY, Trigger.RESTORED}
+#: guest-exec deliveries in flight at once (each polls qemu-ga for up to seconds)
+GUEST_EXEC_THREADS = 4
+
+
+class HostDaemon:
+    def __init__(self, config: HostConfig, *, rehome_timeout: float = 30.0, renew_interval: float = 3.0,
+                 retry_first: float = 0.5, retry_max: float = 10.0):
+        self.config = config
+        self.host = config.host_id
+        self.rehome_timeout = rehome_timeout
+        self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret())
+        self.pool_reachable = False
+        self.identity: HostIdentity | None = None
+        self.allocator = None
+        if config.fabric.host_bound:
+            from accelmig.plugin.addresses import GuestAddressAllocator
+            self.allocator = GuestAddressAllocator.for_config(config)
+        self.watches = WatchTable()
+        # one domain's events, in libvirt's order: handled one after another
+        # by a single task per domain (concurrent handlers would reorder them,
+        # and each would read a foreign domain's XML before any marked it)
+        self._pending_events: dict[str, collections.deque] = {}
+        self.migrations = MigrationSteps(self, retry_first=retry_first, retry_max=retry_max)
+        self.reconciler = Reconciler(self, renew_interval=renew_interval)
+        self.libvirt = LibvirtSession(config.hostd.libvirt_uri, on_lifecycle=self._lifecycle,
+                                      on_job_completed=self._job_completed,
+                                      on_connected=self.reconciler.reconcile)
+        self.api = LocalApi(self)
+        self.metrics = HostMetrics(self)
+        self.counters = collections.Counter()
+        self.started = time.time()
+        self._guest_exec = concurrent.futures.ThreadPoolExecutor(GUEST_EXEC_THREADS,
+                                                                 thread_name_prefix="guest-exec")
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+        m = self.migrations
+        self._steps = {
+            Step.NOTHING: _nothing,
+            Step.ATTEST: self.first_contact,
+            Step.PRECONNECT: lambda dom, w: w.delivery.preconnect(dom, w),
+            Step.CHECK_OUTGOING: lambda dom, w: m.check_outgoing(dom, w, postcopy=False),
+            Step.CHECK_OUTGOING_POSTCOPY: lambda dom, w: m.check_outgoing(dom, w, postcopy=True),
+            Step.SWITCH_OVER: lambda dom, w: m.switch_over(dom, w, postcopy=False),
+            Step.SWITCH_OVER_POSTCOPY: lambda dom, w: m.switch_over(dom, w, postcopy=True),
+            Step.REHOME: lambda dom, w: m.rehome(dom, w),
+            Step.REHOME_POSTCOPY: lambda dom, w: m.rehome(dom, w, postcopy=True),
+            Step.ABORT_STAYED: m.abort_stayed,
+            Step.CLOSE: m.close,
+            Step.ABORT_ARRIVAL: m.abort_arrival,
+            Step.PARK: m.park,
+            Step.UNPARK: m.unpark,
+            Step.FORGET: lambda dom, w: w.delivery.close(w),
+        }
+
+    # -- lifecycle ---------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.api.server.start()          # first: a second hostd stops here, having touched nothing
+        if self.config.hostd.metrics_listen:
+            from prometheus_client import start_http_server
+            from accelmig.wire.dataplane import parse_endpoint
+            host, port = parse_endpoint(self.config.hostd.metrics_listen)
+            start_http_server(port, addr=host, registry=self.metrics.registry)
+        LOG.info("hostd for host %s: libvirt %s, pool %s, local API %s", self.host,
+                 self.config.hostd.libvirt_uri, self.config.pool.control, self.config.hostd.socket)
+        self.spawn(self._register_loop(), "register")
+        self.spawn(self.libvirt.run(), "libvirt")
+        self.spawn(self.reconciler.renew_loop(), "renew")
+        self.spawn(self._attest_loop(), "attest")
+        await self._stop.wait()
+        await self.shutdown()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for watch in self.watches:
+            await watch.delivery.close(watch)
+        await self.libvirt.stop()
+        await self.api.server.close()
+        await self.pool.close()
+        self._guest_exec.shutdown(wait=False, cancel_futures=True)
+        LOG.info("hostd stopped")
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            LOG.error("task %s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
+
+    async def pool_call(self, method: str, **args):
+        self.metrics.record_steps.labels(method).inc()
+        try:
+            result = await self.pool.call(method, **args)
+        except Unavailable:
+            self.pool_reachable = False
+            raise
+        self.pool_reachable = True
+        return result
+
+    # -- this host's identity ------------------------------------------------------------
+    async def refresh_identity(self) -> HostIdentity:
+        from accelmig.plugin.routes import host_identity
+        self.identity = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: host_identity(self.config))
+        return self.identity
+
+    async def identity_for(self, watch: DomainWatch) -> HostIdentity:
+        """What the guest of ``watch`` is told: this host's identity, with
+        its fabric NIC's address on a host-bound fabric."""
+        identity = self.identity or await self.refresh_identity()
+        if self.allocator is None:
+            return identity
+        from accelmig.plugin.addresses import guest_nic
+        address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.allocate, watch.uuid)
+        return dataclasses.replace(identity, guest_nic=guest_nic(self.config.fabric, address, watch.fabric_mac))
+
+    async def _register_loop(self) -> None:
+        """Register this host's identity and addresses at the pool, and again
+        whenever the pool restarted (a new instance forgot them)."""
+        registered_for = None
+        while True:
+            try:
+                identity = await self.refresh_identity()
+                addresses = [self.config.fabric.guest_subnet] if self.config.fabric.guest_subnet else []
+                if identity.host_address:
+                    addresses.append(f"{identity.host_address}/{32 if ':' not in identity.host_address else 128}")
+                await self.pool_call("ping")
+                if registered_for != self.pool.instance:
+                    await self.pool_call("register_host", addresses=[str(a) for a in addresses],
+                                         identity=identity.to_wire())
+                    registered_for = self.pool.instance
+                    LOG.info("registered at pool %s: %s", registered_for, ", ".join(map(str, addresses)))
+            except AccelmigError as exc:
+                LOG.warning("pool registration: %s", exc)
+                registered_for = None
+            await asyncio.sleep(2.0 if registered_for is None else 10.0)
+
+    # -- libvirt events ----------------------------------------------------------------
+    #: events queued for one domain before the oldest are dropped (and the
+    #: domain looked at afresh by the next reconcile): a bound on memory
+    EVENT_BACKLOG = 1024
+
+    def _lifecycle(self, dom, event: DomainEvent) -> None:
+        uuid = dom.UUIDString()
+        queue = self._pending_events.get(uuid)
+        if queue is not None:
+            if len(queue) >= self.EVENT_BACKLOG:
+                dropped = queue.popleft()
+                LOG.warning("domain %s: %d events queued; dropped %s", dom.name(), len(queue) + 1,
+                            dropped[1].value)
+            queue.append((dom, event))
+            return
+        queue = self._pending_events[uuid] = collections.deque([(dom, event)])
+        self.spawn(self._drain_events(uuid, queue), f"events:{dom.name()}")
+
+    async def _drain_events(self, uuid: str, queue: collections.deque) -> None:
+        try:
+            while queue:
+                dom, event = queue.popleft()
+                try:
+                    await self._on_event(dom, event)
+                except Exception:                    # one bad event must not stall the domain's next
+                    LOG.exception("domain %s: handling %s failed", dom.name(), event.value)
+        finally:
+            if self._pending_events.get(uuid) is queue:
+                del self._pending_events[uuid]
+
+    def _job_completed(self, dom, params: dict) -> None:
+        uuid = dom.UUIDString()
+        if self.watches.is_foreign(uuid):
+            return
+        stats = {k: v for k, v in params.items() if isinstance(v, (int, float, str))}
+        self.watches.note_job(uuid, stats)
+        LOG.info("domain %s: job completed (downtime %s ms)", dom.name(), params.get("downtime"),
+                 extra={"domain": dom.name(), "downtime_ms": params.get("downtime")})
+
+    async def _on_event(self, dom, event: DomainEvent) -> None:
+        uuid = dom.UUIDString()
+        if event.kind in (EventKind.DEFINED, EventKind.UNDEFINED):
+            self.watches.forget_foreign(uuid)        # its XML changed: look again
+        trigger = TRIGGERS.get(event)
+        if trigger is None:
+            return
+        watch = await self.watch_of(dom)
+        if watch is None:
+            if trigger is Trigger.UNDEFINED and not self.watches.is_foreign(uuid):
+                await self._release_lease(uuid, dom.name())   # it left earlier; now it is gone for good
+            return                                   # not accelmig's, or gone before we looked
+        async with watch.lock:
+            if trigger in _INSPECT:
+                await self.inspect(dom, watch)
+            LOG.info("domain %s: %s (%s)", watch.name, event.value, watch.phase.value,
+                     extra={"domain": watch.name, "event": event.value})
+            self.metrics.events.labels(event.value).inc()
+            await self.take(dom, watch, trigger)
+            if watch.phase is Phase.GONE and await self.lookup(watch) is False:
+                # no longer defined here (transient, undefined, or moved with
+                # --undefinesource): its guest address is free again
+                await self._release_lease(watch.uuid, watch.name)
+        self.watches.evict(watch)
+
+    async def take(self, dom, watch: DomainWatch, trigger: Trigger) -> None:
+        """Fire ``trigger`` on the watch and take the step its table names.
+        The caller holds the watch's lock."""
+        step = watch.fire(trigger)
+        if step is None:
+            LOG.debug("domain %s: %s does not apply in phase %s", watch.name, trigger.value, watch.phase.value)
+            return
+        try:
+            await self._steps[step](dom, watch)
+        except AccelmigError as exc:
+            LOG.error("domain %s: %s (%s) failed: %s", watch.name, step.value, trigger.value, exc,
+                      extra={"domain": watch.name, "step": step.value})
+
+    async def watch_of(self, dom) -> DomainWatch | None:
+        """The domain's watch; made (one ``XMLDesc``) the first time an
+        accelmig domain is seen.  A foreign domain is remembered as such."""
+        uuid = dom.UUIDString()
+        watch = self.watches.get(uuid)
+        if watch is not None or self.watches.is_foreign(uuid):
+            return watch
+        model = await self._live_xml(dom)
+        if model is None:
+            return None
+        if not model.is_accelmig():
+            self.watches.mark_foreign(uuid)
+            return None
+        watch = self.watches.add(uuid, dom.name())
+        self._apply(watch, model)
+        return watch
+
+    async def inspect(self, dom, watch: DomainWatch) -> None:
+        model = await self._live_xml(dom)
+        if model is not None:
+            self._apply(watch, model)
+
+    async def _live_xml(self, dom) -> DomainXML | None:
+        try:
+            return DomainXML.parse(await self.libvirt.call(dom.XMLDesc, 0, timeout=10))
+        except (LibvirtFailure, asyncio.TimeoutError, AccelmigError):
+            return None
+
+    def _apply(self, watch: DomainWatch, model: DomainXML) -> None:
+        """What the live XML says: how to reach the guest, the fabric NIC."""
+        channel = model.agent_channel()
+        if channel is not None and channel.path:
+            watch.channel_path = channel.path
+        kind = "channel" if channel is not None else "guest-exec" if model.has_guest_agent() else None
+        if watch.delivery.name != kind:
+            if kind == "channel":
+                watch.delivery = ChannelDelivery(inspect=self.inspect, on_event=self._on_guest_event,
+                                                 timeout=self.rehome_timeout)
+            elif kind == "guest-exec":
+                from accelmig.plugin.qga import DEFAULT_COMMAND
+                watch.delivery = GuestExecDelivery(executor=self._guest_exec, timeout=self.rehome_timeout,
+                                                   command=DEFAULT_COMMAND)
+            else:
+                watch.delivery = NoDelivery()
+        nic = model.fabric_interface()
+        watch.fabric_mac = nic.mac if nic is not None else None
+
+    async def lookup(self, watch: DomainWatch):
+        """The domain of ``watch``: None when libvirt does not answer, False when it is gone."""
+        conn = self.libvirt.conn
+        if conn is None:
+            return None
+        try:
+            return await self.libvirt.call(conn.lookupByUUIDString, watch.uuid)
+        except LibvirtFailure as exc:
+            return False if exc.kind == "no-domain" else None
+
+    # -- the guest's sessions ------------------------------------------------------------
+    def _on_guest_event(self, watch: DomainWatch, message: dict) -> None:
+        kind = message.get("type")
+        if kind == "hello":
+            for session in message.get("sessions") or []:
+                self.spawn(self.bind(watch, session.get("sid")), "bind")
+        elif kind == "session_opened":
+            self.spawn(self.bind(watch, message.get("sid")), "bind")
+        elif kind == "session_closed":
+            watch.sessions.discard(message.get("sid"))
+            self.spawn(self._unbind(message.get("sid")), "unbind")
+
+    async def bind(self, watch: DomainWatch, sid) -> None:
+        """Attest to the pool that session ``sid`` belongs to this domain on this host."""
+        if not isinstance(sid, str) or watch.phase is Phase.OUTGOING:
+            return
+        try:
+            await self.pool_call("bind_session", sid=sid, domain_uuid=watch.uuid, domain_name=watch.name)
+            watch.sessions.add(sid)
+        except AccelmigError as exc:
+            LOG.warning("domain %s: session %s not attested: %s", watch.name, sid, exc)
+
+    async def _unbind(self, sid) -> None:
+        try:
+            await self.pool_call("unbind_session", sid=sid)
+        except AccelmigError:
+            pass
+
+    async def first_contact(self, dom, watch: DomainWatch) -> None:
+        """A domain running here: tell it where the pool is (its sessions are
+        attested as the agent reports them)."""
+        try:
+            await watch.delivery.first_contact(dom, watch, await self.identity_for(watch))
+        except AccelmigError as exc:
+            LOG.info("domain %s: guest not reachable yet: %s", watch.name, exc)
+
+    async def _attest_loop(self) -> None:
+        """Guests running here whose channel is not up yet (they were still booting)."""
+        while True:
+            await asyncio.sleep(5.0)
+            for watch in self.watches:
+                channel_down = isinstance(watch.delivery, ChannelDelivery) and \
+                    (watch.delivery.channel is None or watch.delivery.channel.hello is None)
+                if watch.phase is not Phase.RUNNING or not channel_down or watch.lock.locked():
+                    continue
+                dom = await self.lookup(watch)
+                if dom:
+                    self.spawn(self._attest_now(dom, watch), f"attest:{watch.name}")
+
+    async def _attest_now(self, dom, watch: DomainWatch) -> None:
+        async with watch.lock:
+            if watch.phase is Phase.RUNNING:
+                await self.first_contact(dom, watch)
+
+    async def _release_lease(self, uuid: str, name: str) -> None:
+        if self.allocator is None:
+            return
+        address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.release, uuid)
+        if address:
+            LOG.info("domain %s is no longer defined here: guest address %s released", name, address,
+                     extra={"domain": name})
+
+
+async def _nothing(dom, watch) -> None:
+    return None

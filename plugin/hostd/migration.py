@@ -1,0 +1,277 @@
+"""The steps of a live migration, as hostd takes them on each side.
+
+- destination, at the hook's ``migrate begin``: the record is opened
+  (``HostDaemon`` does it, within the hook's budget);
+- source, when the guest pauses for a migration: if the domain's job really
+  is an outgoing migration, switch the record over (and stop using the
+  channel: what is written to the source after switchover is lost); at
+  SUSPENDED_POSTCOPY the record is committed (the source never resumes);
+- destination, once the guest runs here (RESUMED_MIGRATED, or
+  RESUMED_POSTCOPY: commit first): complete the record (tickets), give the
+  guest this host's identity and the tickets, and retry until every session
+  resumed here;
+- source, when the guest left (STOPPED_MIGRATED): close the record; a
+  failed or cancelled migration (the arrival stops on the destination, the
+  guest resumes on the source) aborts it;
+- a saved domain's sessions are parked; a restored copy is told to resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid as uuid_module
+
+import libvirt
+
+from accelmig.plugin.hostd.watch import DomainWatch, Phase, Trigger
+from accelmig.wire.errors import AccelmigError, LibvirtFailure, NoSuchRecord, RecordState
+from accelmig.wire.records import IN_FLIGHT, RecordStateName, RecordView, latest
+
+LOG = logging.getLogger("accelmig.hostd")
+
+
+class MigrationSteps:
+    def __init__(self, daemon, *, retry_first: float, retry_max: float):
+        self.daemon = daemon
+        self.retry_first = retry_first        # s before a failed rehome is tried again, doubling
+        self.retry_max = retry_max
+
+    @property
+    def host(self) -> str:
+        return self.daemon.host
+
+    async def pool(self, method: str, **args):
+        return await self.daemon.pool_call(method, **args)
+
+    # -- the source ---------------------------------------------------------------------
+    async def check_outgoing(self, dom, watch: DomainWatch, *, postcopy: bool) -> None:
+        """A pause is an outgoing migration only if the domain's job says so
+        (a failed migration pauses too)."""
+        try:
+            stats = await self.daemon.libvirt.call(dom.jobStats, 0, timeout=5)
+        except (LibvirtFailure, asyncio.TimeoutError) as exc:
+            LOG.warning("domain %s: no job stats (%s); not switching over", watch.name, exc)
+            return
+        operation = stats.get("operation")
+        if operation != libvirt.VIR_DOMAIN_JOB_OPERATION_MIGRATION_OUT:
+            LOG.info("domain %s paused by job operation %s, not an outgoing migration", watch.name, operation)
+            return
+        await self.daemon.take(dom, watch, Trigger.SWITCHED_OVER_POSTCOPY if postcopy
+                               else Trigger.SWITCHED_OVER)
+
+    async def switch_over(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> None:
+        """``postcopy``: the guest is handed to the destination for good."""
+        await watch.delivery.close(watch)     # writes after switchover are lost: stop here
+        try:
+            record = RecordView.from_wire(await self.pool("switchover", domain_uuid=watch.uuid,
+                                                          postcopy=postcopy))
+        except NoSuchRecord:
+            LOG.warning("domain %s migrates out without a record (destination without accelmig?)", watch.name)
+            return
+        watch.record = record
+        LOG.info("domain %s: switched over%s (record %s)", watch.name, " for post-copy" if postcopy else "",
+                 record.key, extra={"domain": watch.name, "migration": record.migration_id})
+
+    async def close(self, dom, watch: DomainWatch) -> None:
+        await watch.delivery.close(watch)
+        try:
+            await self.pool("close", domain_uuid=watch.uuid,
+                            migration_id=watch.record.migration_id if watch.record else None)
+        except NoSuchRecord:
+            LOG.warning("domain %s left this host without a migration record", watch.name)
+        watch.record = None
+
+    async def abort_stayed(self, dom, watch: DomainWatch) -> None:
+        """The source resumed its guest: the migration failed or was cancelled."""
+        await self.abort(watch, "the migration failed; the guest resumed on the source")
+        await self.daemon.first_contact(dom, watch)
+
+    async def abort(self, watch: DomainWatch, reason: str) -> None:
+        mid = watch.record.migration_id if watch.record else None
+        try:
+            record = await self.pool("abort", domain_uuid=watch.uuid, migration_id=mid, reason=reason)
+            LOG.warning("domain %s: record %s aborted: %s", watch.name, record["migration_id"], reason,
+                        extra={"domain": watch.name, "migration": record["migration_id"]})
+        except (NoSuchRecord, RecordState) as exc:
+            LOG.info("domain %s: nothing to abort (%s)", watch.name, exc)
+        watch.record = None
+
+    # -- the destination ------------------------------------------------------------------
+    async def abort_arrival(self, dom, watch: DomainWatch) -> None:
+        await watch.delivery.close(watch)
+        await self.abort(watch, "the incoming migration failed on the destination")
+
+    async def rehome(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> dict | None:
+        """The guest runs here now: move its sessions here.
+
+        One attempt; an attempt that fails, or after which not every session
+        resumed, is retried in the background until they all have (or the
+        record or the domain ends): a guest is never left knocking with
+        ``TICKET_REQUIRED``."""
+        try:
+            summary = await self._rehome_once(dom, watch, postcopy=postcopy)
+        except AccelmigError as exc:
+            self._retry_later(watch, f"{type(exc).__name__}: {exc}")
+            LOG.error("domain %s: rehome failed: %s; will retry", watch.name, exc, extra={"domain": watch.name})
+            return None
+        if summary["ok"]:
+            await self.daemon.take(dom, watch, Trigger.REHOMED)
+        else:
+            self._retry_later(watch, summary["why"])
+        return summary
+
+    async def _rehome_once(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> dict:
+        started = time.monotonic()
+        record = watch.record
+        if record is None or record.dest_host != self.host:
+            record = await self._find_or_open(watch)
+        mid = record.migration_id
+        if watch.delivery.attests_at_migration:
+            # The guest cannot report its sessions itself: read them, and
+            # attest them as this migration's destination before the record
+            # freezes them.
+            try:
+                for sid in await watch.delivery.sessions(dom, watch):
+                    await self.daemon.bind(watch, sid)
+            except AccelmigError as exc:
+                LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
+                            watch.name, exc)
+        if postcopy:
+            await self.pool("commit", domain_uuid=watch.uuid, migration_id=mid)
+        done = await self.pool("complete", domain_uuid=watch.uuid, migration_id=mid)
+        watch.record = RecordView.from_wire(done["record"])
+        tickets = done["tickets"]
+        completed = time.monotonic()
+        identity = await self.daemon.identity_for(watch)
+        document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": tickets}
+        result = await watch.delivery.rehome(dom, watch, document)
+        delivered = time.monotonic()
+        ok = bool(result and result.get("ok"))
+        summary = {"migration_id": mid, "postcopy": postcopy, "tickets": len(tickets), "result": result,
+                   "ok": ok, "why": None if ok else why_not_resumed(result),
+                   "attempt": (result or {}).get("attempts", 1),
+                   "complete_s": round(completed - started, 6), "deliver_s": round(delivered - completed, 6),
+                   "total_s": round(delivered - started, 6), "at": time.time()}
+        watch.last_rehome = summary
+        if ok:
+            watch.rehome_retry = None
+        self.daemon.counters["rehomes"] += 1
+        self.daemon.metrics.rehomes.labels("ok" if ok else "incomplete").inc()
+        self.daemon.metrics.rehome_seconds.observe(summary["total_s"])
+        (LOG.info if ok else LOG.error)(
+            "domain %s: rehome %s in %.1f ms (complete %.1f ms, deliver %.1f ms): %s", watch.name, mid,
+            summary["total_s"] * 1000, summary["complete_s"] * 1000, summary["deliver_s"] * 1000,
+            "all sessions resumed" if ok else f"NOT all resumed ({summary['why']}); will retry",
+            extra={"domain": watch.name, "migration": mid})
+        return summary
+
+    async def _find_or_open(self, watch: DomainWatch) -> RecordView:
+        """The record of this incoming migration; opened now if the hook's note
+        never reached us (hostd was down, lenient mode) or was lost."""
+        out = await self.pool("list_records", open_only=True, domain_uuid=watch.uuid)
+        records = [RecordView.from_wire(r) for r in out["records"]]
+        mine = latest(r for r in records if r.dest_host == self.host
+                      and (r.state in IN_FLIGHT or r.state is RecordStateName.COMPLETED))
+        if mine is not None:
+            return mine
+        LOG.warning("domain %s runs here without a migration record: opening one now", watch.name)
+        return RecordView.from_wire(await self.pool("open_migration", domain_uuid=watch.uuid,
+                                                    domain_name=watch.name))
+
+    def _retry_later(self, watch: DomainWatch, why: str) -> None:
+        """One background retry loop per domain (backoff, capped, jittered)."""
+        retry = watch.rehome_retry or {"attempts": 1, "since": time.time()}
+        retry["why"] = why
+        watch.rehome_retry = retry
+        if watch.retry_task is None or watch.retry_task.done():
+            watch.retry_task = self.daemon.spawn(self._retries(watch), f"rehome-retry:{watch.name}")
+
+    async def _retries(self, watch: DomainWatch) -> None:
+        delay = self.retry_first
+        while watch.rehome_retry is not None:
+            retry = watch.rehome_retry
+            # jitter: the rehomes of an evacuation do not retry in lockstep
+            wait = delay * random.uniform(0.8, 1.2)
+            retry["next_at"] = round(time.time() + wait, 3)
+            LOG.warning("domain %s: rehome retry %d in %.1f s: %s", watch.name, retry["attempts"] + 1,
+                        wait, retry["why"], extra={"domain": watch.name})
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, self.retry_max)
+            async with watch.lock:
+                if watch.rehome_retry is None or watch.phase is not Phase.REHOMING:
+                    return            # done meanwhile (reconciliation, an event), or gone
+                retry["attempts"] += 1
+                retry.pop("next_at", None)
+                dom = await self.daemon.lookup(watch)
+                if dom is None:
+                    retry["why"] = "libvirt does not answer"
+                    continue
+                if dom is False:
+                    LOG.info("domain %s is gone: no more rehome retries", watch.name)
+                    watch.rehome_retry = None
+                    return
+                try:
+                    summary = await self._rehome_once(dom, watch)
+                except (NoSuchRecord, RecordState) as exc:
+                    LOG.error("domain %s: its migration record ended before every session resumed: %s",
+                              watch.name, exc, extra={"domain": watch.name})
+                    watch.rehome_retry = None
+                    await self.daemon.take(dom, watch, Trigger.REHOME_ENDED)
+                    return
+                except AccelmigError as exc:
+                    retry["why"] = f"{type(exc).__name__}: {exc}"
+                    continue
+                if summary["ok"]:
+                    LOG.info("domain %s: rehome %s succeeded on attempt %d", watch.name,
+                             summary["migration_id"], retry["attempts"], extra={"domain": watch.name})
+                    await self.daemon.take(dom, watch, Trigger.REHOMED)
+                    return
+                retry["why"] = summary["why"]
+
+    # -- saved and restored domains -----------------------------------------------------
+    async def park(self, dom, watch: DomainWatch) -> None:
+        await watch.delivery.close(watch)
+        out = await self.pool("park", domain_uuid=watch.uuid)
+        LOG.info("domain %s saved: parked %s", watch.name, out["parked"])
+
+    async def unpark(self, dom, watch: DomainWatch) -> None:
+        """An older copy of the guest's memory runs again: tell its drivers to
+        resume now, no ticket needed; the pool refuses them if they are not
+        the latest copy."""
+        await self.pool("unpark", domain_uuid=watch.uuid)
+        identity = await self.daemon.identity_for(watch)
+        document = {"migration_id": f"restored-{uuid_module.uuid4().hex[:8]}",
+                    "identity": identity.to_wire(), "tickets": {}}
+        try:
+            result = await watch.delivery.rehome(dom, watch, document)
+        except AccelmigError as exc:
+            LOG.error("domain %s: resume after a restore not delivered: %s", watch.name, exc)
+            return
+        watch.last_rehome = {"migration_id": document["migration_id"], "result": result, "at": time.time()}
+        for sid, outcome in ((result or {}).get("sessions") or {}).items():
+            if outcome.get("ok"):
+                LOG.info("domain %s: session %s resumed after a restore", watch.name, sid)
+            else:
+                LOG.error("domain %s: session %s REFUSED after a restore: %s", watch.name, sid,
+                          (outcome.get("error") or {}).get("message"))
+
+
+def why_not_resumed(result: dict | None) -> str:
+    """What an agent's rehome outcome says went wrong, in a line."""
+    if not result:
+        return "no answer from the guest"
+    if result.get("error"):
+        return str(result["error"].get("message") or result["error"])
+    parts = []
+    if result.get("network_error"):
+        parts.append(f"guest network: {result['network_error'].get('message')}")
+    failed = {sid: o for sid, o in (result.get("sessions") or {}).items() if not o.get("ok")}
+    for sid, outcome in list(failed.items())[:3]:
+        error = outcome.get("error") or {}
+        parts.append(f"session {sid}: {error.get('code', '?')}: {error.get('message', '')}")
+    if len(failed) > 3:
+        parts.append(f"and {len(failed) - 3} more session(s)")
+    return "; ".join(parts) or "not every session resumed"
