@@ -23,7 +23,7 @@ from accelmig.wire.frames import encode_frame
 LOG = logging.getLogger(__name__)
 
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
-                 "park", "unpark", "register_intent"}
+                 "park", "unpark", "register_intent", "wait_record"}
 
 
 class ControlServer:
@@ -58,6 +58,7 @@ class ControlServer:
         challenge = secrets.token_hex(16)
         host = None
         last_id = 0
+        waits: set[asyncio.Task] = set()
         try:
             header, _ = await wc.read_frame_async(reader)
             if header.get("op") != "hello":
@@ -90,11 +91,13 @@ class ControlServer:
                     if not hmac.compare_digest(expected, str(header.get("mac", ""))):
                         raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")
                     host.last_seen = time.time()
-                body = self._call(host, admin, method, args)
-                out = {"op": "result", "id": call_id, **body}
-                if host is not None:
-                    out["mac"] = wc.result_mac(host.secret, challenge, call_id, wc.result_body(out))
-                writer.write(encode_frame(out))
+                if method in wc.WAITING_METHODS:
+                    # A long wait must not hold up this connection's other calls:
+                    # answered when it is over (clients match answers by id).
+                    waits.add(asyncio.ensure_future(self._answer_later(
+                        writer, host, admin, challenge, call_id, method, args)))
+                    continue
+                self._answer(writer, host, challenge, call_id, self._call(host, admin, method, args))
                 await writer.drain()
         except (AccelmigError, FrameError) as exc:
             LOG.warning("control plane: closing %s: %s", peer, exc)
@@ -105,16 +108,40 @@ class ControlServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            for wait in waits:
+                wait.cancel()
             writer.close()
+
+    @staticmethod
+    def _answer(writer, host, challenge: str, call_id: int, body: dict) -> None:
+        out = {"op": "result", "id": call_id, **body}
+        if host is not None:
+            out["mac"] = wc.result_mac(host.secret, challenge, call_id, wc.result_body(out))
+        writer.write(encode_frame(out))
+
+    async def _answer_later(self, writer, host, admin, challenge, call_id, method, args) -> None:
+        try:
+            self._check_caller(host, admin, method)
+            result = await getattr(self, f"wait_{method.removeprefix('wait_')}")(**args)
+            body = {"ok": True, "result": result}
+        except TypeError as exc:
+            body = {"ok": False, "error": BadRequest(reason=f"{method}: {exc}").to_wire()}
+        except AccelmigError as exc:
+            body = {"ok": False, "error": exc.to_wire()}
+        if not writer.is_closing():
+            self._answer(writer, host, challenge, call_id, body)
+
+    def _check_caller(self, host, admin: bool, method) -> None:
+        if method not in wc.METHODS:
+            raise UnknownOp(op=method)
+        if admin and method not in ADMIN_METHODS:
+            raise AuthFailed(reason=f"{method} is for hypervisor hosts, not the admin socket")
+        if not admin and wc.METHODS[method] == "host" and host is None:
+            raise AuthFailed(reason="host methods need an authenticated host")
 
     def _call(self, host, admin: bool, method, args: dict) -> dict:
         try:
-            if method not in wc.METHODS:
-                raise UnknownOp(op=method)
-            if admin and method not in ADMIN_METHODS:
-                raise AuthFailed(reason=f"{method} is for hypervisor hosts, not the admin socket")
-            if not admin and wc.METHODS[method] == "host" and host is None:
-                raise AuthFailed(reason="host methods need an authenticated host")
+            self._check_caller(host, admin, method)
             handler = getattr(self, f"do_{method}")
             caller = host.name if host is not None else wc.ADMIN_HOST
             try:
@@ -295,6 +322,28 @@ class ControlServer:
         records = self.pool.open_records() if open_only else list(self.pool.records.values())
         return {"records": [r.describe() for r in records
                             if domain_uuid is None or r.domain_uuid == domain_uuid]}
+
+    async def wait_record(self, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
+        """The record once it is rehomed (``until="rehomed"``: completed or
+        closed, with every session resumed; or aborted) or final
+        (``until="final"``), or as it is after ``timeout`` seconds."""
+        if until not in ("rehomed", "final"):
+            raise BadRequest(reason=f"wait_record: until {until!r} (rehomed or final)")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 600:
+            raise BadRequest(reason="wait_record: timeout must be 0 to 600 seconds")
+
+        def reached(record) -> bool:
+            if until == "final":
+                return record.final
+            # closed is not the end of a rehome: the source closes its side
+            # as soon as QEMU is gone, the guest's sessions resume after that
+            return record.state is RecordStateName.ABORTED or (record.state in (
+                RecordStateName.COMPLETED, RecordStateName.CLOSED) and set(record.sessions) <= set(record.resumed))
+
+        record = await self.pool.wait_record(domain_uuid, migration_id, reached, float(timeout))
+        if record is None:
+            return {"record": None, "reached": False}
+        return {"record": record.describe(), "reached": reached(record)}
 
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}

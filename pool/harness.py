@@ -119,7 +119,9 @@ class PoolThread:
 
 class CutProxy:
     """A TCP relay whose connections can be cut on demand (with a reset), to
-    lose a driver's connection for real without touching either end."""
+    lose a driver's connection for real without touching either end; or
+    held (``hold()``: what the client sends waits in the relay until
+    ``release()``), to make the far end slow for real."""
 
     def __init__(self, target: str, listen: str = "127.0.0.1:0"):
         import socket
@@ -134,7 +136,16 @@ class CutProxy:
         self._lock = threading.Lock()
         self.cuts = 0
         self._closed = False
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, name="cut-proxy", daemon=True).start()
+
+    def hold(self) -> None:
+        """Stop forwarding what clients send (their bytes wait here)."""
+        self._flowing.clear()
+
+    def release(self) -> None:
+        self._flowing.set()
 
     def _accept(self) -> None:
         import socket
@@ -151,11 +162,11 @@ class CutProxy:
                 continue
             with self._lock:
                 self._pairs.append((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            for a, b, gate in ((client, upstream, self._flowing), (upstream, client, None)):
+                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
 
     @staticmethod
-    def _pump(src, dst) -> None:
+    def _pump(src, dst, gate: threading.Event | None) -> None:
         buf = bytearray(1 << 20)
         view = memoryview(buf)
         try:
@@ -163,6 +174,8 @@ class CutProxy:
                 n = src.recv_into(buf)
                 if n == 0:
                     break
+                if gate is not None:
+                    gate.wait()
                 dst.sendall(view[:n])
         except OSError:
             pass

@@ -72,6 +72,7 @@ class MigrationRecord:
         self.resumed: dict[str, float] = {}    # sid -> seconds from switchover/complete to resume
         self.source_stopped = False
         self.abort_reason: str | None = None
+        self.on_change = None                   # called after every transition and resume
 
     @property
     def key(self) -> str:
@@ -90,7 +91,17 @@ class MigrationRecord:
             raise RecordState(record=self.key, state=self.state.value, action=action)
         self.state = target
         self.times[self.STAMPS[event]] = now
+        self._changed()
         return True
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
+
+    def note_resumed(self, sid: str, blackout: float) -> None:
+        """Session ``sid`` resumed at the destination, ``blackout`` s after it stopped."""
+        self.resumed[sid] = round(blackout, 6)
+        self._changed()
 
     def renew(self, now: float) -> None:
         if not self.final:

@@ -57,6 +57,7 @@ class Pool:
         self.buffers = PayloadBuffers()
         self.connections: set = set()            # DataConnections, for a clean stop
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
+        self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
 
@@ -194,7 +195,7 @@ class Pool:
                 start = (session.pause_started or record.times.get("switchover")
                          or session.detached_at or record.times.get("completed", now))
                 blackout = max(0.0, now - start)
-                record.resumed[sid] = round(blackout, 6)
+                record.note_resumed(sid, blackout)
                 self.metrics.blackout.observe(blackout)
                 session.unpause(record.key)
         self.metrics.resumes.labels("ok").inc()
@@ -278,7 +279,9 @@ class Pool:
                                  domain_name=domain_name, postcopy=postcopy)
         if f"{domain_uuid}/{mid}" in self.records:
             raise Conflict(reason=f"migration id {mid} was used for this domain already")
+        record.on_change = self.record_changed
         self.records[record.key] = record
+        self.record_changed(record)
         self.hold_if_paused(record, self.domain_sessions(domain_uuid), now)
         LOG.info("record %s opened: %s -> %s, policy %s", record.key, source, dest, policy.value,
                  extra={"domain": domain_uuid, "migration": mid})
@@ -364,6 +367,35 @@ class Pool:
 
     def abort_record(self, record: MigrationRecord, reason: str) -> None:
         self._abort_record(record, time.time(), reason)
+
+    def record_changed(self, record: MigrationRecord) -> None:
+        """Wake whoever waits on records (``wait_record``)."""
+        waiters, self._record_waiters = self._record_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def wait_record(self, domain_uuid: str, migration_id: str | None, reached,
+                          timeout: float) -> MigrationRecord | None:
+        """The record (that migration's, or the domain's latest) once
+        ``reached(record)``, or as it is after ``timeout`` seconds (None: no
+        such record appeared)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                record = self.find_record(domain_uuid, migration_id)
+            except NoSuchRecord:
+                record = None
+            remaining = deadline - loop.time()
+            if (record is not None and reached(record)) or remaining <= 0:
+                return record
+            waiter = loop.create_future()
+            self._record_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except asyncio.TimeoutError:
+                pass
 
     def open_records(self) -> list[MigrationRecord]:
         return [r for r in self.records.values() if r.state not in FINAL]

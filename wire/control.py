@@ -63,9 +63,15 @@ METHODS = {
     "list_sessions": "any",       # args: domain_uuid?
     "list_records": "any",        # args: open_only?, domain_uuid?
     "list_hosts": "any",
+    "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}
     "ping": "any",
 }
+
+
+#: Methods the pool answers when what they wait for happens (other calls on
+#: the same connection go on meanwhile).
+WAITING_METHODS = frozenset({"wait_record"})
 
 
 def canonical(obj) -> bytes:
@@ -360,6 +366,14 @@ class AsyncControlClient:
                 waiter.set_exception(error)
 
     async def call(self, method: str, **args):
+        return await self._call(method, args, self.timeout)
+
+    async def call_within(self, timeout: float, method: str, /, **args):
+        """A call that may take longer than the client's timeout (``wait_record``).
+        Positional-only: the call's own arguments may be named ``timeout``."""
+        return await self._call(method, args, timeout)
+
+    async def _call(self, method: str, args: dict, timeout: float):
         for attempt in (1, 2):
             session = await self._connection()
             writer = self._writer
@@ -368,10 +382,10 @@ class AsyncControlClient:
             self._waiters[call_id] = waiter
             try:
                 writer.write(frame)
-                answer = await asyncio.wait_for(waiter, self.timeout)
+                answer = await asyncio.wait_for(waiter, timeout)
             except asyncio.TimeoutError:
                 raise Unavailable(what="the pool's control plane",
-                                  reason=f"no answer to {method} within {self.timeout:.1f} s") from None
+                                  reason=f"no answer to {method} within {timeout:.1f} s") from None
             except Unavailable:
                 if attempt == 2:
                     raise

@@ -89,7 +89,7 @@ def test_tickets_are_single_use_unforgeable_and_bound_to_host_and_session(hosts,
         # replayed by someone holding the secret and the ticket: refused by the pool
         raw = Raw(hosts.b.endpoint)
         state = hosts.pool.session(dev.sid)
-        replay = raw.resume(dev.sid, dev._secret, state["epoch"], dev.last_seen, ticket=mine)
+        replay = raw.resume(dev.sid, dev._session.secret, state["epoch"], dev.last_seen, ticket=mine)
         assert replay["error"]["code"] == "TICKET_INVALID" and "already used" in replay["error"]["message"]
         # the driver itself knows the move is done: delivering the ticket again is a no-op
         assert dev.resume(hosts.b.endpoint, mine).get("already") is True
@@ -125,7 +125,7 @@ def test_completing_again_hands_back_the_live_tickets_never_revokes_them(hosts, 
         # a used ticket presented by someone else says when it was used
         raw = Raw(hosts.b.endpoint)
         state = hosts.pool.session(dev.sid)
-        replay = raw.resume(dev.sid, dev._secret, state["epoch"], dev.last_seen, ticket=first[dev.sid])
+        replay = raw.resume(dev.sid, dev._session.secret, state["epoch"], dev.last_seen, ticket=first[dev.sid])
         assert replay["error"]["code"] == "TICKET_INVALID"
         assert "already used by a resume at 20" in replay["error"]["message"]
         raw.close()
@@ -363,3 +363,28 @@ def test_only_the_parties_of_a_record_act_on_it(hosts, domain):
             hosts.b.call("switchover", domain_uuid=domain)
         with pytest.raises(Conflict, match="goes to hostB, not hostA"):
             hosts.a.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
+
+
+def test_waiting_for_a_rehome_outlasts_the_close_of_the_record(hosts, domain):
+    """The source closes the record as soon as its QEMU is gone; the guest's
+    sessions resume after that.  ``wait_record until=rehomed`` (what
+    ``accelmig migrate`` waits on) answers only once they all have."""
+    waiter = ControlClient(hosts.pool.control_endpoint, "hostB", SECRETS["hostB"].encode(), timeout=30)
+    with on_host(hosts, hosts.a) as dev:
+        attest(hosts.a, dev, domain)
+        done = hosts.migrate(domain, hosts.a, hosts.b)          # opened, switched over, completed, closed
+        mid = hosts.b.call("list_records", domain_uuid=domain)["records"][-1]["migration_id"]
+        now = waiter.call("wait_record", domain_uuid=domain, migration_id=mid, until="rehomed", timeout=0)
+        assert now["reached"] is False and now["record"]["state"] == "closed"
+        assert now["record"]["resumed"] == {}
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(waiter.call(
+            "wait_record", domain_uuid=domain, migration_id=mid, until="rehomed", timeout=20)))
+        thread.start()
+        dev.resume(hosts.b.endpoint, done["tickets"][dev.sid])
+        thread.join(25)
+        assert answers and answers[0]["reached"] is True
+        assert set(answers[0]["record"]["resumed"]) == {dev.sid}
+        final = waiter.call("wait_record", domain_uuid=domain, migration_id=mid, until="final", timeout=0)
+        assert final["reached"] is True
+    waiter.close()

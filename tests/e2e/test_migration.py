@@ -12,6 +12,7 @@ they are not races.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,8 +22,8 @@ import time
 import libvirt
 import pytest
 
-from accelmig.plugin.lab.accel import AccelLab, demo_command
-from accelmig.plugin.lab.image import ImageSpec, build_image
+from accelmig.lab.accel import AccelLab, demo_command
+from accelmig.lab.image import ImageSpec, build_image
 
 pytestmark = [pytest.mark.root, pytest.mark.libvirt, pytest.mark.vm, pytest.mark.slow]
 
@@ -147,8 +148,8 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
     for move in moves:
         check_hot(move, accel)
         assert move["downtime_ms"] is not None and max(move["blackout_ms"].values()) > 0
-    assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1
-    from accelmig.plugin.localapi import LocalClient
+    assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1, json.dumps(moves[2]["cli"])
+    from accelmig.plugin.hostd.client import LocalClient
     metrics = LocalClient(str(accel.hostd_socket("hostB"))).call("metrics")["text"]
     assert 'accelmig_host_rehomes_total{result="ok"}' in metrics
     done = accel.demo_done("vm-aba")
@@ -324,8 +325,13 @@ def test_a_vm_with_two_applications(accel, vms, reference):
     image = accel.image(app_command=f"({one}) & ({one}); wait")
     boot(accel, vms, "vm-two", image)
     uuid = uuid_of(accel, "vm-two")
+    # both applications past their upload (each launches after it): a move
+    # while one still uploads would count its first upload as re-sent
     deadline = time.monotonic() + 60
-    while len(accel.sessions(uuid)) < 2 and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        sessions = accel.sessions(uuid)
+        if len(sessions) == 2 and all(s["counters"]["launches"] > 0 for s in sessions):
+            break
         time.sleep(0.2)
     result = accel.migrate_virsh("vm-two", "hostA", "hostB")
     check_hot(result, accel)
@@ -336,9 +342,9 @@ def test_a_vm_with_two_applications(accel, vms, reference):
 
 
 def test_a_vm_with_only_qemu_guest_agent_is_rehomed_through_guest_exec(accel, vms, reference):
-    from accelmig.plugin.lab import netns as labnet
+    from accelmig.lab.topology import POOL_ADDRESS
     app = demo_command(accel.token, STEPS, 128, 20, PAUSE).replace(
-        "--wait-endpoint 120", f"--endpoint {labnet.POOL_ADDRESS}:7070")
+        "--wait-endpoint 120", f"--endpoint {POOL_ADDRESS}:7070")
     image = build_image(ImageSpec(app_command=app, with_qemu_ga=True), cache=accel.lab.cache)
     plan = accel.lab.topology.host("hostA")
     boot(accel, vms, "vm-nova", image, agent_channel=False, qemu_guest_agent=True,

@@ -187,3 +187,20 @@ def test_the_blocking_client_skips_a_late_answer_and_reconnects_after_garbage():
         client.close()
     assert peer.connections == 4
     peer.close()
+
+
+def test_a_long_call_passes_its_own_timeout_argument_through():
+    """``wait_record`` has an argument named ``timeout`` (how long the pool
+    holds it); the client's own limit is a separate, positional one."""
+    peer = ScriptedPool(lambda i, m, a: {"method": m, "args": a})
+
+    async def scenario():
+        client = wc.AsyncControlClient(peer.endpoint, "hostA", SECRET, timeout=0.5)
+        try:
+            answer = await client.call_within(10, "wait_record", migration_id="m1", timeout=7.5)
+            assert answer == {"method": "wait_record", "args": {"migration_id": "m1", "timeout": 7.5}}
+        finally:
+            await client.close()
+
+    run(scenario())
+    peer.close()
