@@ -56,15 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ask_agent(socket_path: str, message: dict, timeout: float = 60.0) -> dict:
-    from accelmig.agent.driver.registry import AgentConnection
+def _ask_agent(socket_path: str, kind: str, timeout: float = 60.0, **fields) -> dict:
+    """The running agent's answer as ``{"ok", "result"|"error"}``."""
+    from accelmig.agent.driver.registry import agent_connection
     try:
-        conn = AgentConnection(socket_path, timeout=timeout)
-    except OSError as exc:
-        print(f"accelmig-agent: no agent answers at {socket_path}: {exc.strerror or exc}", file=sys.stderr)
+        conn = agent_connection(socket_path, timeout=timeout)
+    except AccelmigError as exc:
+        print(f"accelmig-agent: no agent answers at {socket_path}: {exc.kwargs.get('reason', exc)}",
+              file=sys.stderr)
         sys.exit(3)
     try:
-        return conn.call(message)
+        return {"ok": True, "result": conn.call(kind, **fields)}
+    except AccelmigError as exc:
+        return {"ok": False, "error": exc.to_wire()}
     finally:
         conn.close()
 
@@ -112,13 +116,13 @@ def main(argv=None) -> int:
         except AccelmigError as exc:
             print(f"accelmig-agent: bad rehome document: {exc}", file=sys.stderr)
             return 2
-        answer = _ask_agent(args.socket, {"type": "rehome_local", "document": document})
+        answer = _ask_agent(args.socket, "rehome_local", document=document)
         print(json.dumps(answer.get("result") if answer.get("ok") else answer, indent=2))
         if not answer.get("ok"):
             return 1
         return 0 if answer["result"].get("ok") else 1
     if args.command == "status":
-        answer = _ask_agent(args.socket, {"type": "status"})
+        answer = _ask_agent(args.socket, "status")
         print(json.dumps(answer.get("result"), indent=2))
         return 0 if answer.get("ok") else 1
     return 2

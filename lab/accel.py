@@ -156,7 +156,7 @@ libvirt_uri = "qemu:///system"
             self.hostd_socket(host).unlink()
 
     def wait_hostd(self, host: str, timeout: float = 30.0) -> dict:
-        from accelmig.plugin.hostd.client import LocalClient
+        from accelmig.wire.localapi import LocalClient
         deadline = time.monotonic() + timeout
         last = None
         while time.monotonic() < deadline:

@@ -2,7 +2,7 @@
 responder the lab puts into test images to prove that channel works.
 
 The responder is *not* the guest agent (``accelmig.agent`` owns the real
-channel protocol): it answers one JSON object per line on the agent's port
+channel protocol): it answers requests in accelmig's line format on the agent's port
 so that tests and ``accelmig lab boot-test`` can check the
 plumbing — virtio ports named without udev, libvirt's per-domain socket on
 each host, the channel after a live migration, and the guest's fabric NIC
@@ -12,24 +12,24 @@ with ``accelmig.agent=off`` so the agent does not hold the port.
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
-import socket
 import time
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME
+from accelmig.wire.channel import LineClient
+from accelmig.wire.errors import Timeout
 
 from .image import ExtraFile
 
 #: The responder, guest side (standard library only; runs as
 #: ``python3 /usr/local/bin/accelmig-echo-responder PORT``).
 ECHO_RESPONDER = r'''
-"""accelmig lab echo responder: one JSON reply per JSON line on a virtio port.
+"""accelmig lab echo responder: one answer per request on a virtio port, in
+accelmig's line format (accelmig.wire.channel: {"type", "id", ...} answered
+by {"type": "result", "id", "ok", "result"|"error"}).
 
-ops: echo {data} | info | connect {host, port, data, timeout} | run {argv}
+types: echo {data} | info | connect {host, port, data, timeout} | run {argv}
 (`run` exists for tests that re-address the guest after a migration; this
 responder is only ever put into test images).
 """
@@ -39,7 +39,7 @@ PORT = sys.argv[1]
 
 
 def handle(req):
-    op = req.get("op")
+    op = req.get("type")
     if op == "echo":
         return {"echo": req.get("data")}
     if op == "info":
@@ -101,11 +101,14 @@ def main():
         buf += chunk
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
+            if not line.strip():
+                continue
             try:
                 req = json.loads(line)
-                reply = {"id": req.get("id"), "ok": True, **handle(req)}
+                reply = {"type": "result", "id": req.get("id"), "ok": True, "result": handle(req)}
             except Exception as exc:
-                reply = {"id": None, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                reply = {"type": "result", "id": None, "ok": False,
+                         "error": {"code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}}
                 try:
                     reply["id"] = json.loads(line).get("id")
                 except Exception:
@@ -137,31 +140,6 @@ def echo_responder_files() -> tuple[ExtraFile, ...]:
 
 # ---------------------------------------------------------------- host side
 
-def connect_unix(path: str | os.PathLike, timeout: float | None = None) -> socket.socket:
-    """Connect to a unix socket, even one whose path exceeds the 108-byte
-    ``sun_path`` limit (libvirt's per-domain channel sockets seen from the
-    root namespace easily do): go through ``/proc/self/fd`` of its directory."""
-    path = str(path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    if len(path.encode()) < 100:
-        try:
-            sock.connect(path)
-            return sock
-        except BaseException:
-            sock.close()
-            raise
-    dirfd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
-    try:
-        sock.connect(f"/proc/self/fd/{dirfd}/{os.path.basename(path)}")
-        return sock
-    except BaseException:
-        sock.close()
-        raise
-    finally:
-        os.close(dirfd)
-
-
 def channel_source(domain_xml: str, name: str = AGENT_CHANNEL_NAME) -> str:
     """The socket path libvirt chose for a channel, from a live domain XML
     (as the daemon sees it: map it with ``LibvirtNode.host_path``)."""
@@ -185,75 +163,27 @@ def channel_state(domain_xml: str, name: str = AGENT_CHANNEL_NAME) -> str | None
     return None
 
 
-class ChannelClient:
-    """JSON lines over a domain's channel socket (to the echo responder)."""
+class ResponderChannel(LineClient):
+    """A domain's channel socket, to the echo responder of a test image."""
 
     def __init__(self, path: str | os.PathLike, timeout: float = 10.0):
-        self.path = Path(path)
-        self.sock = connect_unix(self.path, timeout)
-        self.buf = b""
-        self.ids = itertools.count(1)
-
-    def close(self):
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def send(self, op: str, **args) -> int:
-        msg_id = next(self.ids)
-        self.sock.sendall((json.dumps({"id": msg_id, "op": op, **args}) + "\n").encode())
-        return msg_id
-
-    def recv(self, msg_id: int, timeout: float) -> dict:
-        """The reply to ``msg_id`` (replies to older requests are skipped)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\n" in self.buf:
-                line, self.buf = self.buf.split(b"\n", 1)
-                reply = json.loads(line)
-                if reply.get("id") == msg_id:
-                    if not reply.get("ok"):
-                        raise RuntimeError(f"guest: {reply.get('error')}")
-                    return reply
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no reply to request {msg_id} within {timeout:.1f} s")
-            self.sock.settimeout(left)
-            try:
-                chunk = self.sock.recv(65536)
-            except socket.timeout:
-                continue
-            if not chunk:
-                raise ConnectionError("the channel socket closed (the guest's QEMU exited?)")
-            self.buf += chunk
-
-    def call(self, op: str, timeout: float = 10.0, **args) -> dict:
-        return self.recv(self.send(op, **args), timeout)
+        super().__init__(str(path), timeout=timeout, what=f"the guest channel {path}", name="lab-channel")
 
     def wait_ready(self, timeout: float = 60.0, interval: float = 0.25) -> float:
         """Ping until the guest answers (it may still be booting); seconds waited.
 
         Requests sent before the guest opened its port wait in the socket
-        and are answered later: replies are matched by id, so stale ones
+        and are answered later: answers are matched by id, so stale ones
         are skipped."""
         t0 = time.monotonic()
         deadline = t0 + timeout
         while True:
-            msg_id = self.send("echo", data="ping")
             try:
-                self.recv(msg_id, min(interval, max(0.01, deadline - time.monotonic())))
+                self.call("echo", timeout=min(interval, max(0.01, deadline - time.monotonic())), data="ping")
                 return time.monotonic() - t0
-            except TimeoutError:
+            except Timeout:
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"the guest did not answer on {self.path} within {timeout:.0f} s") from None
+                    raise Timeout(what=f"the guest on {self.path}", timeout=timeout) from None
 
 
 #: A TCP server for the pool namespace that answers every connection with

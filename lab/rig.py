@@ -36,7 +36,7 @@ from accelmig.plugin.domain import AGENT_CHANNEL_NAME
 from accelmig.plugin.domain.render import render
 
 from . import netns
-from .guest import ChannelClient, channel_source
+from .guest import ResponderChannel, channel_source
 from .image import DEFAULT_CACHE, GuestImage
 from .libvirtd import LIBVIRT_DIRS, LibvirtNode, proc_starttime, same_process, stop_process
 from .topology import BRIDGE, POOL_ADDRESS, Topology
@@ -526,8 +526,8 @@ class Lab:
         dom = self.connect(host).lookupByName(domain)
         return self.nodes[host].host_path(channel_source(dom.XMLDesc(0), channel))
 
-    def channel(self, host: str, domain: str, timeout: float = 10.0) -> ChannelClient:
-        return ChannelClient(self.channel_path(host, domain), timeout=timeout)
+    def channel(self, host: str, domain: str, timeout: float = 10.0) -> ResponderChannel:
+        return ResponderChannel(self.channel_path(host, domain), timeout=timeout)
 
     def migrate(self, domain: str, src: str, dst: str, *, flags: int | None = None,
                 params: dict | None = None) -> dict:

@@ -7,56 +7,30 @@ resynchronising handshake of accelmig.wire.channel (sentinel, ``sync`` with
 a nonce, everything before the matching answer dropped), then carries
 requests with ids and the agent's unsolicited events.
 
-``GuestChannel`` is blocking (the CLI, tests); ``AsyncGuestChannel`` runs on
-hostd's event loop.
+Both transports here run one ``accelmig.wire.channel.LineSession`` (gated
+by the handshake): ``GuestChannel`` blocking (the CLI, tests),
+``AsyncGuestChannel`` on hostd's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
-import secrets
 import socket
 import threading
 import time
 
 from accelmig.wire import channel as ch
-from accelmig.wire.errors import ProtocolError, Timeout, Unavailable, from_wire
+from accelmig.wire.errors import Timeout, Unavailable
 
 LOG = logging.getLogger(__name__)
 
 
-class _Demux:
-    """Sorts the agent's lines into answers (by id) and events."""
-
-    def __init__(self):
-        self.parser = ch.LineParser(name="host-channel")
-        self.synced_nonce: str | None = None
-        self.wanted_nonce: str | None = None
-
-    def feed(self, data: bytes):
-        """Yields ("answer", id, msg) and ("event", None, msg)."""
-        for message in self.parser.feed(data):
-            kind = message.get("type")
-            if kind == "sync":
-                if message.get("nonce") == self.wanted_nonce:
-                    self.synced_nonce = self.wanted_nonce
-                    yield ("synced", message.get("id"), message)
-                continue            # a stale sync answer from an earlier connection
-            if self.synced_nonce is None:
-                continue            # before our sync answer: stale
-            if kind == "result":
-                yield ("answer", message.get("id"), message)
-            else:
-                yield ("event", None, message)
-
-
-def _answer(message: dict):
-    if message.get("ok"):
-        return message.get("result")
-    raise from_wire(message.get("error") or {})
+def _session() -> ch.LineSession:
+    # ids start far from 1: an agent that still holds an answer of an
+    # earlier host end cannot match a new request by accident
+    return ch.LineSession("host-channel", gated=True, first_id=int(time.time() * 1000) % 1_000_000 * 1000)
 
 
 class GuestChannel:
@@ -72,8 +46,7 @@ class GuestChannel:
         self.events: queue.Queue = queue.Queue()
         self.hello: dict | None = None
         self._sock: socket.socket | None = None
-        self._demux = _Demux()
-        self._ids = itertools.count(int(time.time() * 1000) % 1_000_000 * 1000)
+        self._session = _session()
         self._answers: dict = {}
         self._cond = threading.Condition()
         self._reader: threading.Thread | None = None
@@ -82,15 +55,13 @@ class GuestChannel:
     def connect(self, sync_timeout: float = 10.0) -> dict:
         deadline = time.monotonic() + self.connect_timeout
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(self.path)
+                sock = ch.connect_unix(self.path, None)
                 break
             except OSError as exc:
-                sock.close()
                 if time.monotonic() > deadline:
                     raise Unavailable(what=f"the guest channel {self.path}", reason=str(exc)) from None
-                time.sleep(0.05)
+                time.sleep(0.05)        # QEMU creates the socket as it starts
         self._sock = sock
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="guest-channel")
         self._reader.start()
@@ -98,17 +69,14 @@ class GuestChannel:
 
     def sync(self, timeout: float = 10.0) -> dict:
         """Resynchronise (sentinel + sync/nonce); returns the agent's hello."""
-        nonce = secrets.token_hex(8)
         with self._cond:
-            self._demux.wanted_nonce = nonce
-            self._demux.synced_nonce = None
+            sync_id, frame = self._session.sync()
             self.hello = None
-        sync_id = next(self._ids)
         deadline = time.monotonic() + timeout
         # Re-send the sync until answered: the guest may not run yet (a
         # migration's destination before resume) or have lost our first one.
         while True:
-            self._send(ch.SENTINEL + ch.encode({"type": "sync", "id": sync_id, "nonce": nonce}))
+            self._send(frame)
             with self._cond:
                 self._cond.wait_for(lambda: self.hello is not None or self._closed,
                                     min(1.0, max(0.0, deadline - time.monotonic())))
@@ -118,6 +86,7 @@ class GuestChannel:
                     raise Unavailable(what="the guest channel", reason="closed during sync")
             if time.monotonic() > deadline:
                 raise Timeout(what="the guest agent's sync answer", timeout=timeout)
+            frame = self._session.resend_sync(sync_id)
 
     def _send(self, data: bytes) -> None:
         try:
@@ -137,7 +106,7 @@ class GuestChannel:
                     self._cond.notify_all()
                 return
             with self._cond:
-                for kind, msg_id, message in self._demux.feed(data):
+                for kind, msg_id, message in self._session.feed(data):
                     if kind == "answer":
                         self._answers[msg_id] = message
                     elif kind == "event":
@@ -147,8 +116,9 @@ class GuestChannel:
                 self._cond.notify_all()
 
     def request(self, kind: str, timeout: float = 30.0, **fields):
-        request_id = next(self._ids)
-        self._send(ch.encode({"type": kind, "id": request_id, **fields}))
+        with self._cond:
+            request_id, line = self._session.request(kind, **fields)
+        self._send(line)
         deadline = time.monotonic() + timeout
         with self._cond:
             while request_id not in self._answers:
@@ -158,7 +128,7 @@ class GuestChannel:
                 if remaining <= 0:
                     raise Timeout(what=f"the agent's answer to {kind}", timeout=timeout)
                 self._cond.wait(remaining)
-            return _answer(self._answers.pop(request_id))
+            return ch.answer_of(self._answers.pop(request_id))
 
     def close(self) -> None:
         if self._sock is not None:
@@ -182,8 +152,7 @@ class AsyncGuestChannel:
         self.path = path
         self.on_event = on_event
         self.hello: dict | None = None
-        self._demux = _Demux()
-        self._ids = itertools.count(int(time.time() * 1000) % 1_000_000 * 1000)
+        self._session = _session()
         self._waiters: dict[int, asyncio.Future] = {}
         self._synced: asyncio.Future | None = None
         self._reader_task: asyncio.Task | None = None
@@ -198,25 +167,24 @@ class AsyncGuestChannel:
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise Unavailable(what=f"the guest channel {self.path}", reason=str(exc)) from None
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)     # QEMU creates the socket as it starts
         self._reader_task = asyncio.ensure_future(self._read_loop(reader))
         return await self.sync(sync_timeout)
 
     async def sync(self, timeout: float = 10.0) -> dict:
         loop = asyncio.get_running_loop()
-        nonce = secrets.token_hex(8)
-        self._demux.wanted_nonce, self._demux.synced_nonce = nonce, None
+        sync_id, frame = self._session.sync()
         self._synced = loop.create_future()
-        sync_id = next(self._ids)
         deadline = time.monotonic() + timeout
         while True:
-            self._write(ch.SENTINEL + ch.encode({"type": "sync", "id": sync_id, "nonce": nonce}))
+            self._write(frame)
             try:
                 return await asyncio.wait_for(asyncio.shield(self._synced),
                                               min(1.0, max(0.01, deadline - time.monotonic())))
             except asyncio.TimeoutError:
                 if time.monotonic() > deadline:
                     raise Timeout(what="the guest agent's sync answer", timeout=timeout) from None
+            frame = self._session.resend_sync(sync_id)
 
     def _write(self, data: bytes) -> None:
         if self._writer is None or self._writer.is_closing():
@@ -229,7 +197,7 @@ class AsyncGuestChannel:
                 data = await reader.read(65536)
                 if not data:
                     break
-                for kind, msg_id, message in self._demux.feed(data):
+                for kind, msg_id, message in self._session.feed(data):
                     if kind == "answer":
                         waiter = self._waiters.pop(msg_id, None)
                         if waiter is not None and not waiter.done():
@@ -251,17 +219,17 @@ class AsyncGuestChannel:
                 self._synced.set_exception(Unavailable(what="the guest channel", reason="closed"))
 
     async def request(self, kind: str, timeout: float = 30.0, **fields):
-        request_id = next(self._ids)
+        request_id, line = self._session.request(kind, **fields)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = waiter
-        self._write(ch.encode({"type": kind, "id": request_id, **fields}))
+        self._write(line)
         try:
             message = await asyncio.wait_for(waiter, timeout)
         except asyncio.TimeoutError:
             raise Timeout(what=f"the agent's answer to {kind}", timeout=timeout) from None
         finally:
             self._waiters.pop(request_id, None)
-        return _answer(message)
+        return ch.answer_of(message)
 
     async def close(self) -> None:
         if self._reader_task is not None:
@@ -272,8 +240,3 @@ class AsyncGuestChannel:
                 await self._writer.wait_closed()
             except (OSError, asyncio.CancelledError):
                 pass
-
-
-def check_protocol(hello: dict) -> None:
-    if not isinstance(hello.get("protocol"), int) or hello["protocol"] < 1:
-        raise ProtocolError(reason=f"agent hello without a protocol version: {hello!r}")

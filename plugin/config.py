@@ -48,6 +48,7 @@ import tomllib
 
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
+from accelmig.wire.localapi import DEFAULT_HOSTD_SOCKET
 
 __all__ = [
     "DEFAULT_PATH", "FABRIC_MODES", "FabricConfig", "HostConfig", "HostdConfig",
@@ -105,7 +106,7 @@ class FabricConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HostdConfig:
-    socket: str = "/run/accelmig/hostd.sock"
+    socket: str = DEFAULT_HOSTD_SOCKET
     state_dir: str = "/var/lib/accelmig"
     strict: bool = True
     hook_timeout: float = 3.0

@@ -4,7 +4,7 @@ libvirt runs it as ``HOOK DOMAIN OPERATION SUB-OPERATION EXTRA`` with the
 domain XML on stdin, for every domain and every lifecycle step (libvirt >=
 6.5 runs every executable in qemu.d, in order, chaining their XML output).
 
-Rules it lives by (LAB-NOTES measured why):
+Rules it lives by (docs/lab-notes.md measured why):
 - it acts only on accelmig domains (its metadata or its agent channel) and
   only at ``migrate begin`` and ``restore begin``: for every other domain
   and every other step it exits 0 at once, silently (the installed script
@@ -29,7 +29,7 @@ import os
 import sys
 import time
 
-GATED = {("migrate", "begin"), ("restore", "begin")}
+from accelmig.wire.localapi import GATED_HOOK_STEPS
 
 
 def _log(message: str) -> None:
@@ -53,7 +53,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     domain, operation, sub = argv[0], argv[1], argv[2]
     # Cheap filters first: hostd follows every other step through libvirt's
     # events, and most domains on a host are not ours.
-    if (operation, sub) not in GATED or b"accelmig" not in xml:
+    if (operation, sub) not in GATED_HOOK_STEPS or b"accelmig" not in xml:
         return 0
     try:
         return _run(domain, operation, sub, xml, started, stdout)
@@ -65,7 +65,7 @@ def main(argv=None, stdin=None, stdout=None) -> int:
 def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout) -> int:
     from accelmig.plugin.config import HostConfig
     from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
-    from accelmig.plugin.hostd.client import LocalClient
+    from accelmig.wire.localapi import LocalClient
     from accelmig.wire.errors import AccelmigError
 
     try:

@@ -6,7 +6,7 @@ export DEBIAN_FRONTEND=noninteractive
 apt-get install -y -qq --no-install-recommends libvirt-daemon-system qemu-system-x86 >/dev/null
 GATEWAY=$(python3 -c "import ipaddress,sys; print(next(ipaddress.ip_network('$GUEST_SUBNET').hosts()))")
 PREFIX=${GUEST_SUBNET#*/}
-# fab0: the guests' accelerator fabric; an explicit MAC (LAB-NOTES: else it
+# fab0: the guests' accelerator fabric; an explicit MAC (docs/lab-notes.md: else it
 # takes a tap's, derived from the guest's, the same on both hosts).
 ip link show fab0 >/dev/null 2>&1 || ip link add fab0 type bridge
 ip link set fab0 address "02:ac:4d:00:00:$(printf '%02x' "${HOST_IP##*.}")" up

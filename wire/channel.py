@@ -22,15 +22,29 @@ drivers send ``register``/``unregister``/``where``; the agent sends
 ``resume`` (endpoint, ticket, migration id) and the driver answers with a
 ``result``.
 
+**hostd's local API** (``/run/accelmig/hostd.sock``: the hook, the CLI):
+the same line format, one request per connection.
+
+Every line conversation is a ``LineSession`` (sans-IO: ids, the sync
+handshake, answers told from events, answers decoded into results or typed
+errors) under one of two transports: ``LineClient`` (blocking) here, and
+hostd's asyncio channel (``accelmig.plugin.channel.AsyncGuestChannel``).
+
 Standard library only.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import os
+import secrets
+import socket
+import threading
+import time
 
-from accelmig.wire.errors import BadRequest
+from accelmig.wire.errors import BadRequest, Timeout, Unavailable, from_wire
 from accelmig.wire.identity import HostIdentity
 
 LOG = logging.getLogger(__name__)
@@ -145,3 +159,182 @@ def parse_rehome(message: dict) -> tuple[str, HostIdentity, dict]:
             isinstance(k, str) and isinstance(v, str) for k, v in tickets.items()):
         raise BadRequest(reason="rehome: tickets must map session ids to ticket strings")
     return migration_id, identity, tickets
+
+
+def answer_of(message: dict):
+    """The result of an answer, or its error raised as the typed exception."""
+    if message.get("ok"):
+        return message.get("result")
+    raise from_wire(message.get("error") or {})
+
+
+class LineSession:
+    """One end of a line conversation, without I/O: numbers requests, tells
+    answers (``result`` with a request's id) from unsolicited messages,
+    and, where the peer may hold stale lines (the guest channel across a
+    migration), gates everything behind the sync handshake.
+
+    ``feed(data)`` returns ``(kind, id, message)`` with kind ``answer``,
+    ``event`` or ``synced``."""
+
+    def __init__(self, name: str, *, gated: bool = False, first_id: int = 1, max_line: int = MAX_LINE):
+        self.parser = LineParser(max_line=max_line, name=name)
+        self.gated = gated
+        self._ids = itertools.count(first_id)
+        self.wanted_nonce: str | None = None
+        self.synced_nonce: str | None = None
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def request(self, kind: str, **fields) -> tuple[int, bytes]:
+        request_id = self.next_id()
+        return request_id, encode({"type": kind, "id": request_id, **fields})
+
+    def sync(self) -> tuple[int, bytes]:
+        """A fresh handshake: the sentinel (the peer drops its partial line)
+        and a ``sync`` whose nonce alone ends the gate."""
+        self.gated = True
+        self.wanted_nonce, self.synced_nonce = secrets.token_hex(8), None
+        request_id = self.next_id()
+        return request_id, SENTINEL + encode({"type": "sync", "id": request_id, "nonce": self.wanted_nonce})
+
+    def resend_sync(self, request_id: int) -> bytes:
+        return SENTINEL + encode({"type": "sync", "id": request_id, "nonce": self.wanted_nonce})
+
+    @property
+    def synced(self) -> bool:
+        return not self.gated or (self.synced_nonce is not None and self.synced_nonce == self.wanted_nonce)
+
+    def feed(self, data: bytes) -> list[tuple[str, object, dict]]:
+        out = []
+        for message in self.parser.feed(data):
+            kind = message.get("type")
+            if self.gated and kind == "sync":
+                if self.wanted_nonce is not None and message.get("nonce") == self.wanted_nonce:
+                    self.synced_nonce = self.wanted_nonce
+                    out.append(("synced", message.get("id"), message))
+                continue                 # a stale sync answer from an earlier connection
+            if not self.synced:
+                continue                 # before our sync answer: stale
+            out.append(("answer" if kind == "result" else "event", message.get("id"), message))
+        return out
+
+
+def connect_unix(path: str, timeout: float | None) -> socket.socket:
+    """Connect to a unix socket, also one whose path exceeds ``sun_path``'s
+    108 bytes (libvirt's per-domain channel sockets seen from another mount
+    namespace do): through ``/proc/self/fd`` of its directory."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        if len(os.fsencode(path)) < 100:
+            sock.connect(path)
+            return sock
+        dirfd = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+        try:
+            sock.connect(f"/proc/self/fd/{dirfd}/{os.path.basename(path)}")
+        finally:
+            os.close(dirfd)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+class LineClient:
+    """A blocking line conversation on a unix socket: the driver's link to
+    the agent, ``accelmig-agent status``, hostd's local API (the hook, the
+    CLI), the lab's boot-test responder.  ``call`` waits for its own answer
+    within a deadline and keeps what else arrives: unsolicited messages for
+    ``recv``, older answers (of calls that timed out) dropped by id.
+
+    ``what`` names the peer in errors (``Unavailable``, ``Timeout``)."""
+
+    def __init__(self, path: str, *, timeout: float | None = 5.0, what: str | None = None,
+                 name: str = "line-client"):
+        self.path = str(path)
+        self.timeout = timeout
+        self.what = what or self.path
+        self.session = LineSession(name)
+        self._pending: list[dict] = []
+        self._send_lock = threading.Lock()
+        try:
+            self.sock = connect_unix(self.path, timeout)
+        except OSError as exc:
+            raise Unavailable(what=self.what, reason=exc.strerror or str(exc)) from None
+
+    def send(self, message: dict) -> None:
+        """One message as it is (an answer to the peer's request, a note)."""
+        self._write(encode(message))
+
+    def _write(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+        except OSError as exc:
+            raise Unavailable(what=self.what, reason=exc.strerror or str(exc)) from None
+
+    def next_id(self) -> int:
+        return self.session.next_id()
+
+    def _read(self, deadline: float | None) -> list[tuple[str, object, dict]]:
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout()
+            self.sock.settimeout(remaining)
+        else:
+            self.sock.settimeout(None)
+        data = self.sock.recv(65536)
+        if not data:
+            raise Unavailable(what=self.what, reason="the connection closed")
+        return self.session.feed(data)
+
+    def recv(self, timeout: float | None = None) -> dict | None:
+        """The next unsolicited message (or an answer nobody waits for);
+        None once the peer closed.  ``socket.timeout`` after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._pending:
+            try:
+                items = self._read(deadline)
+            except Unavailable:
+                return None
+            self._pending += [message for _, _, message in items]
+        return self._pending.pop(0)
+
+    def call(self, kind: str, timeout: float | None = None, **fields):
+        """Send a request and wait for its answer: its result, or its error
+        raised as the typed exception."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        request_id, line = self.session.request(kind, **fields)
+        self._write(line)
+        while True:
+            try:
+                items = self._read(deadline)
+            except socket.timeout:
+                raise Timeout(what=f"{self.what}'s answer to {kind}", timeout=timeout) from None
+            except OSError as exc:
+                raise Unavailable(what=self.what, reason=exc.strerror or str(exc)) from None
+            mine = None
+            for item_kind, item_id, message in items:
+                if item_kind == "answer" and item_id == request_id and mine is None:
+                    mine = message
+                elif item_kind == "event":
+                    self._pending.append(message)      # kept for recv, in order
+            if mine is not None:
+                return answer_of(mine)
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -5,7 +5,7 @@ take the address, prefix, gateway, MTU and routes its new host assigned
 (``accelmig.wire.identity.GuestNic``) before its drivers reconnect.  With
 pyroute2 installed in the guest this is netlink from the agent's own
 process; otherwise the ``ip`` tool (iproute2 or busybox).  Spawning
-processes is slow in a guest that just migrated (LAB-NOTES: 88-149 ms for
+processes is slow in a guest that just migrated (docs/lab-notes.md: 88-149 ms for
 three ``ip`` runs under TCG), so the fewest commands are run.
 
 Standard library only (pyroute2 is optional).

@@ -12,10 +12,8 @@ Standard library only.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import socket
 import threading
 
 from accelmig.wire import channel as ch
@@ -34,49 +32,6 @@ def agent_socket_path(agent) -> str | None:
     return os.environ.get("ACCELMIG_AGENT_SOCKET", DEFAULT_AGENT_SOCKET)
 
 
-class AgentConnection:
-    """A blocking line connection to the agent (also what ``accelmig-agent``
-    uses to ask the running agent)."""
-
-    def __init__(self, path: str, timeout: float | None = 5.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-        self.parser = ch.LineParser(name="agent")
-        self.pending: list[dict] = []
-        self.lock = threading.Lock()
-        self.ids = itertools.count(1)
-
-    def send(self, message: dict) -> None:
-        with self.lock:
-            self.sock.sendall(ch.encode(message))
-
-    def recv(self) -> dict | None:
-        while not self.pending:
-            data = self.sock.recv(65536)
-            if not data:
-                return None
-            self.pending.extend(self.parser.feed(data))
-        return self.pending.pop(0)
-
-    def call(self, message: dict) -> dict:
-        message = dict(message, id=next(self.ids))
-        self.send(message)
-        while True:
-            answer = self.recv()
-            if answer is None:
-                raise ConnectionError("the agent closed the connection")
-            if answer.get("type") == "result" and answer.get("id") == message["id"]:
-                return answer
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
 def endpoint_from_agent(agent=None) -> str | None:
     """Where the pool is, as the host told this guest's agent (None: no agent
     or no identity yet)."""
@@ -84,15 +39,18 @@ def endpoint_from_agent(agent=None) -> str | None:
     if path is None or not os.path.exists(path):
         return None
     try:
-        conn = AgentConnection(path)
-        try:
-            answer = conn.call({"type": "where"})
-        finally:
-            conn.close()
-    except OSError as exc:
+        with agent_connection(path) as conn:
+            answer = conn.call("where")
+    except AccelmigError as exc:
         LOG.info("guest agent at %s does not answer: %s", path, exc)
         return None
-    return (answer.get("result") or {}).get("endpoint")
+    return (answer or {}).get("endpoint")
+
+
+def agent_connection(path: str, timeout: float | None = 5.0) -> ch.LineClient:
+    """A line connection to the agent (also what ``accelmig-agent`` uses to
+    ask the running agent); ``Unavailable`` when none answers."""
+    return ch.LineClient(path, timeout=timeout, what=f"the guest agent at {path}", name="agent")
 
 
 class AgentRegistration:
@@ -105,7 +63,7 @@ class AgentRegistration:
         self.session = session
         self.path = path
         self._stop = threading.Event()
-        self._conn: AgentConnection | None = None
+        self._conn: ch.LineClient | None = None
         self.registered = threading.Event()
         self.resumes = 0
         self._thread = threading.Thread(target=self._run, name=f"accelmig-{session.sid}-agent", daemon=True)
@@ -123,14 +81,14 @@ class AgentRegistration:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                conn = AgentConnection(self.path, timeout=None)
-            except OSError:
+                conn = agent_connection(self.path, timeout=None)
+            except AccelmigError:
                 self._stop.wait(self.RETRY)
                 continue
             self._conn = conn
             try:
                 s = self.session
-                conn.send({"type": "register", "id": next(conn.ids), "sid": s.sid, "endpoint": s.endpoint,
+                conn.send({"type": "register", "id": conn.next_id(), "sid": s.sid, "endpoint": s.endpoint,
                            "pid": os.getpid(), "name": s.name, "epoch": s.epoch})
                 while not self._stop.is_set():
                     message = conn.recv()
@@ -142,8 +100,8 @@ class AgentRegistration:
                         continue
                     if message.get("type") == "resume":
                         self._resume(conn, message)
-            except OSError:
-                pass
+            except (OSError, AccelmigError):
+                pass                  # the agent went away: register again below
             finally:
                 self._conn = None
                 self.registered.clear()
@@ -152,7 +110,7 @@ class AgentRegistration:
                 LOG.info("session %s: the guest agent went away; registering again", self.session.sid)
                 self._stop.wait(self.RETRY)
 
-    def _resume(self, conn: AgentConnection, message: dict) -> None:
+    def _resume(self, conn: ch.LineClient, message: dict) -> None:
         try:
             outcome = self.session.resume(message.get("endpoint"), message.get("ticket"))
             self.resumes += 1
@@ -166,7 +124,7 @@ class AgentRegistration:
         conn = self._conn
         if conn is not None:
             try:
-                conn.send({"type": "unregister", "id": next(conn.ids), "sid": self.session.sid})
-            except OSError:
-                pass
+                conn.send({"type": "unregister", "id": conn.next_id(), "sid": self.session.sid})
+            except AccelmigError:
+                pass                  # already gone: closing says the same
             conn.close()

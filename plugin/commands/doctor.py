@@ -19,7 +19,7 @@ from accelmig.plugin.commands.install import (DEFAULT_HOOK_NAME, DEFAULT_HOOKS_D
                                               hostd_settings, json_option, load_config,
                                               parse_hook_script, print_json, read_state)
 from accelmig.plugin.config import DEFAULT_PATH
-from accelmig.plugin.hostd.client import LocalClient
+from accelmig.wire.localapi import LocalClient
 from accelmig.wire.errors import AccelmigError, ErrorCode
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"

@@ -36,6 +36,7 @@ import click
 
 from accelmig.plugin.config import DEFAULT_PATH, HostConfig, HostdConfig
 from accelmig.wire.errors import AccelmigError, BadRequest, Unavailable
+from accelmig.wire.localapi import GATED_HOOK_STEPS
 
 DEFAULT_HOOKS_DIR = "/etc/libvirt/hooks"
 DEFAULT_HOOK_NAME = "50-accelmig"
@@ -281,7 +282,7 @@ def hook_script(interpreter: str, config: str | None) -> str:
         "# 'accelmig uninstall').  libvirt runs it as DOMAIN OPERATION SUB-OPERATION EXTRA",
         "# with the domain XML on stdin.  Do not edit: rerun 'accelmig install'.",
         'case "$2 $3" in',
-        '    "migrate begin"|"restore begin") ;;',
+        '    ' + '|'.join(f'"{op} {sub}"' for op, sub in sorted(GATED_HOOK_STEPS)) + ') ;;',
         "    *) exec cat >/dev/null ;;      # drain the XML libvirt writes; nothing to do",
         "esac",
     ]

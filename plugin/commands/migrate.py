@@ -73,7 +73,7 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
     import libvirt
 
     from accelmig.plugin.config import HostConfig
-    from accelmig.plugin.hostd.client import LocalClient
+    from accelmig.wire.localapi import LocalClient
     try:
         config = HostConfig.load(config_path)
     except AccelmigError as exc:

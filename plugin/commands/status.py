@@ -6,7 +6,7 @@ import click
 
 from accelmig.plugin.commands.install import (cli_errors, config_option, fail, hostd_settings,
                                               json_option, load_config, print_json)
-from accelmig.plugin.hostd.client import LocalClient
+from accelmig.wire.localapi import LocalClient
 from accelmig.wire.errors import AccelmigError, Timeout, Unavailable
 
 HOSTD_TIMEOUT = 3.0

@@ -1,5 +1,5 @@
 """hostd's local API: the server the hook and the CLI talk to (the requests
-are listed in ``accelmig.plugin.hostd.client``).
+are listed in ``accelmig.wire.localapi``).
 
 One hostd per socket: ``LocalServer.start()`` raises ``AlreadyRunning`` when
 another one owns the path, before it changes anything.  Every client
@@ -16,14 +16,13 @@ import time
 
 from accelmig.plugin.hostd.watch import Phase, Trigger
 from accelmig.wire import channel as ch
+from accelmig.wire.localapi import GATED_HOOK_STEPS
 from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, Unavailable, UnknownOp
 from accelmig.wire.records import RecordStateName, RecordView
 from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger("accelmig.hostd")
 
-#: operations of the hook that hostd acts on (the hook sends no others)
-GATED = {("migrate", "begin"), ("restore", "begin")}
 
 
 class LocalServer:
@@ -114,11 +113,15 @@ class LocalApi:
         d = self.daemon
         return {"host": d.host, "pid": os.getpid(), "pool": d.pool_reachable, "libvirt": d.libvirt.conn is not None}
 
+    #: how long ``status`` waits for the pool's records before it answers without them
+    STATUS_POOL_WAIT = 2.0
+
     async def status(self, message: dict) -> dict:
         d = self.daemon
         try:
-            records = [RecordView.from_wire(r) for r in
-                       (await d.pool_call("list_records", open_only=False))["records"]]
+            # status must answer while the pool does not: a short limit of its own
+            answer = await d.pool.call_within(self.STATUS_POOL_WAIT, "list_records", open_only=False)
+            records = [RecordView.from_wire(r) for r in answer["records"]]
             records = [r.to_wire() for r in records if r.involves(d.host)][-20:]
         except AccelmigError:
             records = []
@@ -137,7 +140,7 @@ class LocalApi:
         op, sub, uuid, name = (message.get(k) for k in ("op", "sub", "uuid", "name"))
         if not isinstance(uuid, str):
             raise BadRequest(reason="hook note without a domain uuid")
-        if (op, sub) not in GATED:
+        if (op, sub) not in GATED_HOOK_STEPS:
             raise BadRequest(reason=f"hook {op} {sub}: hostd acts on migrate begin and restore begin only")
         d.counters[f"hook_{op}_{sub}"] += 1
         d.metrics.hook_notes.labels(f"{op} {sub}").inc()

@@ -2,7 +2,7 @@
 
 libvirt reports a lifecycle event as two integers (``event``, ``detail``)
 whose meaning depends on each other.  ``DomainEvent.from_libvirt`` turns them
-into one member — ``DomainEvent.RESUMED_MIGRATED`` — with the names LAB-NOTES
+into one member — ``DomainEvent.RESUMED_MIGRATED`` — with the names docs/lab-notes.md
 and libvirt's documentation use; the table behind it is built once, at
 import, from the constants this libvirt-python has (an older binding simply
 lacks the newer details).  Everything past ``LibvirtSession`` sees only these

@@ -15,7 +15,8 @@ import pytest
 from accelmig.agent.daemon import Agent, ChannelState
 from accelmig.plugin.channel import GuestChannel
 from accelmig.wire import channel as ch
-from accelmig.wire.errors import UnknownOp
+from accelmig.wire.errors import BadRequest, ErrorCode, UnknownOp
+from tests.support.wait import wait_for
 
 
 def test_parser_resynchronises_on_garbage_partial_and_oversized_lines():
@@ -51,8 +52,12 @@ def test_handshake_hello_ping_status_and_unknown_requests(agent):
         assert host.request("status")["channel"] == "synced"
         with pytest.raises(UnknownOp, match="teleport"):
             host.request("teleport")
-        with pytest.raises(Exception, match="identity"):
-            host.request("identity", identity={"nope": 1})
+        # the agent refuses it (BadRequest, from HostIdentity.from_wire), at once:
+        # a Timeout would also mention "identity", so the type and the reason both count
+        with pytest.raises(BadRequest, match="identity lacks 'host_id'") as refused:
+            host.request("identity", timeout=5, identity={"nope": 1})
+        assert type(refused.value) is BadRequest and refused.value.code is ErrorCode.BAD_REQUEST
+        assert host.request("ping")["pong"] is True        # and the channel goes on
 
 
 def test_host_drops_mid_message_and_comes_back(agent):
@@ -60,10 +65,8 @@ def test_host_drops_mid_message_and_comes_back(agent):
     host.connect(agent.port_path)
     host.sendall(b'{"type":"identity","id":7,"identity":{"host_id":"A","pool_en')
     host.close()                                    # gone half-way through a line
-    deadline = time.time() + 5
-    while agent.state is not ChannelState.NO_HOST and time.time() < deadline:
-        time.sleep(0.01)
-    assert agent.state is ChannelState.NO_HOST
+    wait_for(lambda: agent.state is ChannelState.NO_HOST, 5, "the agent to see the host end gone (NO_HOST)",
+             interval=0.01)
     with GuestChannel(agent.port_path) as again:    # the next host end starts clean
         again.connect()
         answer = again.request("identity", identity={"host_id": "hostB", "pool_endpoint": "10.0.0.1:7070"})
@@ -129,7 +132,7 @@ def test_over_a_pty_garbage_resync_and_a_full_buffer(tmp_path):
         for i in range(60):
             os.write(master, ch.encode({"type": "ping", "id": 100 + i, "pad": pad}))
             os.write(master, ch.encode({"type": "status", "id": 200 + i}))
-        time.sleep(0.5)
+        wait_for(lambda: agent.port.write_waits > 0, 10, "the agent's writes to the full pty to hit EAGAIN")
         got = _read_until(master, lambda d: d.count(b'"type":"result"') >= 120, timeout=20)
         parser = ch.LineParser()
         answers = [m for m in parser.feed(got.replace(ch.SENTINEL, b"")) if m.get("type") == "result"]
