@@ -290,12 +290,6 @@ class ControlServer:
             renewed.append(record.describe())
         return {"renewed": renewed, "unknown": unknown}
 
-    def do_report_resume(self, caller, domain_uuid, migration_id, results=None):
-        record = self.pool.find_record(domain_uuid, migration_id)
-        record.times.setdefault("rehomed", time.time())
-        record.times["agent_report"] = time.time()
-        return record.describe()
-
     def do_park(self, caller, domain_uuid, retention=None):
         now = time.time()
         retention = float(retention or self.pool.config.park_retention)

@@ -135,9 +135,10 @@ class Pool:
             raise SessionLost(sid=sid, instance=self.instance)
         raise SessionExpired(sid=sid, details={"reason": self.tombstones.get(sid, "unknown")})
 
-    def resume_session(self, conn, header: dict) -> tuple[Session, list[StoredReply]]:
+    def resume_session(self, conn, header: dict,
+                       now: float | None = None) -> tuple[Session, list[StoredReply]]:
         """All checks first; the session changes only when every one passed."""
-        now = time.time()
+        now = time.time() if now is None else now
         sid = header.get("sid")
         try:
             session = self._lookup(sid)
@@ -205,12 +206,13 @@ class Pool:
                         "blackout_s": blackout})
         return session, replay
 
-    def connection_lost(self, session: Session, conn) -> None:
+    def connection_lost(self, session: Session, conn, now: float | None = None) -> None:
         if not session.live:
             return
-        session.detach(time.time(), self.config.grace)
+        now = time.time() if now is None else now
+        session.detach(now, self.config.grace)
         LOG.info("session %s detached (%s); kept %.0f s", session.sid, session.state.value,
-                 (session.deadline or 0) - time.time(), extra={"sid": session.sid})
+                 (session.deadline or 0) - now, extra={"sid": session.sid})
 
     def _deliver(self, session: Session, reply: StoredReply) -> None:
         conn = session.connection
@@ -252,8 +254,9 @@ class Pool:
         return max(candidates, key=lambda r: r.times["opened"])
 
     def open_record(self, dest: str, domain_uuid: str, migration_id: str | None,
-                    domain_name: str | None, policy: str | None, postcopy: bool) -> MigrationRecord:
-        now = time.time()
+                    domain_name: str | None, policy: str | None, postcopy: bool,
+                    now: float | None = None) -> MigrationRecord:
+        now = time.time() if now is None else now
         for record in self.records.values():
             if record.domain_uuid == domain_uuid and record.dest_host == dest and \
                     record.state is RecordStateName.OPEN and migration_id in (None, record.migration_id):
@@ -287,8 +290,9 @@ class Pool:
                  extra={"domain": domain_uuid, "migration": mid})
         return record
 
-    def switchover_record(self, record: MigrationRecord, source: str) -> None:
-        now = time.time()
+    def switchover_record(self, record: MigrationRecord, source: str,
+                          now: float | None = None) -> None:
+        now = time.time() if now is None else now
         if record.source_host is None:
             record.source_host = source
         if record.switchover(now):
@@ -318,14 +322,14 @@ class Pool:
                  extra={"domain": record.domain_uuid, "migration": record.migration_id})
         return tickets
 
-    def complete_record(self, record: MigrationRecord) -> dict[str, str]:
+    def complete_record(self, record: MigrationRecord, now: float | None = None) -> dict[str, str]:
         """The tickets of every session of ``record`` that has not resumed yet.
 
         Idempotent per migration id: completing again (a second hostd,
         reconciliation racing the event, a retry after a lost answer or a
         failed delivery) hands back the same live tickets, so a ticket already
         on its way to the guest stays valid; only an expired one is replaced."""
-        now = time.time()
+        now = time.time() if now is None else now
         if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
             return self._complete_record(record, now)
         tickets = {}
@@ -365,8 +369,8 @@ class Pool:
         LOG.warning("record %s aborted: %s", record.key, reason,
                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
 
-    def abort_record(self, record: MigrationRecord, reason: str) -> None:
-        self._abort_record(record, time.time(), reason)
+    def abort_record(self, record: MigrationRecord, reason: str, now: float | None = None) -> None:
+        self._abort_record(record, time.time() if now is None else now, reason)
 
     def record_changed(self, record: MigrationRecord) -> None:
         """Wake whoever waits on records (``wait_record``)."""

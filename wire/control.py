@@ -55,7 +55,6 @@ METHODS = {
     "close": "host",              # args: domain_uuid, migration_id?
     "abort": "host",              # args: domain_uuid, migration_id?, reason
     "renew": "host",              # args: records [[domain_uuid, migration_id]]
-    "report_resume": "host",      # args: domain_uuid, migration_id, results {sid: {...}}
     # saved domains
     "park": "host",               # args: domain_uuid, retention?
     "unpark": "host",             # args: domain_uuid
