@@ -111,6 +111,36 @@ def wait_job(accel, host, name, timeout=20):
     raise AssertionError(f"no migration job on {host} for {name}")
 
 
+def wait_transferring(accel, host, name, timeout=20):
+    """Until QEMU's migration stream of ``name`` really flows from ``host``
+    (the destination's QEMU is up and receiving): the job exists before that."""
+    dom = wait_job(accel, host, name, timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if dom.jobStats().get("memory_processed"):
+            return dom
+        time.sleep(0.05)
+    raise AssertionError(f"{name}'s migration from {host} transfers nothing: {dom.jobStats()}")
+
+
+def hostd_status(accel, host, timeout=20):
+    """``accelmig status`` as hostd answers it (its ``status`` request)."""
+    from accelmig.wire.localapi import LocalClient
+    return LocalClient(str(accel.hostd_socket(host)), timeout=timeout).call("status")
+
+
+def hostd_domain(accel, host, uuid, predicate, timeout=60, what="hostd's view of the domain"):
+    """hostd's own ``status`` entry of domain ``uuid``, once ``predicate`` holds."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while time.monotonic() < deadline:
+        seen = next((d for d in hostd_status(accel, host)["domains"] if d["uuid"] == uuid), None)
+        if seen is not None and predicate(seen):
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"{what} on {host}: {json.dumps(seen)}\n{diagnosis(accel)}")
+
+
 def record_of(accel, uuid, predicate, timeout=30, what="record state"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -149,7 +179,7 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
         check_hot(move, accel)
         assert move["downtime_ms"] is not None and max(move["blackout_ms"].values()) > 0
     assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1, json.dumps(moves[2]["cli"])
-    from accelmig.plugin.hostd.client import LocalClient
+    from accelmig.wire.localapi import LocalClient
     metrics = LocalClient(str(accel.hostd_socket("hostB"))).call("metrics")["text"]
     assert 'accelmig_host_rehomes_total{result="ok"}' in metrics
     done = accel.demo_done("vm-aba")
@@ -186,7 +216,9 @@ def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference)
 
 def test_an_aborted_precopy_leaves_the_vm_running_at_the_source(accel, vms, image, reference):
     uuid, migration = begin_slow_migration(accel, vms, image, "vm-abort")
-    time.sleep(0.5)
+    # B's hook opened the record and QEMU's stream flows: a migration in pre-copy for real
+    record_of(accel, uuid, lambda r: r["state"] == "open" and r["dest_host"] == "hostB", what="record opened by B")
+    wait_transferring(accel, "hostA", "vm-abort")
     abort = accel.virsh("hostA", "domjobabort", "vm-abort")
     assert abort.returncode == 0, abort.stderr
     assert_failed_and_still_at_a(accel, migration, "vm-abort")
@@ -199,32 +231,44 @@ def test_an_aborted_precopy_leaves_the_vm_running_at_the_source(accel, vms, imag
 
 def test_the_destination_qemu_dies_mid_migration(accel, vms, image, reference):
     uuid, migration = begin_slow_migration(accel, vms, image, "vm-qemu")
+    record_of(accel, uuid, lambda r: r["state"] == "open", what="record opened by B")
+    wait_transferring(accel, "hostA", "vm-qemu")      # B's QEMU runs and receives
     pid_file = accel.lab.node("hostB").host_path("/run/libvirt/qemu/vm-qemu.pid")
-    deadline = time.monotonic() + 20
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    killed = time.time()
     os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
     assert_failed_and_still_at_a(accel, migration, "vm-qemu")
     record = record_of(accel, uuid, lambda r: r["state"] == "aborted", what="abort by B's hostd")
-    assert any(reason in record["abort_reason"] for reason in (
-        "failed on the destination", "gone from the destination", "no migration job on the source",
-        "lease expired")), record["abort_reason"]
+    # B's hostd saw its incoming domain stop (libvirt's STOPPED event while
+    # arriving) and aborted at once: not the source's job check, not the lease
+    assert record["abort_reason"] == "the incoming migration failed on the destination (by hostB)", record
+    assert record["times"]["aborted"] - killed < 3, record       # the lease would take >= LEASE s
+    log = accel.hostd_log("hostB")
+    assert "domain vm-qemu: STOPPED_" in log and \
+        f"record {record['migration_id']} aborted: the incoming migration failed" in log, diagnosis(accel)
     assert accel.demo_done("vm-qemu")["sha256"] == reference["sha256"]
 
 
 def test_the_destination_libvirtd_dies_mid_migration(accel, vms, image, reference):
+    before = hostd_status(accel, "hostB")["libvirt"]
+    assert before["connected"], before
+    reconciled = accel.hostd_log("hostB").count("reconciled in")
     uuid, migration = begin_slow_migration(accel, vms, image, "vm-lvd")
     record_of(accel, uuid, lambda r: r["state"] == "open", what="record opened by B")
     node = accel.lab.node("hostB")
     os.kill(node.pid, signal.SIGKILL)
     try:
+        # B's hostd notices: blind to its libvirt (and so it vouches for nothing)
+        deadline = time.monotonic() + 20
+        while hostd_status(accel, "hostB")["libvirt"]["connected"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not hostd_status(accel, "hostB")["libvirt"]["connected"], "B's hostd never saw libvirtd die"
         assert_failed_and_still_at_a(accel, migration, "vm-lvd")
-        # B's hostd cannot see its libvirt and vouches for nothing; A's sees its
-        # migration job gone: the record is aborted (by A, or else by the lease)
+        # A's hostd sees its migration job gone with the guest running there: it
+        # aborts (within its vouch grace and a renewal or two; never the lease)
         record = record_of(accel, uuid, lambda r: r["state"] == "aborted", timeout=LEASE * 4,
                            what="abort")
-        assert any(reason in record["abort_reason"] for reason in (
-            "no migration job on the source", "lease expired")), record["abort_reason"]
+        assert record["abort_reason"].startswith("no migration job on the source any more") and \
+            record["abort_reason"].endswith("(by hostA)"), record
     finally:
         node.stop()
         node.start()
@@ -232,7 +276,14 @@ def test_the_destination_libvirtd_dies_mid_migration(accel, vms, image, referenc
         accel.lab.state["nodes"]["hostB"] = node.state()
         accel.lab._write_state()
         accel.lab._conns.pop("hostB", None)
-    accel.wait_hostd("hostB")     # reconnected and reconciled
+    accel.wait_hostd("hostB")
+    # B's hostd reconnected to the new libvirtd and reconciled after it
+    after = hostd_status(accel, "hostB")["libvirt"]
+    assert after["connected"] and after["reconnects"] > before["reconnects"], (before, after)
+    deadline = time.monotonic() + 20
+    while accel.hostd_log("hostB").count("reconciled in") <= reconciled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert accel.hostd_log("hostB").count("reconciled in") > reconciled, diagnosis(accel)
     assert accel.demo_done("vm-lvd")["sha256"] == reference["sha256"]
 
 
@@ -355,3 +406,71 @@ def test_a_vm_with_only_qemu_guest_agent_is_rehomed_through_guest_exec(accel, vm
     assert "domain vm-nova has no accelmig channel: rehoming through qemu-guest-agent guest-exec" in log
     assert "custom-ga-command" in log          # the taint libvirt records, said out loud
     assert accel.demo_done("vm-nova")["sha256"] == reference["sha256"]
+
+
+def test_a_pool_blip_at_resumed_is_retried_until_the_sessions_resume(accel, vms, image, reference):
+    """The pool's control plane swallows the destination's first ``complete``
+    (a relay in hostB's namespace holds it, then drops it): hostd must not
+    strand the sessions — it retries the rehome until they resume."""
+    from accelmig.lab import netns
+    from accelmig.lab.rig import POOL_CONTROL_PORT
+    from accelmig.lab.topology import POOL_ADDRESS
+    from accelmig.pool.testing import CutProxy
+    boot(accel, vms, "vm-blip", image)
+    uuid = uuid_of(accel, "vm-blip")
+    control = f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
+    # the relay lives in hostB's network namespace (its threads too), where hostd runs
+    proxy = netns.in_thread(accel.lab.ns_of("hostB"), CutProxy, control,
+                            f"{accel.lab.topology.host('hostB').uplink_address}:0")
+    config = accel.config_path("hostB")
+    original = config.read_text()
+    assert f'control = "{control}"' in original
+    try:
+        accel.stop_hostd("hostB")
+        config.write_text(original.replace(f'control = "{control}"', f'control = "{proxy.endpoint}"'))
+        accel.start_hostd("hostB")
+        accel.wait_hostd("hostB")                 # it reached the pool: through the relay
+        assert hostd_status(accel, "hostB")["pool"]["control"] == proxy.endpoint
+        slow(accel, "hostA", "vm-blip", 4)
+        migration = start_migration(accel, "vm-blip", "hostA", "hostB")
+        # B's hook opened the record (through the relay) and B's hostd awaits the guest
+        record_of(accel, uuid, lambda r: r["state"] == "open" and r["dest_host"] == "hostB",
+                  what="record opened by B")
+        hostd_domain(accel, "hostB", uuid, lambda d: d["phase"] == "incoming", what="B awaiting the guest")
+        wait_transferring(accel, "hostA", "vm-blip")
+        proxy.hold()                              # from now on nothing B's hostd sends reaches the pool
+        slow(accel, "hostA", "vm-blip", 100000)   # let the migration finish now
+        out, err = migration.communicate(timeout=120)
+        assert migration.returncode == 0, err
+        assert accel.where("vm-blip") == "hostB"
+        # the guest runs on B; B's first complete got no answer, and hostd says it will retry
+        seen = hostd_domain(accel, "hostB", uuid,
+                            lambda d: d["phase"] == "rehoming" and d["rehome_retry"]
+                            and "complete" in d["rehome_retry"]["why"], timeout=90,
+                            what="B's rehome waiting to be retried")
+        assert seen["rehome_retry"]["attempts"] >= 1 and seen["rehome_retry"]["why"].startswith("Unavailable")
+        record = accel.records(uuid)
+        record = max(record, key=lambda r: r["times"]["opened"])
+        # stranded: the pool never saw a complete (switched over by A, no tickets, nobody resumed)
+        assert record["state"] == "switched_over" and not record["resumed"], record
+        assert "completed" not in record["times"], record
+        # the blip ends: what the relay held (that first complete) is dropped, never delivered
+        assert proxy.cut() >= 1
+        proxy.release()
+        record = record_of(accel, uuid, lambda r: r["state"] in ("completed", "closed") and r["sessions"]
+                           and set(r["sessions"]) <= set(r["resumed"]), timeout=60, what="rehome after the blip")
+        after = hostd_domain(accel, "hostB", uuid, lambda d: d["phase"] == "running", timeout=30,
+                             what="B's rehome done")
+        assert after["rehome_retry"] is None and after["last_rehome"]["ok"], after
+        log = accel.hostd_log("hostB")
+        assert "rehome failed" in log and "will retry" in log, diagnosis(accel, "vm-blip")
+        assert f"rehome {record['migration_id']} succeeded on attempt" in log, diagnosis(accel, "vm-blip")
+        done = accel.demo_done("vm-blip")
+        assert done["sha256"] == reference["sha256"] and done["resumes"] == 1, done
+    finally:
+        proxy.release()
+        accel.stop_hostd("hostB")
+        config.write_text(original)
+        accel.start_hostd("hostB")
+        accel.wait_hostd("hostB")
+        proxy.close()

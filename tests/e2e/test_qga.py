@@ -40,7 +40,7 @@ from accelmig.plugin import qga  # noqa: E402
 from accelmig.wire.control import ControlClient  # noqa: E402
 from accelmig.wire.errors import ErrorCode  # noqa: E402
 from accelmig.wire.identity import GuestNic, HostIdentity  # noqa: E402
-from tests.e2e.test_rig import assert_clean, diagnostics, snapshot  # noqa: E402
+from tests.support.e2e import assert_clean, diagnostics, snapshot  # noqa: E402
 
 TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox", "apt-get", "dpkg-deb"]
 MISSING = [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(t)]

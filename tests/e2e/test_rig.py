@@ -38,6 +38,7 @@ from accelmig.lab.rig import Lab, kvm_status  # noqa: E402
 from accelmig.lab.topology import POOL_ADDRESS, Topology  # noqa: E402
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME  # noqa: E402
 from accelmig.plugin.domain.render import render  # noqa: E402
+from tests.support.e2e import LAB_LINKS, assert_clean, diagnostics, leftovers, snapshot  # noqa: E402
 
 TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox"]
 MISSING = [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(t)]
@@ -53,67 +54,59 @@ def unique(tag: str) -> str:
     return f"e2e{RUN_ID}{tag}"
 
 
-#: Interface names the lab uses (inside its namespaces only).
-LAB_LINKS = {"to-pool", "to-hostA", "to-hostB", "fab0"}
-
-
-def snapshot() -> dict:
-    """What a lab could leave behind in the root namespaces."""
-    with open("/proc/self/mountinfo") as f:
-        mounts = sorted(line.split()[4] for line in f)
-    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-    return {"netns": sorted(netns.names()), "mounts": mounts,
-            "links": sorted(line.split(":")[1].strip().split("@")[0] for line in links.splitlines())}
-
-
-def leftovers(prefix: str, before: dict, lab_dir: Path | None = None) -> dict:
-    """What of *this* lab is still there.  Only this lab's names count:
-    other test suites on the same machine create namespaces of their own
-    at the same time, so the machine's whole state is not ours to compare."""
-    after = snapshot()
-    new_mounts = set(after["mounts"]) - set(before["mounts"])
-    return {
-        "netns": [n for n in after["netns"] if n.startswith(prefix)],
-        "mounts": sorted(m for m in new_mounts
-                         if prefix in m or (lab_dir is not None and m.startswith(str(lab_dir)))),
-        "links": sorted((set(after["links"]) - set(before["links"])) & LAB_LINKS
-                        | {n for n in after["links"] if n.startswith(prefix)}),
-    }
-
-
-def assert_clean(lab: Lab, before: dict, pids=()):
-    left = leftovers(lab.name, before, lab.dir)
-    assert left == {"netns": [], "mounts": [], "links": []}, left
-    assert not lab.dir.exists(), f"{lab.dir} is still there"
-    for pid, starttime in pids:
-        assert not same_process(pid, starttime), f"process {pid} is still running"
-
-
 def in_ns(ns: str, *argv, timeout=10) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=timeout)
 
 
-def diagnostics(lab: Lab, domain: str | None = None) -> str:
-    """Console and daemon logs, for assertion messages."""
-    out = []
-    for host, node in lab.nodes.items():
-        out.append(f"== {host}: {node.tail(10)}")
-        if domain:
-            for path in (lab.console_log(host, domain), node.qemu_log(domain)):
-                if path.exists():
-                    out.append(f"== {path}:\n{path.read_text(errors='replace')[-2500:]}")
-    return "\n".join(out)
-
-
 # ---------------------------------------------------------------- KVM or TCG
 
-def test_virt_type_is_detected_not_assumed():
+def test_virt_type_is_detected_not_assumed(monkeypatch):
+    # this machine, as it is: the verdict agrees with what /sys says
     usable, why = kvm_status()
     assert why
     if os.path.isdir("/sys/module/kvm_pvm"):
         assert not usable and "kvm-pvm" in why     # these machines: /dev/kvm, but no stock guests
-    assert Lab("e2e-virt", virt_type="auto").virt_type == ("kvm" if usable else "qemu")
     assert Lab("e2e-virt", virt_type="qemu").virt_type == "qemu"
+    assert not Lab("e2e-virt").dir.exists()
+    # each kind of machine kvm_status tells apart, and what "auto" makes of it
+    # (an "auto" that always said qemu, or one that trusted /dev/kvm alone, fails here)
+    from accelmig.lab import rig
+    real_exists, real_isdir = os.path.exists, os.path.isdir
+
+    def machine(files=(), modules=(), opens=True):
+        def exists(p):
+            return p in files if p == "/dev/kvm" else real_exists(p)
+
+        def isdir(p):
+            return p.removeprefix("/sys/module/") in modules if p.startswith("/sys/module/") else real_isdir(p)
+
+        def open_kvm(p, flags, *a):
+            if p != "/dev/kvm":
+                return real_open(p, flags, *a)
+            if not opens:
+                raise PermissionError(13, "Permission denied")
+            return real_open("/dev/null", os.O_RDONLY)
+        monkeypatch.setattr(rig.os.path, "exists", exists)
+        monkeypatch.setattr(rig.os.path, "isdir", isdir)
+        monkeypatch.setattr(rig.os, "open", open_kvm)
+        monkeypatch.delenv("ACCELMIG_LAB_VIRT", raising=False)
+        return rig.kvm_status(), Lab("e2e-virt", virt_type="auto").virt_type
+
+    real_open = os.open
+    try:
+        assert machine() == ((False, "no /dev/kvm"), "qemu")
+        (ok, why), virt = machine(files={"/dev/kvm"}, modules={"kvm", "kvm_pvm", "kvm_intel"})
+        assert (ok, virt) == (False, "qemu") and "kvm-pvm" in why
+        (ok, why), virt = machine(files={"/dev/kvm"}, modules={"kvm"})
+        assert (ok, virt) == (False, "qemu") and "neither kvm_intel nor kvm_amd" in why
+        (ok, why), virt = machine(files={"/dev/kvm"}, modules={"kvm", "kvm_amd"}, opens=False)
+        assert (ok, virt) == (False, "qemu") and "Permission denied" in why
+        assert machine(files={"/dev/kvm"}, modules={"kvm", "kvm_intel"}) == ((True, "kvm_intel on /dev/kvm"), "kvm")
+        assert machine(files={"/dev/kvm"}, modules={"kvm", "kvm_amd"}) == ((True, "kvm_amd on /dev/kvm"), "kvm")
+        monkeypatch.setenv("ACCELMIG_LAB_VIRT", "qemu")     # an explicit setting wins over detection
+        assert Lab("e2e-virt", virt_type=None).virt_type == "qemu"
+    finally:
+        monkeypatch.undo()
     assert not Lab("e2e-virt").dir.exists()
 
 
