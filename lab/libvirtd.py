@@ -1,7 +1,7 @@
 """One lab hypervisor host's libvirt daemon: a real ``libvirtd`` in the
 host's network namespace plus its own mount and UTS namespace.
 
-Why each piece (measured, LAB-NOTES):
+Why each piece (measured, docs/lab-notes.md):
 
 - libvirt's state paths are fixed, so every daemon gets its own directories
   bind-mounted over ``/etc/libvirt``, ``/run/libvirt``, ``/var/lib/libvirt``,

@@ -111,7 +111,7 @@ def veth(ns_a: str, if_a: str, ns_b: str, if_b: str) -> None:
 def bridge(handle: IPRoute, name: str, *, mac: str | None = None, ports=()) -> int:
     """A bridge (kept if it exists) with ``ports`` enslaved; returns its index.
     Give it a MAC: a bridge without one takes a port's, and two hosts' bridges
-    whose ports came from the same guest MAC end up alike (LAB-NOTES)."""
+    whose ports came from the same guest MAC end up alike (docs/lab-notes.md)."""
     if not has_link(handle, name):
         handle.link("add", ifname=name, kind="bridge")
     bridge_index = index(handle, name)

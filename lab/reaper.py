@@ -14,7 +14,7 @@ Why it exists:
   daemonises, become its children and are reaped the moment they exit.  PID 1
   on these machines reaps orphans only every 1–2 s, and libvirt treats an
   unreaped QEMU as alive, which added 1–2 s to every destroy and to the source
-  side of every migration (LAB-NOTES: migration 2.4–2.8 s -> 1.1–1.3 s).
+  side of every migration (docs/lab-notes.md: migration 2.4–2.8 s -> 1.1–1.3 s).
 - **A clean stop.**  SIGTERM/SIGINT/SIGHUP go to the daemon; when the daemon
   has exited, every remaining child (guests libvirt left running) gets
   SIGTERM, then SIGKILL, before the reaper exits with the daemon's status.

@@ -25,7 +25,7 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
 - Each bridge ``fab0`` gets an **explicit MAC**: a bridge with a random MAC
   takes its first port's MAC, which libvirt derives from the guest MAC, so
   both hosts' bridges ended up with the same MAC and a migrated guest's
-  cached gateway entry still "worked" on B with its old address (LAB-NOTES).
+  cached gateway entry still "worked" on B with its old address (docs/lab-notes.md).
 - Veths are created inside the namespaces (the peer placed straight into the
   other namespace), never in the root namespace, so names cannot collide
   with anything outside the lab.

@@ -16,7 +16,7 @@ import tempfile
 
 from accelmig.agent import demoapp
 from accelmig.agent.driver import connect
-from accelmig.pool.harness import CutProxy
+from accelmig.pool.testing import CutProxy
 from accelmig.wire.control import ControlClient
 
 TOKEN = "demo-tenant-token"

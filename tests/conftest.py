@@ -7,25 +7,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import hypothesis  # noqa: F401  (imported first: see below)
 import pytest
 
-from accelmig.pool.harness import PoolThread
+from accelmig.pool.testing import PoolThread
+from tests.support.tenants import ALICE, BOB, TENANTS, run_cli  # noqa: F401  (re-exported)
 
 # hypothesis is imported at the top because Debian's Python 3.11.2 fails with
 # "AST constructor recursion depth mismatch" when hypothesis' pytest plugin
 # first imports it at the end of a session that never did (CPython gh-106905).
 
 pytest_plugins = ["tests.support.fixtures"]
-
-TENANTS = {
-    "alice": ("alice-token-0001", "256MiB"),
-    "bob": ("bob-token-000002", "64MiB"),
-}
-
 
 def pytest_report_header(config):
     lines = []
@@ -57,13 +50,3 @@ def pool():
 def shared_pool():
     with PoolThread(TENANTS) as harness:
         yield harness
-
-
-ALICE = TENANTS["alice"][0]
-BOB = TENANTS["bob"][0]
-
-
-def run_cli(*args, **kwargs):
-    """Run a console script of this virtualenv."""
-    exe = os.path.join(os.path.dirname(sys.executable), args[0])
-    return subprocess.run([exe, *args[1:]], capture_output=True, text=True, **kwargs)

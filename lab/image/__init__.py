@@ -1,6 +1,6 @@
 """The lab's guest image: a RAM-only Linux guest (kernel + initramfs, no disk).
 
-Why this shape (measured, see LAB-NOTES):
+Why this shape (measured, see docs/lab-notes.md):
 
 - **No disk** means no storage handling at all in a live migration: the
   whole guest is RAM, which QEMU moves anyway.

@@ -1,6 +1,6 @@
 """The initramfs archive: a minimal newc cpio writer (what the kernel's
 initramfs unpacker reads), written uncompressed because under TCG the
-guest's own decompressor costs more than the bigger archive (LAB-NOTES)."""
+guest's own decompressor costs more than the bigger archive (docs/lab-notes.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ plus the few modules the guest loads, and their load order.
 
 Under TCG the guest's own decompressor costs seconds: Debian's bzImage
 carries its kernel as one XZ stream, which Python's lzma unpacks here once;
-QEMU boots the resulting ELF directly through its PVH entry note (LAB-NOTES:
+QEMU boots the resulting ELF directly through its PVH entry note (docs/lab-notes.md:
 boot-to-agent 8.4–9.4 s -> 4.2–4.9 s).
 """
 

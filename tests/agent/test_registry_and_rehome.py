@@ -15,7 +15,7 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.plugin.channel import GuestChannel
 from tests.conftest import ALICE, run_cli
-from tests.continuity.conftest import TwoHosts, make_pool
+from tests.support.twohosts import TwoHosts, make_pool
 from tests.support.wait import wait_for
 
 DRIVER = textwrap.dedent("""

@@ -6,7 +6,6 @@ the guest's part itself: it re-addresses the fabric NIC (pyroute2, or the
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -14,11 +13,12 @@ from accelmig.agent.daemon import Agent
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.driver import connect
 from accelmig.plugin.channel import GuestChannel
-from accelmig.pool.harness import PoolThread
+from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from tests.conftest import ALICE, TENANTS
-from tests.continuity.conftest import SECRETS
+from tests.support.twohosts import SECRETS
 from tests.support.topology import GATEWAYS, GUEST_ADDRESSES, GUEST_MAC, POOL_ADDRESS, SUBNETS, MovingGuest
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.root
 
@@ -45,9 +45,7 @@ def test_rehome_two_sessions_into_another_namespace(netns_factory, tmp_path, use
             threading.Thread(target=agent.run, daemon=True).start()
             devs = [connect(endpoint, ALICE, agent=agent.socket_path, timeout=20) for _ in range(2)]
         bufs = [dev.upload(b"weights-%d" % i) for i, dev in enumerate(devs)]
-        deadline = time.time() + 5
-        while len(agent.sessions()) < 2 and time.time() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: len(agent.sessions()) >= 2, 5, "the agent to register both sessions", interval=0.02)
         for dev in devs:
             assert pool.session(dev.sid)["bound_host"] == "hostA"
             clients["hostA"].call("bind_session", sid=dev.sid, domain_uuid="dom-agent")

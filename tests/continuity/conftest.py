@@ -1,65 +1,13 @@
-"""A pool with two hypervisor hosts that need neither root nor namespaces:
-hostA is IPv4 loopback (127.0.0.0/8), hostB is IPv6 loopback (::1).  The
-pool listens on both, so a driver "moves" from A to B by reconnecting to the
-other address family — its connections really come from the other host's
-addresses as far as the pool can tell.  (tests/continuity/test_netns_moves.py
-does the same with real network namespaces.)"""
+"""Fixtures of tests/continuity: a pool with two loopback "hosts" (see
+:mod:`tests.support.twohosts`) and a fresh domain uuid."""
 
 from __future__ import annotations
 
-import socket
 import uuid
 
 import pytest
 
-from accelmig.pool.harness import PoolThread
-from accelmig.wire.control import ControlClient
-from accelmig.wire.frames import FrameReader, encode_frame
-from tests.conftest import ALICE, TENANTS
-
-SECRETS = {"hostA": "hostA-secret-0123456789", "hostB": "hostB-secret-9876543210"}
-HOSTS = {"hostA": (SECRETS["hostA"], ["127.0.0.0/8"]), "hostB": (SECRETS["hostB"], ["::1/128"])}
-
-
-class Host:
-    """A hypervisor host's view of the pool (what hostd does, by hand)."""
-
-    def __init__(self, pool: PoolThread, name: str):
-        self.name = name
-        self.client = ControlClient(pool.control_endpoint, name, SECRETS[name].encode())
-        port = pool.endpoint.rsplit(":", 1)[1]
-        self.endpoint = f"127.0.0.1:{port}" if name == "hostA" else f"[::1]:{port}"
-
-    def call(self, method, **args):
-        return self.client.call(method, **args)
-
-
-class TwoHosts:
-    def __init__(self, pool: PoolThread):
-        self.pool = pool
-        self.a = Host(pool, "hostA")
-        self.b = Host(pool, "hostB")
-
-    def other(self, host: Host) -> Host:
-        return self.b if host is self.a else self.a
-
-    def migrate(self, domain: str, src: Host, dst: Host, *, close: bool = True) -> dict:
-        """Open, switch over and complete a migration record: the tickets."""
-        record = dst.call("open_migration", domain_uuid=domain)
-        src.call("switchover", domain_uuid=domain)
-        done = dst.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
-        if close:
-            src.call("close", domain_uuid=domain, migration_id=record["migration_id"])
-        return done
-
-    def close(self):
-        self.a.client.close()
-        self.b.client.close()
-
-
-def make_pool(**config) -> PoolThread:
-    config.setdefault("listen", "127.0.0.1:0,[::1]:0")
-    return PoolThread(TENANTS, HOSTS, **config)
+from tests.support.twohosts import TwoHosts, make_pool
 
 
 @pytest.fixture
@@ -73,48 +21,3 @@ def hosts():
 @pytest.fixture
 def domain():
     return str(uuid.uuid4())
-
-
-class Raw:
-    """A hand-driven data-plane connection, to say what a driver never would."""
-
-    def __init__(self, endpoint: str):
-        host, port = endpoint.rsplit(":", 1)
-        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
-        self.reader = FrameReader()
-        self.pending: list = []
-        self.send({"op": "hello", "versions": [1]})
-        self.challenge = self.recv()["challenge"]
-
-    def send(self, header, payload=b""):
-        self.sock.sendall(encode_frame(header, payload))
-
-    def recv(self) -> dict:
-        """The next frame's header; a "done" range comes as one reply per command."""
-        while not self.pending:
-            n = self.sock.recv_into(self.reader.get_buffer())
-            if n == 0:
-                raise EOFError("closed")
-            for frame in self.reader.feed(n):
-                if frame.op == "done":
-                    self.pending += [{"op": "reply", "seq": seq, "ok": True}
-                                     for seq in range(frame.header["from"], frame.header["to"] + 1)]
-                else:
-                    self.pending.append(frame.header)
-        return self.pending.pop(0)
-
-    def open(self, secret=b"s" * 32):
-        self.secret = secret
-        self.send({"op": "open", "token": ALICE, "secret": secret.hex()})
-        opened = self.recv()
-        self.sid = opened["sid"]
-        return opened
-
-    def resume(self, sid, secret, epoch, last_seen, **extra):
-        from accelmig.wire.dataplane import ownership_proof
-        self.send({"op": "resume", "sid": sid, "epoch": epoch, "last_seen": last_seen,
-                   "proof": ownership_proof(secret, self.challenge, sid, epoch), **extra})
-        return self.recv()
-
-    def close(self):
-        self.sock.close()

@@ -19,12 +19,12 @@ import time
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.harness import PoolThread
+from accelmig.pool.testing import PoolThread
 from accelmig.wire.errors import TicketInvalid, WrongHost
 from tests.conftest import ALICE, TENANTS
-from tests.continuity.conftest import SECRETS
-from tests.continuity.workload import PROGRAMS, WEIGHT_BYTES, Workload
 from tests.support.topology import POOL_ADDRESS, SUBNETS, MovingGuest
+from tests.support.twohosts import SECRETS
+from tests.support.workload import PROGRAMS, WEIGHT_BYTES, Workload
 
 pytestmark = pytest.mark.root
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from accelmig.agent.driver import LinkState, connect, u32
-from accelmig.pool.harness import CutProxy, PoolThread
+from accelmig.pool.testing import CutProxy, PoolThread
 from accelmig.wire.errors import Disconnected, SessionExpired, SessionLost, WindowFull
 from tests.conftest import ALICE, TENANTS
-from tests.continuity.conftest import Raw
-from tests.pool.test_compute import COUNTER
+from tests.support.kernels import COUNTER
+from tests.support.twohosts import HOSTS, Raw, TwoHosts
+from tests.support.wait import wait_for
 
 
 def test_cut_connections_resume_on_their_own(pool):
@@ -32,9 +33,8 @@ def test_cut_connections_resume_on_their_own(pool):
                     assert proxy.cut() == 1
                     cuts += 1
                 elif i % 60 == 30:          # commands go on meanwhile; wait for the resume
-                    deadline = time.time() + 10
-                    while dev.stats["resumes"] < cuts and time.time() < deadline:
-                        time.sleep(0.01)
+                    wait_for(lambda: dev.stats["resumes"] >= cuts, 10, f"the driver's resume after cut {cuts}",
+                             interval=0.01)
             assert set(np.frombuffer(dev.read(buf), dtype=np.uint32)) == {300}
             assert dev.stats["resumes"] >= 5
             state = pool.session(dev.sid)
@@ -109,8 +109,8 @@ def test_a_resume_that_saw_less_than_was_acknowledged_is_refused(pool):
     for seq in (1, 2, 3):
         raw.send({"op": "finish", "seq": seq, "epoch": 1})
         raw.recv()
-    raw.send({"op": "ack", "ack": 3})
-    time.sleep(0.1)
+    raw.send({"op": "ack", "ack": 3})               # no reply: wait until the pool took it
+    wait_for(lambda: pool.session(raw.sid)["sequence"]["acked"] == 3, 5, "the pool to record the ack of 3")
     copy = Raw(pool.endpoint)
     answer = copy.resume(raw.sid, raw.secret, 1, 1)
     assert answer["error"]["code"] == "SESSION_DIVERGED"
@@ -120,7 +120,7 @@ def test_a_resume_that_saw_less_than_was_acknowledged_is_refused(pool):
 
 
 FORK_SCRIPT = textwrap.dedent("""
-    import os, sys, time, json
+    import os, sys, json
     import numpy as np
     from accelmig.agent.driver import connect, u32
     from accelmig.wire.errors import AccelmigError
@@ -133,6 +133,7 @@ FORK_SCRIPT = textwrap.dedent("""
     dev.finish()
     # Copy the driver's memory, as a snapshot of the guest would: hold its
     # locks so the copy is consistent, fork, then let both copies go.
+    moved_on, told = os.pipe()          # the original says when it has moved on
     with dev._session.link.send_lock, dev._session.cond:
         pid = os.fork()
     if pid == 0:
@@ -141,7 +142,10 @@ FORK_SCRIPT = textwrap.dedent("""
         # until the original has moved on, then try to resume.
         os.close(dev._session.link.sock.detach())
         dev._session.link.sock = None
-        time.sleep(1.5)
+        os.close(told)
+        if os.read(moved_on, 1) != b"m":
+            print(json.dumps({"copy": "NO_SIGNAL"}), flush=True)
+            os._exit(1)
         try:
             dev.resume()
             print(json.dumps({"copy": "ACCEPTED"}), flush=True)
@@ -152,8 +156,11 @@ FORK_SCRIPT = textwrap.dedent("""
         prog.launch("bump", 4, None, buf, u32(1))
     dev.finish()
     dev.resume()            # the original moves on (new epoch) ...
-    time.sleep(0.2)
-    os.waitpid(pid, 0)
+    os.close(moved_on)
+    os.write(told, b"m")    # ... tells the copy so ...
+    os.close(told)
+    _, status = os.waitpid(pid, 0)      # ... and waits for the copy's answer
+    assert os.waitstatus_to_exitcode(status) == 0, status
     for _ in range(5):      # ... and keeps working after the copy was refused
         prog.launch("bump", 4, None, buf, u32(1))
     print(json.dumps({"original": np.frombuffer(dev.read(buf), dtype=np.uint32).tolist()}), flush=True)
@@ -181,9 +188,8 @@ def test_grace_expiry_releases_device_memory():
         dev.finish()
         assert pool.call(lambda: pool.pool.tenants[ALICE].used) == 8 << 20
         dev._session.link.sock.shutdown(socket.SHUT_RDWR)          # the connection dies
-        deadline = time.time() + 5
-        while pool.call(lambda: len(pool.pool.sessions)) and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: not pool.call(lambda: len(pool.pool.sessions)), 5, "the pool to expire the session",
+                 interval=0.1)
         assert pool.call(lambda: pool.pool.tenants[ALICE].used) == 0
         with pytest.raises(SessionExpired, match="expired and its device memory was released"):
             dev.resume()
@@ -191,7 +197,6 @@ def test_grace_expiry_releases_device_memory():
 
 
 def test_parked_sessions_outlive_the_grace_period():
-    from tests.continuity.conftest import HOSTS, TwoHosts
     with PoolThread(TENANTS, HOSTS, listen="127.0.0.1:0,[::1]:0", grace=0.3) as pool:
         hosts = TwoHosts(pool)
         dev = connect(hosts.a.endpoint, ALICE, agent=False, timeout=3, auto_reconnect=False)
@@ -199,8 +204,14 @@ def test_parked_sessions_outlive_the_grace_period():
         hosts.a.call("bind_session", sid=dev.sid, domain_uuid="dom-saved")
         parked = hosts.a.call("park", domain_uuid="dom-saved", retention=30)
         assert parked["parked"] == [dev.sid]
+        # a witness, not parked, whose connection dies at the same moment: once
+        # the pool has expired it, the grace period is over for both
+        witness = connect(hosts.a.endpoint, ALICE, agent=False, timeout=3, auto_reconnect=False)
+        witness.finish()
         dev._session.link.sock.shutdown(socket.SHUT_RDWR)     # the guest is frozen in a save image
-        time.sleep(1.0)                          # well past the grace period
+        witness._session.link.sock.shutdown(socket.SHUT_RDWR)
+        wait_for(lambda: witness.sid not in pool.call(lambda: set(pool.pool.sessions)), 10,
+                 "the pool to expire the unparked witness session (the grace period over)")
         assert pool.session(dev.sid)["state"] == "parked"
         hosts.a.call("unpark", domain_uuid="dom-saved")
         dev.resume()
@@ -227,9 +238,7 @@ def test_auto_reconnect_reports_session_lost_after_a_restart():
         dev = connect(pool.endpoint, ALICE, agent=False, timeout=10)
         dev.finish()
         pool.restart()
-        deadline = time.time() + 10
-        while dev.state is not LinkState.FAILED and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: dev.state is LinkState.FAILED, 10, "the driver's reconnect to fail (FAILED)")
         with pytest.raises(SessionLost):
             dev.finish()
 
@@ -242,7 +251,7 @@ def test_calls_while_disconnected_block_then_fail_clearly_and_nothing_is_lost(po
     prog.launch("bump", 4, None, buf, u32(1))
     dev.finish()
     proxy.close()                                   # the pool is unreachable now
-    time.sleep(0.1)
+    wait_for(lambda: dev.state is not LinkState.CONNECTED, 5, "the driver to see its connection gone")
     start = time.monotonic()
     with pytest.raises(Disconnected, match="no connection to the pool within 1.0 s"):
         prog.launch("bump", 4, None, buf, u32(1))

@@ -15,8 +15,9 @@ from accelmig.wire.errors import (AuthFailed, Conflict, NoSuchRecord, RecordStat
                                   TicketRequired, WrongHost)
 from accelmig.wire.frames import FrameReader, encode_frame
 from tests.conftest import ALICE, BOB
-from tests.continuity.conftest import SECRETS, Raw, TwoHosts, make_pool
-from tests.pool.test_compute import COUNTER
+from tests.support.kernels import COUNTER
+from tests.support.twohosts import SECRETS, Raw, TwoHosts, make_pool
+from tests.support.wait import wait_for
 
 
 def on_host(hosts, host, token=ALICE, **kw):
@@ -258,8 +259,10 @@ def test_an_expired_lease_aborts_the_record():
                 time.sleep(0.2)
                 out = hosts.b.call("renew", records=[["dom-lease", kept["migration_id"]]])
                 assert len(out["renewed"]) == 1
-            time.sleep(1.0)              # then nobody renews
-            record = hosts.a.call("list_records")["records"][0]
+            # then nobody renews: the pool aborts it once the lease ran out
+            record = wait_for(lambda: next((r for r in hosts.a.call("list_records")["records"]
+                                            if r["state"] == "aborted"), None),
+                              10, "the pool to abort the record whose lease expired")
             assert record["state"] == "aborted" and "lease expired" in record["abort_reason"]
             dev.finish()                 # the source goes on
         hosts.close()

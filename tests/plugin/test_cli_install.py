@@ -11,14 +11,11 @@ the test listens on — and stops running it after ``uninstall``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -27,64 +24,12 @@ import pytest
 from click.testing import CliRunner
 
 from accelmig.plugin.cli import main as cli
-from accelmig.plugin.commands import install as inst
 from accelmig.plugin.commands.install import hook_script, parse_hook_script
-from accelmig.plugin.hostd.api import LocalServer
 from accelmig.wire.errors import Unavailable
 from tests.conftest import run_cli
-
-# ---------------------------------------------------------------- helpers (also used by
-# test_cli_status_doctor.py)
-
-
-def write_config(directory: Path, *, socket: str | None = None, control: str = "127.0.0.1:7071",
-                 libvirt_uri: str = "test:///default", secret: str | None = "hostA-secret-0123456789",
-                 host: str = "hostA") -> Path:
-    """A host.toml (and its secret file, mode 0600) under ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    secret_file = directory / "host.secret"
-    if secret is not None:
-        secret_file.write_text(secret + "\n")
-        secret_file.chmod(0o600)
-    path = directory / "host.toml"
-    path.write_text(
-        f'[host]\nid = "{host}"\n'
-        f'[pool]\nendpoint = "127.0.0.1:7070"\ncontrol = "{control}"\nsecret_file = "{secret_file}"\n'
-        f'[hostd]\nsocket = "{socket or directory / "hostd.sock"}"\nstate_dir = "{directory / "state"}"\n'
-        f'libvirt_uri = "{libvirt_uri}"\nhook_timeout = 2.0\n')
-    return path
-
-
-class FakeLibvirtd:
-    """A process whose comm is ``libvirtd`` (a script of that name) that
-    appends a line to ``hups`` on every SIGHUP, with a pid file."""
-
-    def __init__(self, directory: Path):
-        directory.mkdir(parents=True, exist_ok=True)
-        self.exe = directory / "libvirtd"
-        self.hups = directory / "hups.log"
-        self.pid_file = directory / "libvirtd.pid"
-        self.exe.write_text(f"#!/bin/sh\ntrap 'echo hup >> {self.hups}' HUP\n"
-                            "while :; do sleep 0.05; done\n")
-        self.exe.chmod(0o755)
-        self.proc = subprocess.Popen([str(self.exe)], start_new_session=True)
-        self.pid = self.proc.pid
-        self.pid_file.write_text(f"{self.pid}\n")
-        deadline = time.monotonic() + 5
-        while inst.daemon_name(self.pid) != "libvirtd":
-            assert time.monotonic() < deadline, "the stand-in libvirtd did not start"
-            time.sleep(0.01)
-        self.starttime = inst.proc_stat(self.pid)[1]
-
-    def hup_count(self, settle: float = 0.3) -> int:
-        time.sleep(settle)            # the trap runs once the current sleep ends
-        return len(self.hups.read_text().splitlines()) if self.hups.exists() else 0
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()     # our own child, by its Popen
-            self.proc.wait(5)
-
+from tests.support.hostd import HostdStub
+from tests.support.libvirt import FakeLibvirtd, start_paused
+from tests.support.hostd import write_host_config as write_config
 
 @pytest.fixture
 def fake_libvirtd(tmp_path):
@@ -93,51 +38,6 @@ def fake_libvirtd(tmp_path):
         yield daemon
     finally:
         daemon.stop()
-
-
-class HostdStub:
-    """A real ``LocalServer`` (hostd's local API) on its own thread serving
-    canned answers and recording every request it gets."""
-
-    def __init__(self, path: str | Path, answers: dict | None = None):
-        self.path = str(path)
-        self.answers = dict(answers or {})
-        self.requests: list[dict] = []
-        self._lock = threading.Lock()
-        self.loop = asyncio.new_event_loop()
-        kinds = set(self.answers) | {"hook", "ping", "status"}
-        self.server = LocalServer(self.path, {kind: self._handler(kind) for kind in kinds})
-        ready = threading.Event()
-
-        def run():
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, name="hostd-stub", daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def _handler(self, kind):
-        async def handle(message):
-            with self._lock:
-                self.requests.append(message)
-            answer = self.answers.get(kind, {"noted": True})
-            if isinstance(answer, Exception):
-                raise answer
-            return answer
-        return handle
-
-    def received(self, kind: str) -> list[dict]:
-        with self._lock:
-            return [m for m in self.requests if m.get("type") == kind]
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 def invoke(*args):
@@ -337,48 +237,6 @@ def test_help_explains():
 
 # ---------------------------------------------------------------- a real libvirt daemon
 
-libvirt = None
-LAB_TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox"]
-
-
-@pytest.fixture(scope="module")
-def lab(request):
-    """One lab per test module (two real libvirt daemons in namespaces) and the guest image."""
-    global libvirt
-    if os.geteuid() != 0:
-        pytest.skip("SKIPPED LOUDLY: the lab needs root")
-    missing = [t for t in LAB_TOOLS if shutil.which(t) is None and not os.path.exists(t)]
-    if missing:
-        pytest.skip(f"SKIPPED LOUDLY: not installed: {missing}")
-    libvirt = pytest.importorskip("libvirt")
-    from accelmig.lab.image import build_image
-    from accelmig.lab.rig import Lab
-    tag = request.module.__name__.rsplit("_", 1)[-1][:6]          # install / doctor
-    lab = Lab(f"cli{tag}{os.getpid() % 100000}")
-    try:
-        lab.up()
-        lab.image = build_image()
-        yield lab
-    finally:
-        lab.down()
-
-
-def start_paused(lab, name: str, host: str = "hostA", **values):
-    """A real accelmig domain, started paused: every start hook runs, the guest never does."""
-    xml = lab.domain_xml(name, lab.image, host, **values)
-    return lab.connect(host).createXML(xml, libvirt.VIR_DOMAIN_START_PAUSED)
-
-
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
-
-
 def saved_domain(lab, name: str, directory: Path) -> str:
     """A real accelmig domain, started paused and saved to a file: its
     ``restore`` is one of the two steps the hook gates (the other is
@@ -402,6 +260,7 @@ def restore_and_destroy(lab, path: str, host: str = "hostA") -> str:
 @pytest.mark.libvirt
 @pytest.mark.timeout(180)
 def test_real_libvirtd_runs_the_hook_after_install_and_stops_after_uninstall(lab, tmp_path):
+    import libvirt
     node = lab.node("hostA")
     assert list(node.hooks_dir.iterdir()) == []          # the daemon started without hooks
     stub = HostdStub(tmp_path / "hostd.sock")

@@ -20,10 +20,12 @@ import pytest
 from click.testing import CliRunner
 
 from accelmig.plugin.cli import main as cli
-from accelmig.pool.harness import PoolThread
+from accelmig.pool.testing import PoolThread
 from accelmig.wire.errors import Unavailable
-from tests.plugin.test_cli_install import (FakeLibvirtd, HostdStub, lab, start_paused,  # noqa: F401
-                                           wait_for, write_config)
+from tests.support.hostd import HostdStub
+from tests.support.libvirt import FakeLibvirtd, start_paused
+from tests.support.hostd import write_host_config as write_config
+from tests.support.wait import wait_for
 
 SECRET = "hostA-secret-0123456789"
 UUID1 = "5e3b1f7c-9a41-4d2e-8c0a-3f6d2b9e1a77"
@@ -270,7 +272,7 @@ def test_doctor_help():
 @pytest.mark.libvirt
 @pytest.mark.vm
 @pytest.mark.timeout(150)
-def test_doctor_against_a_real_daemon_and_real_domains(lab, tmp_path, hostd, pool):  # noqa: F811
+def test_doctor_against_a_real_daemon_and_real_domains(lab, tmp_path, hostd, pool):
     import libvirt
     from accelmig.lab.guest import channel_state
     node = lab.node("hostA")
@@ -292,8 +294,8 @@ def test_doctor_against_a_real_daemon_and_real_domains(lab, tmp_path, hostd, poo
         domains.append(start_paused(lab, names["bare"], guest_index=23, agent_channel=False))
         up = domains[0]
         t0 = time.monotonic()
-        assert wait_for(lambda: channel_state(up.XMLDesc(0)) == "connected", timeout=90, interval=0.2), \
-            f"the guest's agent never opened its channel: {lab.console_log('hostA', names['up'])}"
+        wait_for(lambda: channel_state(up.XMLDesc(0)) == "connected", timeout=90, interval=0.2,
+                 what=f"the guest's agent to open its channel (console: {lab.console_log('hostA', names['up'])})")
 
         print(f"\nchannel connected after {time.monotonic() - t0:.1f} s")
         t0 = time.monotonic()

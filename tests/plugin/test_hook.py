@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from accelmig.wire.control import ControlClient
-from tests.plugin.conftest import SECRET, HostdThread, write_config
+from tests.support.hostd import SECRET, HostdThread, write_config
 
 GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 ACCEL_XML = (GOLDEN / "bridge-rewrite.in.xml").read_bytes()

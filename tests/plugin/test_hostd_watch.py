@@ -1,6 +1,6 @@
 """hostd's phase table and its typed libvirt events, as data: every trigger
 in every phase has one defined outcome, and libvirt's own constants map to
-the events LAB-NOTES names."""
+the events docs/lab-notes.md names."""
 
 from __future__ import annotations
 

@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import threading
-import time
 import uuid
 
 import pytest
@@ -21,6 +20,7 @@ from accelmig.plugin.routes import host_identity, route_towards
 from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
 from accelmig.wire.identity import HostIdentity
 from tests.support.netns import NetnsFactory
+from tests.support.wait import wait_for
 
 DOM_A = "7c2f6a4e-1d3b-4c8e-9a5f-0b1c2d3e4f51"
 DOM_B = "0e9d8c7b-6a5f-4e3d-8c2b-1a0f9e8d7c62"
@@ -285,9 +285,8 @@ def test_factory_removes_everything_even_when_the_test_fails():
             # One the factory does not know of: it must not keep a namespace alive either.
             stray = subprocess.Popen(["ip", "netns", "exec", a.name, "sleep", "300"])
             inode = f"net:[{os.stat(a.path).st_ino}]"
-            deadline = time.monotonic() + 5
-            while os.readlink(f"/proc/{stray.pid}/ns/net") != inode and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: os.readlink(f"/proc/{stray.pid}/ns/net") == inode, 5,
+                     f"the stray process to be in netns {a.name}", interval=0.01)
             assert sorted(factory.leftovers()) == sorted([a.name, b.name])
             1 / 0
     assert factory.leftovers() == []

@@ -21,6 +21,7 @@ import pytest
 from accelmig.plugin import qga
 from accelmig.plugin.domain.render import render
 from accelmig.wire.errors import AccelmigError, ErrorCode
+from tests.support.wait import wait_for
 
 DOMAIN = "vm1"
 
@@ -240,11 +241,10 @@ def local_agent(tmp_path):
                              "--socket", str(sock), "--state-dir", str(tmp_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 20
-        while not sock.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.monotonic() < deadline, "the agent did not create its socket"
-            time.sleep(0.05)
+        def socket_there():
+            assert proc.poll() is None, proc.stderr.read().decode()      # the agent died
+            return sock.exists()
+        wait_for(socket_there, 20, f"the agent to create its socket {sock}")
         yield str(sock)
     finally:
         proc.terminate()

@@ -8,6 +8,7 @@ import pytest
 from accelmig.agent.driver import LocalMemory, connect, f32, i32, u32
 from accelmig.wire.errors import BadRequest, BuildFailed, DeviceError, NoSuchObject, OutOfRange
 from tests.conftest import ALICE
+from tests.support.kernels import COUNTER
 
 SAXPY = """
 __kernel void saxpy(float a, __global const float *x, __global float *y) {
@@ -25,11 +26,6 @@ __kernel void matmul(int n, __global const float *a, __global const float *b, __
     c[row * n + col] = acc;
 }
 """
-
-COUNTER = """
-__kernel void bump(__global uint *x, uint by) { x[get_global_id(0)] += by; }
-"""
-
 
 def test_saxpy_computes_the_known_result(shared_pool):
     n = 1 << 16

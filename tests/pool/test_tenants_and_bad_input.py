@@ -14,7 +14,7 @@ from accelmig.agent.driver import Device, connect, u32
 from accelmig.wire.errors import AuthFailed, NoSuchObject, QuotaExceeded
 from accelmig.wire.frames import MAGIC, PREFIX, FrameReader, encode_frame
 from tests.conftest import ALICE, BOB
-from tests.pool.test_compute import COUNTER
+from tests.support.kernels import COUNTER
 
 
 def test_a_session_never_sees_another_sessions_objects(pool):
@@ -158,7 +158,7 @@ def test_unsupported_protocol_version_is_a_clear_error(pool):
 
 
 def test_payload_limit_is_enforced_by_driver_and_pool():
-    from accelmig.pool.harness import PoolThread
+    from accelmig.pool.testing import PoolThread
     from accelmig.wire.errors import FrameTooLarge
     with PoolThread({"t": ("tenant-token-001", "1GiB")}, max_payload=1 << 20) as small:
         with connect(small.endpoint, "tenant-token-001", timeout=5) as dev:

@@ -11,7 +11,7 @@ The guest has one NIC.  Its far end (the "host side" of the wire, like a
 VM's tap on a bridge) lives in the host the guest runs on.  ``move_wire(B)``
 moves that far end into hostB and gives it B's gateway address: the guest's
 NIC keeps its name and MAC but now sits on B's subnet, where its old address
-means nothing — its old TCP connections fail silently, as LAB-NOTES measured
+means nothing — its old TCP connections fail silently, as docs/lab-notes.md measured
 for a real VM.  Re-addressing the guest (``readdress_guest``) is what the
 guest agent does; tests that are not about the agent call it themselves.
 

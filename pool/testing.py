@@ -1,5 +1,9 @@
-"""Run a pool on a background thread of this process: for tests, benchmarks
-and demos that want a real pool without a second process.
+"""A test fixture, not production code: run a pool on a background thread of
+this process (``PoolThread``) and cut or hold its TCP connections on demand
+(``CutProxy``), for tests, benchmarks and demos that want a real pool
+without a second process.  Nothing in the pool, the driver, the plugin or
+the agent imports this module (pool/demo.py, a demo, does); a deployed pool runs as its own process
+(``accelmig-pool``).
 
 ::
 
