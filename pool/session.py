@@ -253,7 +253,8 @@ class Session:
             self.pump()
 
     # -- called on the event loop by the worker ----------------------------------
-    def _completed(self, results: list[tuple[Command, StoredReply]]) -> None:
+    def completed(self, results: list[tuple[Command, StoredReply]]) -> None:
+        """Replies the worker executed, handed back in order on the loop."""
         for command, reply in results:
             self.queued_bytes -= len(command.payload)
             if self.buffers is not None and command.payload:
@@ -323,10 +324,10 @@ class SessionWorker:
             # Hand replies back in batches: one loop wake-up per burst.
             if self._queue.empty() or len(batch) >= 256:
                 done, batch = batch, []
-                self.post(lambda done=done: session._completed(done))
+                self.post(lambda done=done: session.completed(done))
         if batch:
             done = batch
-            self.post(lambda: session._completed(done))
+            self.post(lambda: session.completed(done))
         try:
             released = session.context.release()
             session.tenant.give_back(released)
