@@ -7,7 +7,9 @@ Why each piece (measured, docs/lab-notes.md):
   bind-mounted over ``/etc/libvirt``, ``/run/libvirt``, ``/var/lib/libvirt``,
   ``/var/cache/libvirt`` and ``/var/log/libvirt`` inside a private mount
   namespace (``unshare --mount --uts --propagation private``).  The mounts
-  die with the namespace: stopping the daemon unmounts everything.
+  die with the namespace: stopping the daemon unmounts everything.  Where a
+  fixed path is absent (a fresh machine: libvirt-daemon without -system has
+  no /run/libvirt, /var/lib/libvirt, ...) the reaper creates it, empty.
 - libvirt refuses a migration "to the same host" by host UUID: each daemon
   has its own ``host_uuid``; its own hostname keeps logs readable.
 - ``listen_tls = 0`` (else ``--listen`` wants certificates), ``listen_tcp =
@@ -289,6 +291,11 @@ class LibvirtNode:
         if not Path(LIBVIRTD).exists():
             raise RuntimeError(f"{LIBVIRTD} is missing: apt-get install libvirt-daemon libvirt-daemon-driver-qemu")
         self.prepare()
+        absent = [fixed for fixed in LIBVIRT_DIRS if not os.path.lexists(fixed)]
+        if absent:
+            # the reaper creates them right before its bind mounts (lab/reaper.py)
+            LOG.info("libvirtd of %s: creating libvirt's absent directories %s (mode 0755, left "
+                     "in place, empty)", self.name, ", ".join(absent))
         try:
             self.pid_file.unlink()
         except FileNotFoundError:

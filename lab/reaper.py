@@ -8,7 +8,8 @@ Why it exists:
   UTS namespace's hostname and bind-mounts the node's own directories over
   libvirt's fixed paths (/etc/libvirt, /run/libvirt, ...), then execs
   nothing: the mounts live exactly as long as this namespace, so the daemon's
-  end unmounts everything without anyone having to.
+  end unmounts everything without anyone having to.  A fixed path that does
+  not exist (a fresh machine) is created first, empty, and left there.
 - **Immediate zombie reaping.**  It is a child subreaper
   (``prctl(PR_SET_CHILD_SUBREAPER)``): QEMU processes, which libvirt
   daemonises, become its children and are reaped the moment they exit.  PID 1
@@ -37,6 +38,28 @@ MS_REC = 16384
 def log(message):
     sys.stderr.write(f"accelmig-lab-reaper[{os.getpid()}]: {message}\n")
     sys.stderr.flush()
+
+
+def make_mount_point(source, target):
+    """A bind mount needs its target to exist, and a fresh machine with
+    libvirt-daemon (not -system) has no /run/libvirt, /var/lib/libvirt,
+    /var/cache/libvirt or /var/log/libvirt: create what is missing (mode 0755,
+    whatever the umask; an empty file for a file source such as /etc/hosts).
+    Left in place at the end: removing a directory that is a mount point in
+    another namespace detaches that mount there (Linux >= 3.18), which would
+    pull the paths from under every other lab daemon using it."""
+    if os.path.lexists(target):
+        return False
+    if os.path.isdir(source):
+        os.makedirs(target, 0o755, exist_ok=True)   # exist_ok: another daemon, the same moment
+        os.chmod(target, 0o755)
+    else:
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        with open(target, "a"):
+            pass
+        os.chmod(target, 0o644)
+    log(f"created the mount point {target} (it was absent)")
+    return True
 
 
 def bind_mount(libc, source, target):
@@ -96,8 +119,13 @@ def main(argv):
     libc = ctypes.CDLL(None, use_errno=True)
     if hostname:
         socket.sethostname(hostname)
-    for source, target in binds:
-        bind_mount(libc, source, target)
+    try:
+        for source, target in binds:
+            make_mount_point(source, target)
+            bind_mount(libc, source, target)
+    except OSError as exc:
+        log(str(exc))            # one line in the node's stderr file, which wait_ready shows
+        return 1
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         log(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
         return 1

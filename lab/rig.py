@@ -38,7 +38,7 @@ from accelmig.plugin.domain.render import render
 from . import netns
 from .guest import ResponderChannel, channel_source
 from .image import DEFAULT_CACHE, GuestImage
-from .libvirtd import LIBVIRT_DIRS, LibvirtNode, proc_starttime, same_process, stop_process
+from .libvirtd import LibvirtNode, proc_starttime, same_process, stop_process
 from .topology import BRIDGE, POOL_ADDRESS, Topology
 
 LOG = logging.getLogger("accelmig.lab.rig")
@@ -252,7 +252,6 @@ class Lab:
         return self
 
     def _start_daemons(self):
-        self._make_libvirt_mount_points()
         for host in self.HOSTS:
             node = self._node(host)
             self.nodes[host] = node
@@ -387,13 +386,11 @@ class Lab:
         self._restore_netns_dir()
         # 4. no mount of ours may be left in this namespace
         self._unmount_leftovers()
-        # 5. the directory, and libvirt's mount points if the lab made them
+        # 5. the directory
         if not keep_dir and self.dir.exists():
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.state_file.exists():
             self.state_file.unlink()
-        if not keep_dir and self.dir.parent.is_dir():
-            self._remove_libvirt_mount_points()
         if not keep_dir:
             with contextlib.suppress(OSError):
                 self.dir.parent.rmdir()     # the base directory, once no lab uses it
@@ -427,43 +424,10 @@ class Lab:
         if not netns.netns_dir_state()["mounted"]:
             self._netns_marker.unlink(missing_ok=True)
 
-    # libvirt's fixed paths are only mount points for the nodes' own
-    # directories, but a bind mount needs them to exist, and a machine with
-    # libvirt-daemon (not -system) has none of /run/libvirt, /var/lib/libvirt,
-    # /var/cache/libvirt, /var/log/libvirt.  The lab creates what is missing
-    # (empty: every write goes to the nodes' directories) and notes it in the
-    # base directory; the last lab to go down removes them again.
-
-    @property
-    def _mount_points_marker(self) -> Path:
-        return self.dir.parent / ".libvirt-dirs-created-by-lab.json"
-
-    def _make_libvirt_mount_points(self):
-        created = []
-        with contextlib.suppress(OSError, ValueError):
-            created = json.loads(self._mount_points_marker.read_text())
-        for target in LIBVIRT_DIRS:
-            if not os.path.isdir(target):
-                os.makedirs(target, mode=0o755)
-                created.append(target)
-                LOG.info("created the mount point %s (libvirt's own directory was absent)", target)
-        if created:
-            self._mount_points_marker.parent.mkdir(parents=True, exist_ok=True)
-            self._mount_points_marker.write_text(json.dumps(sorted(set(created))))
-
-    def _remove_libvirt_mount_points(self):
-        try:
-            created = json.loads(self._mount_points_marker.read_text())
-        except (OSError, ValueError):
-            return
-        others = [p for p in self.dir.parent.iterdir() if p.is_dir() and p != self.dir]
-        if others:
-            return                  # another lab still needs them
-        for target in created:
-            with contextlib.suppress(OSError):
-                os.rmdir(target)    # only if still empty: never what someone else put there
-        if not any(os.path.isdir(t) for t in created):
-            self._mount_points_marker.unlink(missing_ok=True)
+    # libvirt's fixed paths that a fresh machine lacks (/run/libvirt, ...) are
+    # created by each daemon's reaper right before its bind mount and left in
+    # place: removing one here would detach it from under every other lab
+    # daemon that has a mount there (lab/reaper.py).
 
     def _unmount_leftovers(self):
         prefix = str(self.dir) + "/"

@@ -12,6 +12,7 @@ import hypothesis  # noqa: F401  (imported first: see below)
 import pytest
 
 from accelmig.pool.testing import PoolThread
+from tests.support import system_state
 from tests.support.tenants import ALICE, BOB, TENANTS, run_cli  # noqa: F401  (re-exported)
 
 # hypothesis is imported at the top because Debian's Python 3.11.2 fails with
@@ -50,3 +51,16 @@ def pool():
 def shared_pool():
     with PoolThread(TENANTS) as harness:
         yield harness
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_system_state_written():
+    """The suite writes nothing outside its temporary directories: accelmig's
+    system paths (tests/support/system_state.py) are the same after the
+    session as before, else the run fails naming each path."""
+    before = system_state.snapshot()
+    yield
+    changed = system_state.changes(before, system_state.snapshot())
+    if changed:
+        pytest.fail("the test session wrote real system state (a test must use its tmp_path):\n  "
+                    + "\n  ".join(changed), pytrace=False)
