@@ -14,6 +14,8 @@ import importlib.metadata
 
 import click
 
+from accelmig.wire.cli import exit_codes_epilog
+
 COMMANDS_GROUP = "accelmig.commands"
 
 COMMANDS = {
@@ -25,6 +27,8 @@ COMMANDS = {
     "uninstall": ("accelmig.plugin.commands.install", "uninstall", "Remove the hook."),
     "domain": ("accelmig.plugin.commands.domain", "domain", "Render accelerator-ready domain XML."),
     "doctor": ("accelmig.plugin.commands.doctor", "doctor", "Check hook, hostd, pool and channels."),
+    "guest-bundle": ("accelmig.plugin.commands.guest_bundle", "guest_bundle",
+                     "Write the guest side as one zipapp (Python 3.9+)."),
 }
 
 
@@ -64,7 +68,9 @@ class LazyGroup(click.Group):
             formatter.write_dl(rows)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=exit_codes_epilog({3: "hostd: another hostd already serves its socket"}, click=True))
+@click.version_option(package_name="accelmig", prog_name="accelmig", message="%(prog)s %(version)s")
 def main():
     """accelmig on a hypervisor host.
 

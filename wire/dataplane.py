@@ -11,6 +11,11 @@ order.  ``ack`` frames carry only an acknowledgement.  Consecutive plain
 successes (no result fields, no payload) may travel as one ``done`` frame
 naming the range ``from``..``to``: it stands for one reply per command.
 
+Until ``opened``/``resumed`` the peer is a stranger: it sends one frame at
+a time and waits for the answer, frames carry no payload and a header of at
+most 4 KiB, and the whole handshake must end within the pool's
+``handshake_timeout``.  Only then do the negotiated limits apply.
+
 Handles of buffers and programs are chosen by the driver, so a re-sent
 command names the same object and stays idempotent.
 
@@ -22,7 +27,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import ipaddress
 import json
+import re
 import struct
 import zlib
 
@@ -278,25 +285,54 @@ def check_ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, p
     return hmac.compare_digest(ownership_proof(secret, challenge, sid, epoch), proof)
 
 
-def parse_endpoint(endpoint: str, default_port: int | None = None) -> tuple[str, int]:
-    """``"HOST:PORT"`` (``"[v6]:PORT"`` for IPv6) -> (host, port)."""
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
+
+
+def parse_endpoint(endpoint: str, default_port: int | None = None, *, listen: bool = False) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[v6]:PORT"`` for IPv6) -> (host, port).
+
+    The one endpoint parser of every side (option types, config files,
+    listeners, clients).  PORT is 1-65535; ``listen=True`` also allows 0
+    (any free port, for a listening address).  HOST is a name or an IPv4
+    address, or an IPv6 address in brackets."""
     if not isinstance(endpoint, str) or not endpoint:
         raise BadRequest(reason=f"endpoint {endpoint!r} is not HOST:PORT")
     if endpoint.startswith("["):
         host, sep, rest = endpoint[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
+        if not sep or (rest and not rest.startswith(":")):
+            raise BadRequest(reason=f"endpoint {endpoint!r} is not [IPv6]:PORT")
+        port_text = rest[1:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise BadRequest(reason=f"endpoint {endpoint!r}: {host!r} is not an IPv6 address") from None
     else:
         host, sep, port_text = endpoint.rpartition(":")
         if not sep:
             host, port_text = endpoint, ""
+        if ":" in host:
+            raise BadRequest(reason=f"endpoint {endpoint!r}: an IPv6 address goes in brackets, "
+                                    f"[ADDRESS]:PORT")
+        if not host:
+            raise BadRequest(reason=f"endpoint {endpoint!r} has no host (HOST:PORT)")
+        if not _HOSTNAME.fullmatch(host):
+            raise BadRequest(reason=f"endpoint {endpoint!r}: {host!r} is not a host name or address")
     if not port_text:
         if default_port is None:
-            raise BadRequest(reason=f"endpoint {endpoint!r} has no port")
+            raise BadRequest(reason=f"endpoint {endpoint!r} has no port (HOST:PORT)")
         return host, default_port
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise BadRequest(reason=f"endpoint {endpoint!r}: port {port_text!r} is not a number") from None
-    if not host or not 0 <= port < 65536:
-        raise BadRequest(reason=f"endpoint {endpoint!r} is not HOST:PORT")
+    if not port_text.isdigit():          # int() would take " 80", "+80", "8_0"
+        raise BadRequest(reason=f"endpoint {endpoint!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    low = 0 if listen else 1
+    if not low <= port <= 65535:
+        raise BadRequest(reason=f"endpoint {endpoint!r}: port {port} is not in {low}-65535")
     return host, port
+
+
+def parse_listen_list(text: str) -> list[tuple[str, int]]:
+    """A listening address list, ``"0.0.0.0:7070,[::]:7070"`` -> [(host, port), ...]."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise BadRequest(reason=f"{text!r} names no HOST:PORT")
+    return [parse_endpoint(item, listen=True) for item in items]

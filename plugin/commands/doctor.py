@@ -176,8 +176,11 @@ class Doctor:
         try:
             daemon = find_daemon(pid_file)
         except AccelmigError as exc:
-            self.add(f"{label} seen", FAIL, exc.message,
-                     "start libvirtd (or virtqemud), or pass --libvirtd-pid-file FILE")
+            # socket activation stops an idle libvirtd: the next one reads the hook
+            self.add(f"{label} seen", WARN, f"no libvirt daemon is running: {exc.message}; the next "
+                     f"one to start reads the hook",
+                     "start libvirtd (or virtqemud; 'virsh list' starts a socket-activated one) and "
+                     "rerun accelmig doctor, or pass --libvirtd-pid-file FILE")
             return
         seen, why = hook_seen(path, daemon, record)
         if seen:
@@ -336,7 +339,8 @@ def doctor(config_path, hooks_dir, name, libvirtd_pid_file, as_json):
       secret     the control-plane secret is readable, and by nobody else
       hook       accelmig's hook is in hooks/qemu.d, executable, and runs
       hook seen  the running libvirt daemon has seen it (started after it
-                 was written, or reloaded by 'accelmig install')
+                 was written, or reloaded by 'accelmig install'); warn
+                 while no daemon runs (the next one to start reads it)
       hostd      the host daemon answers on its local socket
       pool       the pool's control plane answers this host (its secret)
       libvirt    [hostd] libvirt_uri answers

@@ -13,15 +13,43 @@ import json
 import sys
 import threading
 import time
+import uuid as uuid_module
 
 import click
 
+from accelmig.wire.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError
 
+EXIT_CODES = {0: "migrated, and every session resumed at the destination",
+              1: "the migration failed (the VM goes on at the source), or not every session resumed",
+              2: "usage, a host config that does not load, no such domain, or libvirt unreachable"}
 
-def _fail(message: str, code: int = 1):
+
+def _fail(message: str, code: int = 1, as_json: bool = False):
+    """One line on stderr; with --json one JSON object on stdout as well."""
     click.echo(f"accelmig migrate: {message}", err=True)
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message}, indent=2))
     sys.exit(code)
+
+
+def _lookup(libvirt, conn, domain: str):
+    """DOMAIN by name, or by UUID where it is one; None when there is none."""
+    try:
+        return conn.lookupByName(domain)
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
+            raise
+    try:
+        uuid_module.UUID(domain)
+    except ValueError:
+        return None                          # not a UUID either: asking would say "Invalid UUID"
+    try:
+        return conn.lookupByUUIDString(domain)
+    except libvirt.libvirtError as exc:
+        if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
+            raise
+    return None
 
 
 def _pool_sessions(hostd, domain_uuid: str) -> dict:
@@ -41,7 +69,7 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-@click.command()
+@click.command(epilog=exit_codes_epilog(EXIT_CODES, click=True))
 @click.argument("domain")
 @click.argument("dest_uri")
 @click.option("--pause-policy", type=click.Choice(["none", "switchover", "start"]), default="none",
@@ -73,25 +101,31 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
     import libvirt
 
     from accelmig.plugin.config import HostConfig
+    # libvirt's default handler prints every error on stderr itself: each
+    # one is reported here, once, with what it means for the migration
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
     from accelmig.wire.localapi import LocalClient
     try:
         config = HostConfig.load(config_path)
     except AccelmigError as exc:
-        _fail(str(exc), 2)
+        _fail(str(exc), 2, as_json)
+    uri = connect_uri or config.hostd.libvirt_uri
     try:
-        conn = libvirt.open(connect_uri or config.hostd.libvirt_uri)
-        try:
-            dom = conn.lookupByName(domain)
-        except libvirt.libvirtError:
-            dom = conn.lookupByUUIDString(domain)
+        conn = libvirt.open(uri)
     except libvirt.libvirtError as exc:
-        _fail(f"{domain}: {exc.get_error_message()}", 2)
+        _fail(f"cannot connect to libvirt at {uri}: {exc.get_error_message()}", 2, as_json)
+    try:
+        dom = _lookup(libvirt, conn, domain)
+    except libvirt.libvirtError as exc:
+        _fail(f"{domain}: {exc.get_error_message()}", 2, as_json)
+    if dom is None:
+        _fail(f"no such domain: {domain} (on {uri})", 2, as_json)
     uuid = dom.UUIDString()
     hostd = LocalClient(config.hostd.socket, timeout=10)
     try:
         intent = hostd.call("intent", uuid=uuid, policy=pause_policy, dest_host=dest_host)
     except AccelmigError as exc:
-        _fail(f"cannot register the migration at the pool through hostd: {exc}")
+        _fail(f"cannot register the migration at the pool through hostd: {exc}", 1, as_json)
     before = _pool_sessions(hostd, uuid)
 
     flags = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_PEER2PEER
@@ -109,6 +143,8 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         except libvirt.libvirtError as exc:
             outcome["error"] = exc.get_error_message()
 
+    # a progress bar only for a person watching: not into a log or a pipe
+    progress = not as_json and click.get_text_stream("stderr").isatty()
     started = time.monotonic()
     worker = threading.Thread(target=run, daemon=True)
     worker.start()
@@ -122,7 +158,7 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
             continue
         total, done = stats.get("memory_total") or stats.get("data_total"), stats.get("memory_processed") \
             or stats.get("data_processed")
-        if total and not as_json:
+        if total and progress:
             percent = min(100, int(100 * (done or 0) / total))
             if percent != shown:
                 shown = percent
@@ -142,11 +178,12 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
                 dom.abortJob()
             except libvirt.libvirtError:
                 pass
-    if not as_json:
-        click.echo("", err=True)
+    if shown >= 0:
+        click.echo("", err=True)             # end the progress bar's line
     migration_s = time.monotonic() - started
     if "error" in outcome:
-        _fail(f"the migration of {domain} failed: {outcome['error']} (the VM goes on at the source)")
+        _fail(f"the migration of {domain} failed: {outcome['error']} (the VM goes on at the source)",
+              1, as_json)
     try:
         wait = max(5.0, timeout - migration_s)
         rehomed = hostd.call("wait_rehomed", timeout=wait + 5, uuid=uuid,
@@ -163,7 +200,7 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         resent += (now.get("bytes_uploaded", 0) - was.get("bytes_uploaded", 0)) + \
                   (now.get("source_bytes", 0) - was.get("source_bytes", 0))
     summary = {
-        "domain": domain, "uuid": uuid, "migration_id": intent["migration_id"], "policy": pause_policy,
+        "ok": bool(rehomed.get("rehomed")), "domain": domain, "uuid": uuid, "migration_id": intent["migration_id"], "policy": pause_policy,
         "postcopy": postcopy, "migration_s": round(migration_s, 3),
         "downtime_ms": job.get("downtime"), "rehomed": rehomed.get("rehomed", False),
         "sessions": len(record.get("sessions") or []), "resumed": len(record.get("resumed") or {}),

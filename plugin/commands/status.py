@@ -76,7 +76,7 @@ def format_identity(identity) -> str:
 def format_domain(dom: dict) -> str:
     name = dom.get("name") or "?"
     uuid = dom.get("uuid") or "?"
-    state = dom.get("state") or "?"
+    state = dom.get("phase") or dom.get("state") or "?"      # hostd says its watch's phase
     chan = dom.get("channel")
     if not isinstance(chan, dict):
         chan_text = "no agent channel"
@@ -137,11 +137,16 @@ def format_status(status: dict, socket_path: str) -> list[str]:
     domains = status.get("domains")
     names = {}
     if isinstance(domains, list):
-        lines.append(f"domains   {len(domains)} accelmig domain(s)" if domains else "domains   none")
-        for dom in domains:
-            if isinstance(dom, dict):
-                names[dom.get("uuid")] = dom.get("name")
-                lines.append(format_domain(dom))
+        # hostd lists the domains it watches (accelmig's); the others it only
+        # counts (``foreign_domains``): they are no accelmig domains
+        ours = [d for d in domains if isinstance(d, dict) and d.get("phase") != "gone"]
+        foreign = status.get("foreign_domains")
+        others = f", {foreign} other domain(s) not accelmig's" if isinstance(foreign, int) and foreign else ""
+        lines.append(f"domains   {len(ours)} accelmig domain(s){others}" if ours or others
+                     else "domains   none")
+        for dom in ours:
+            names[dom.get("uuid")] = dom.get("name")
+            lines.append(format_domain(dom))
     records = status.get("records")
     if isinstance(records, list):
         lines.append(f"records   {len(records)} migration record(s)" if records else "records   none")

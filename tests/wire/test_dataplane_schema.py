@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -95,10 +96,24 @@ def test_endpoints(text, expected):
     assert dp.parse_endpoint(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "nohost", ":7070", "h:port", "h:70000"])
-def test_bad_endpoints(text):
-    with pytest.raises(BadRequest):
+@pytest.mark.parametrize("text, why", [
+    ("", "is not HOST:PORT"), ("nohost", "has no port"), (":7070", "has no host"),
+    ("h:port", "'port' is not a number"), ("h:70000", "70000 is not in 1-65535"),
+    ("h:0", "0 is not in 1-65535"), ("h: 80", "is not a number"), ("h:+80", "is not a number"),
+    ("fd00::1:7070", "an IPv6 address goes in brackets"), ("[fd00::1", "is not [IPv6]:PORT"),
+    ("[pool]:7070", "'pool' is not an IPv6 address"), ("a b:80", "is not a host name or address"),
+])
+def test_bad_endpoints(text, why):
+    with pytest.raises(BadRequest, match=re.escape(why)):
         dp.parse_endpoint(text)
+
+
+def test_a_listening_address_may_take_any_free_port_and_lists_of_them():
+    assert dp.parse_endpoint("127.0.0.1:0", listen=True) == ("127.0.0.1", 0)
+    assert dp.parse_listen_list("0.0.0.0:7070, [::]:0") == [("0.0.0.0", 7070), ("::", 0)]
+    for text in ("", " , ", "0.0.0.0:7070,nonsense", "h:65536"):
+        with pytest.raises(BadRequest):
+            dp.parse_listen_list(text)
 
 
 def test_errors_round_trip_through_the_wire():
