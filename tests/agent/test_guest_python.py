@@ -8,10 +8,8 @@ pyenv's 3.9; without one these tests are skipped, loudly.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,30 +18,13 @@ import textwrap
 import pytest
 
 from tests.conftest import ALICE
+from tests.support.oldpython import OLDEST, SKIP_REASON, oldest_python
 from tests.support.wait import wait_for
 
-OLDEST = (3, 9)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _oldest_python() -> str | None:
-    pyenv = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
-    candidates = [os.environ.get("ACCELMIG_GUEST_PYTHON"), shutil.which("python3.9"),
-                  *sorted(glob.glob(os.path.join(pyenv, "versions", "3.9*", "bin", "python3.9")))]
-    for candidate in filter(None, candidates):
-        try:
-            out = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30)
-        except OSError:
-            continue
-        if out.returncode == 0 and out.stdout.strip() == str(OLDEST):
-            return candidate
-    return None
-
-
-PYTHON = _oldest_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason="SKIPPED LOUDLY: no Python 3.9 here "
-                                "(set ACCELMIG_GUEST_PYTHON)")
+PYTHON = oldest_python()
+pytestmark = pytest.mark.skipif(PYTHON is None, reason=SKIP_REASON)
 
 
 @pytest.fixture
@@ -58,7 +39,8 @@ def guest_site(tmp_path):
 
 def guest(site: str, *args, **kwargs):
     """Run the old Python with only the guest side on its path (no site-packages)."""
-    env = {"PYTHONPATH": site, "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    # no bytecode: the site links to the checkout, which a test must not write into
+    env = {"PYTHONPATH": site, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.Popen([PYTHON, "-S", *args], env=env, cwd=site, text=True, **kwargs)
 
 
