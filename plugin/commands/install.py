@@ -35,6 +35,7 @@ import time
 import click
 
 from accelmig.plugin.config import DEFAULT_PATH, HostConfig, HostdConfig
+from accelmig.wire.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError, BadRequest, Unavailable
 from accelmig.wire.localapi import GATED_HOOK_STEPS
 
@@ -352,10 +353,18 @@ def _common(func):
     return func
 
 
-@click.command("install")
+@click.command("install", epilog=exit_codes_epilog(
+    {0: "the hook is installed (a libvirt daemon that is not running reads it when it starts)",
+     1: "failure: the hooks directory is missing, or a running daemon could not be reloaded"},
+    click=True))
 @_common
+@click.option("--systemd", is_flag=True,
+              help="also install hostd's systemd unit, accelmig-hostd.service (docs/systemd.md)")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True, metavar="DIR",
+              help="where --systemd puts the unit (systemctl daemon-reload only for a directory "
+                   "systemd reads, on a machine booted with systemd)")
 @cli_errors
-def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json):
+def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json, systemd, unit_dir):
     """Install accelmig's libvirt qemu hook and make libvirt see it.
 
     Writes an executable script to HOOKS_DIR/qemu.d/NAME (atomically; a
@@ -366,6 +375,11 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json)
     in hostd's state directory, so that 'accelmig doctor' can tell.  With
     --config the hook reads that configuration file (hooks get no
     environment of their own); a missing file is a warning.
+
+    No libvirt daemon running is a warning, not an error (socket
+    activation stops an idle libvirtd): the daemon reads qemu.d when it
+    next starts, and 'accelmig doctor' then verifies it (its 'hook seen'
+    check: the running daemon started after the hook was written).
     """
     check_name(name)
     warnings = []
@@ -412,8 +426,16 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json)
                 new_reload = {**daemon.identity(), "at": reload_daemon(daemon)}
                 result["reload"] = {"action": "reloaded", **new_reload}
         except AccelmigError as exc:
-            reload_error = exc
-            result["reload"] = {"action": "failed", "error": exc.message}
+            if _running(exc):
+                reload_error = exc
+                result["reload"] = {"action": "failed", "error": exc.message}
+            else:
+                # A normal state: socket activation stops an idle libvirtd.
+                # The next daemon to start reads qemu.d; 'accelmig doctor'
+                # verifies it then (that daemon started after the hook was written).
+                result["reload"] = {"action": "not running", "error": exc.message}
+                warnings.append(f"no libvirt daemon is running ({exc.message}): it reads the hook when "
+                                f"it next starts; then 'accelmig doctor' checks that it has ('hook seen')")
     state["hooks"][path] = {
         "hooks_dir": os.path.abspath(hooks_dir), "name": name, "sha256": sha256(text),
         "interpreter": result["interpreter"], "config": baked,
@@ -427,6 +449,14 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json)
         warnings.append(f"cannot record the install in {state_dir} ({exc.strerror}): "
                         f"accelmig doctor will not know about the reload")
         result["state_file"] = None
+    unit_failed = None
+    if systemd:
+        from accelmig.plugin import unit
+        from accelmig.wire import units
+        unit_text = unit.render(resolved, hostd_settings(config))
+        result["systemd"] = units.install_units({unit.UNIT_NAME: unit_text}, unit_dir=unit_dir)
+        if result["systemd"]["reload"]["action"] == "failed":
+            unit_failed = result["systemd"]["reload"]["reason"]
     result["warnings"] = warnings
     for message in warnings:
         warn(message)
@@ -438,13 +468,29 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json)
         click.echo(_reload_line(result["reload"]))
         if result["state_file"]:
             click.echo(f"recorded in {result['state_file']}")
+        if systemd:
+            from accelmig.wire import units
+            for line in units.summary(result["systemd"]):
+                click.echo(f"unit {line}")
+    if unit_failed is not None:
+        fail(f"the unit is installed, but systemd did not reload: {unit_failed}")
     if reload_error is not None:
         fail(f"the hook is installed, but libvirt does not see it yet: {reload_error.message} "
              f"(start or reload the daemon, or pass --no-reload)")
 
 
+def _running(exc: AccelmigError) -> bool:
+    """Whether a failed reload left a daemon running that has not seen the hook
+    (not allowed to signal it), rather than finding none (none running, a
+    stale pid file, a daemon that exited meanwhile)."""
+    reason = str(exc.kwargs.get("reason", ""))
+    return not (reason.startswith("none found") or reason.startswith("it exited"))
+
+
 def _reload_line(reload: dict) -> str:
     action = reload.get("action")
+    if action == "not running":
+        return "libvirt daemon: not running; the next one to start reads the hook"
     if action == "reloaded":
         return (f"{reload['comm']} (pid {reload['pid']}, pid file {reload['pid_file']}): reloaded "
                 f"(SIGHUP); libvirt re-reads its hooks")

@@ -66,6 +66,10 @@ def test_the_host_wheel_holds_no_lab_code(wheels):
                for side, folder in sides.items() for path in (CHECKOUT / folder).rglob("*.py")
                if "__pycache__" not in path.parts}
     assert modules - set(names) == set()
+    # the systemd units are package data of their sides (read with importlib.resources)
+    assert {"accelmig/pool/data/accelmig-pool.service.in", "accelmig/pool/data/accelmig-pool.sysusers",
+            "accelmig/plugin/data/accelmig-hostd.service.in",
+            "accelmig/agent/data/accelmig-agent.service.in"} - set(names) == set()
     # and it registers no command of its own in the group the lab uses
     assert not entry_points(wheels["accelmig"]).has_section("accelmig.commands")
 
