@@ -1,6 +1,8 @@
 """The pool's configuration: a TOML file plus command-line flags.
 
-``pool.toml`` (every key optional; flags override)::
+``pool.toml`` (every key optional; flags override; every key with its type,
+default and meaning: docs/config-reference.md, generated from the fields'
+metadata below by ``python docs/configref.py``)::
 
     [pool]
     listen = "0.0.0.0:7070"            # data plane (guest drivers)
@@ -39,7 +41,9 @@ import ipaddress
 import re
 import tomllib
 
-from accelmig.wire.errors import ConfigInvalid
+from accelmig.wire.dataplane import parse_endpoint, parse_listen_list
+from accelmig.wire.errors import BadRequest, ConfigInvalid
+from accelmig.wire.logs import level_number
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -56,40 +60,91 @@ def parse_size(value, source: str = "config") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+# Every key's meaning sits next to its field, in ``metadata``: docs/configref.py
+# writes docs/config-reference.md from it (the conventions are in its docstring).
 @dataclasses.dataclass
 class TenantSpec:
-    name: str
-    token: str
-    quota: int
+    name: str = dataclasses.field(metadata={"toml": False})        # the NAME of [tenants.NAME]
+    token: str = dataclasses.field(metadata={
+        "doc": "The tenant's secret token (8+ characters, no two tenants alike): what its "
+               "applications pass to `connect(token=...)`.", "example": "a-long-random-token"})
+    quota: int = dataclasses.field(metadata={
+        "doc": "How much device memory the tenant's sessions may hold together.",
+        "type": "size", "example": "2GiB"})
 
 
 @dataclasses.dataclass
 class HostSpec:
-    name: str
-    secret: bytes
-    addresses: list = dataclasses.field(default_factory=list)
+    name: str = dataclasses.field(metadata={"toml": False})        # the NAME of [hosts.NAME]
+    secret: bytes = dataclasses.field(metadata={
+        "doc": "The host's control-plane secret (16+ characters), the HMAC key of its calls: "
+               "the same string as the host's `[pool] secret_file`.",
+        "type": "string", "example": "0123456789abcdef0123456789abcdef"})
+    addresses: list = dataclasses.field(default_factory=list, metadata={
+        "doc": "Networks (CIDRs or addresses) its guests' data-plane connections come from, "
+               "known before the host registers. hostd also registers its `[fabric] "
+               "guest_subnet` and its own address at every pool start; the longest prefix wins.",
+        "type": "array of strings (CIDRs)", "example": ["10.89.1.0/24"]})
 
 
 @dataclasses.dataclass
 class PoolConfig:
-    listen: str = "127.0.0.1:7070"
-    control_listen: str = "127.0.0.1:7071"
-    admin_socket: str = "/run/accelmig/pool.sock"
-    metrics_listen: str = ""
-    device: str = "auto"
-    tokens: str = "/etc/accelmig/tokens.toml"
-    hosts: str = ""
-    grace: float = 30.0
-    park_retention: float = 86400.0
-    lease_ttl: float = 30.0
-    ticket_ttl: float = 300.0
-    max_header: int = 64 * 1024
-    max_payload: int = 1 << 30
-    max_reply_bytes: int = 256 << 20
-    log_format: str = "json"
-    log_level: str = "INFO"
+    listen: str = dataclasses.field(default="127.0.0.1:7070", metadata={
+        "doc": "The data plane for guest drivers, HOST:PORT; several comma-separated "
+               "(`0.0.0.0:7070,[::]:7070`)."})
+    control_listen: str = dataclasses.field(default="127.0.0.1:7071", metadata={
+        "doc": "The control plane for hypervisor hosts (every call HMAC-authenticated), "
+               "HOST:PORT; `\"\"` = off."})
+    admin_socket: str = dataclasses.field(default="/run/accelmig/pool.sock", metadata={
+        "doc": "The local admin socket (`accelmig-pool sessions`, `migrations`), mode 0600, "
+               "guarded by file permissions; `\"\"` = off."})
+    metrics_listen: str = dataclasses.field(default="", metadata={
+        "doc": "HOST:PORT where Prometheus metrics are served over HTTP (they are also on the "
+               "control plane, method `metrics`); `\"\"` = off.",
+        "example": "127.0.0.1:9470"})
+    device: str = dataclasses.field(default="auto", metadata={
+        "doc": "The accelerator: `auto` (the first device) or `opencl:N` (see `accelmig-pool "
+               "devices`)."})
+    tokens: str = dataclasses.field(default="/etc/accelmig/tokens.toml", metadata={
+        "doc": "The tenants file (below)."})
+    hosts: str = dataclasses.field(default="", metadata={
+        "doc": "The hypervisor hosts file (below); `\"\"`: no host may use the control plane.",
+        "example": "/etc/accelmig/hosts.toml"})
+    grace: float = dataclasses.field(default=30.0, metadata={
+        "doc": "Seconds a session whose connection died keeps its device state, waiting for "
+               "its driver to resume.", "type": "number (seconds)"})
+    park_retention: float = dataclasses.field(default=86400.0, metadata={
+        "doc": "Seconds the sessions of a saved domain (`virsh save`, managedsave) are kept.",
+        "type": "number (seconds)"})
+    lease_ttl: float = dataclasses.field(default=30.0, metadata={
+        "doc": "Seconds a migration record lives unless a hostd renews its lease.",
+        "type": "number (seconds)"})
+    ticket_ttl: float = dataclasses.field(default=300.0, metadata={
+        "doc": "Seconds a resume ticket is valid.", "type": "number (seconds)"})
+    handshake_timeout: float = dataclasses.field(default=10.0, metadata={
+        "doc": "Seconds a data-plane connection may take from connect to a successful open "
+               "or resume; then it is closed.", "type": "number (seconds)"})
+    max_unauthenticated: int = dataclasses.field(default=512, metadata={
+        "doc": "Data-plane connections that have not authenticated yet, all peers together; "
+               "more are refused at once.", "type": "integer"})
+    max_unauthenticated_per_peer: int = dataclasses.field(default=32, metadata={
+        "doc": "Data-plane connections from one address that have not authenticated yet; "
+               "more are refused at once.", "type": "integer"})
+    max_header: int = dataclasses.field(default=64 * 1024, metadata={
+        "doc": "Largest data-plane frame header; a bigger frame closes that connection.",
+        "type": "size"})
+    max_payload: int = dataclasses.field(default=1 << 30, metadata={
+        "doc": "Largest data-plane frame payload (one write or read).", "type": "size"})
+    max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
+        "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
+               "driver's acknowledgements.", "type": "size"})
+    log_format: str = dataclasses.field(default="json", metadata={
+        "doc": "Log lines on stderr.", "type": "string: json | text"})
+    log_level: str = dataclasses.field(default="INFO", metadata={
+        "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
-    _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl")
+    _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout")
+    _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer")
     _SIZES = ("max_header", "max_payload", "max_reply_bytes")
 
     @classmethod
@@ -117,11 +172,24 @@ class PoolConfig:
                     raise ConfigInvalid(source=path or "flags", reason=f"{key} must be positive")
             elif key in cls._SIZES:
                 value = parse_size(value, path or "flags")
+            elif key in cls._COUNTS:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ConfigInvalid(source=path or "flags",
+                                        reason=f"{key} must be a positive integer")
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)
         if config.log_format not in ("json", "text"):
             raise ConfigInvalid(source=path or "flags", reason="log_format is json or text")
+        try:
+            level_number(config.log_level)
+            parse_listen_list(config.listen)
+            for key in ("control_listen", "metrics_listen"):      # "" disables these two
+                if getattr(config, key):
+                    parse_endpoint(getattr(config, key), listen=True)
+        except (BadRequest, ValueError) as exc:
+            reason = exc.kwargs.get("reason", exc.message) if isinstance(exc, BadRequest) else str(exc)
+            raise ConfigInvalid(source=path or "flags", reason=reason) from None
         return config
 
 

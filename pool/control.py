@@ -60,7 +60,12 @@ class ControlServer:
         last_id = 0
         waits: set[asyncio.Task] = set()
         try:
-            header, _ = await wc.read_frame_async(reader)
+            try:
+                header = await asyncio.wait_for(wc.read_frame_async(reader, wc.HELLO_LIMITS),
+                                                self.pool.config.handshake_timeout)
+            except asyncio.TimeoutError:
+                raise ProtocolError(reason=f"no hello within "
+                                           f"{self.pool.config.handshake_timeout:g} s") from None
             if header.get("op") != "hello":
                 raise ProtocolError(reason="expected hello")
             offered = header.get("versions") or []
@@ -77,7 +82,7 @@ class ControlServer:
                                        "instance": self.pool.instance}))
             while True:
                 try:
-                    header, _ = await wc.read_frame_async(reader)
+                    header = await wc.read_frame_async(reader, wc.CALL_LIMITS)
                 except asyncio.IncompleteReadError:
                     return
                 call_id = header.get("id")
@@ -87,6 +92,8 @@ class ControlServer:
                     raise ProtocolError(reason="calls need op 'call' and strictly increasing ids")
                 last_id = call_id
                 if host is not None:
+                    if self.pool.hosts.get(host.name) is not host:      # a reload (SIGHUP) removed it
+                        raise AuthFailed(reason=f"host {host.name} is no longer in the pool's hosts file")
                     expected = wc.request_mac(host.secret, challenge, call_id, str(method), args)
                     if not hmac.compare_digest(expected, str(header.get("mac", ""))):
                         raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")

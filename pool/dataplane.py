@@ -27,6 +27,11 @@ from accelmig.pool.session import Command
 
 LOG = logging.getLogger(__name__)
 
+#: What a peer may send before it authenticated (hello, open, resume: small
+#: headers, never a payload): a stranger costs a few KiB, not a buffer the
+#: size of its claim.
+PREAUTH_LIMITS = Limits(max_header=4096, max_payload=0, direct_threshold=0)
+
 
 class ConnState(enum.Enum):
     HELLO = "hello"
@@ -38,8 +43,7 @@ class ConnState(enum.Enum):
 class DataConnection(asyncio.BufferedProtocol):
     def __init__(self, pool):
         self.pool = pool
-        self.reader = FrameReader(Limits(max_header=pool.config.max_header,
-                                         max_payload=pool.config.max_payload),
+        self.reader = FrameReader(PREAUTH_LIMITS, staging_floor=0,
                                   payload_sink=lambda header, size: pool.buffers.get(size))
         self.state = ConnState.HELLO
         self.transport: asyncio.Transport | None = None
@@ -53,6 +57,7 @@ class DataConnection(asyncio.BufferedProtocol):
         self._out: list = []
         self._done: tuple[int, int] | None = None   # a run of plain successes not yet sent
         self._flush_scheduled = False
+        self._handshake_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio protocol ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -61,6 +66,18 @@ class DataConnection(asyncio.BufferedProtocol):
         self.peer = peer[:2] if isinstance(peer, tuple) else (str(peer), 0)
         self.peer_host = self.pool.host_for_address(self.peer[0])
         self.pool.connections.add(self)
+        refused = self.pool.admit(self)
+        if refused is not None:
+            self.fail(refused)
+            return
+        self._handshake_timer = asyncio.get_running_loop().call_later(
+            self.pool.config.handshake_timeout, self._handshake_expired)
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.state in (ConnState.HELLO, ConnState.READY):
+            self.fail(ProtocolError(reason=f"no open or resume within "
+                                           f"{self.pool.config.handshake_timeout:g} s"))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.reader.broken is not None:
@@ -96,10 +113,17 @@ class DataConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.pool.connections.discard(self)
-        was = self.state
+        self.pool.release_admission(self)
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
         self.state = ConnState.CLOSED
+        # Whoever closed it (the peer, or this side after an error), a
+        # session still attached here is detached: its grace starts, and at
+        # the end of it the quota, device memory and worker are released.
+        # A fenced connection no longer holds its session (a newer one does).
         session = self.session
-        if session is not None and session.connection is self and was is ConnState.ATTACHED:
+        if session is not None and session.connection is self:
             self.pool.connection_lost(session, self)
 
     # -- sending -------------------------------------------------------------------
@@ -269,3 +293,10 @@ class DataConnection(asyncio.BufferedProtocol):
         self.session = session
         self.epoch = session.epoch
         self.state = ConnState.ATTACHED
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+        self.pool.release_admission(self)
+        # Authenticated: now frames may be as large as the pool allows.
+        self.reader.relimit(Limits(max_header=self.pool.config.max_header,
+                                   max_payload=self.pool.config.max_payload))

@@ -28,6 +28,9 @@ class PoolMetrics:
         self.device_bytes = Gauge("accelmig_device_bytes", "Device memory allocated, per tenant",
                                   ["tenant"], registry=r)
         self._by_op: dict = {}
+        self.refused_connections = Counter(
+            "accelmig_refused_connections_total",
+            "Data-plane connections refused: too many not yet authenticated", registry=r)
         self.frame_errors = Counter("accelmig_frame_errors_total", "Connections closed for bad frames",
                                     ["code"], registry=r)
 

@@ -33,7 +33,7 @@ from typing import Callable
 from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg
 from accelmig.pool.sequencing import SequenceLog, StoredReply
 from accelmig.wire.dataplane import Op, decode_scalar
-from accelmig.wire.errors import AccelmigError, InternalError, QuotaExceeded, BadRequest
+from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, OutOfRange, QuotaExceeded
 
 LOG = logging.getLogger(__name__)
 
@@ -369,6 +369,12 @@ def execute(session: Session, command: Command) -> StoredReply:
             counters.bytes_uploaded += len(command.payload)
         elif op is Op.READ:
             size = h["size"]
+            # The range first: a read past a 16-byte buffer must not cost a
+            # reply buffer the size it claims.
+            limit = ctx.buffer_size(h["buf"])
+            if h["offset"] < 0 or size < 0 or h["offset"] + size > limit:
+                raise OutOfRange(what=f"read of buffer {h['buf']}", offset=h["offset"], size=size,
+                                 limit=limit)
             payload = session.buffers.get(size) if session.buffers is not None and size else bytearray(size)
             try:
                 ctx.read_into(h["buf"], h["offset"], payload)

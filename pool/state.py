@@ -25,7 +25,8 @@ from accelmig.pool.migration import MigrationRecord, TicketAuthority
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
-from accelmig.wire.errors import (AuthFailed, BadRequest, Conflict, NoSuchRecord, SessionDiverged,
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, NoSuchRecord,
+                                  SessionDiverged, Unavailable,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost)
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
 
@@ -56,6 +57,11 @@ class Pool:
                 lambda state=state: sum(1 for s in list(self.sessions.values()) if s.state is state))
         self.buffers = PayloadBuffers()
         self.connections: set = set()            # DataConnections, for a clean stop
+        # Connections that have not authenticated yet, per peer address: a
+        # stranger may hold only a few, and all of them together a bounded
+        # number, so a flood of silent connections cannot take every
+        # descriptor from the tenants.
+        self._unauthenticated: dict[str, set] = {}
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
@@ -94,9 +100,89 @@ class Pool:
             if record.final and now - max(record.times.values()) > 3600:
                 del self.records[key]
 
+    # -- admission of connections that have not authenticated ---------------------
+    def admit(self, conn) -> AccelmigError | None:
+        """Count ``conn`` as unauthenticated; the error to close it with when
+        its peer, or everyone together, already holds too many."""
+        peer = conn.peer[0]
+        total = sum(len(conns) for conns in self._unauthenticated.values())
+        mine = self._unauthenticated.get(peer, ())
+        if len(mine) >= self.config.max_unauthenticated_per_peer:
+            reason = (f"{len(mine)} connections from {peer} have not authenticated yet "
+                      f"(at most {self.config.max_unauthenticated_per_peer})")
+        elif total >= self.config.max_unauthenticated:
+            reason = (f"{total} connections have not authenticated yet "
+                      f"(at most {self.config.max_unauthenticated})")
+        else:
+            self._unauthenticated.setdefault(peer, set()).add(conn)
+            return None
+        self.metrics.refused_connections.inc()
+        LOG.warning("data plane: refusing a connection from %s: %s", peer, reason)
+        return Unavailable(what="the pool", reason=reason)
+
+    def release_admission(self, conn) -> None:
+        """``conn`` authenticated or closed: it no longer counts."""
+        peer = conn.peer[0]
+        conns = self._unauthenticated.get(peer)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._unauthenticated[peer]
+
     # -- hosts -----------------------------------------------------------------------
     def host_for_address(self, address: str) -> str | None:
         return host_for_address(self.hosts.values(), address)
+
+    # -- reload (SIGHUP) -----------------------------------------------------------
+    def reload(self, tenants: dict[str, TenantSpec], hosts: dict[str, HostSpec]) -> dict:
+        """Take a reloaded tenants file and hosts file, both already parsed
+        and valid; no session is touched.
+
+        - A tenant is known by its name: a kept tenant keeps its ``Tenant``
+          (what its sessions hold, and their memory use) with the new token
+          and quota.  A changed token opens sessions from now on; the old
+          one no longer does.  A lowered quota refuses new allocations, never
+          frees what is held.
+        - A removed tenant opens no new session; its sessions keep running
+          (and may resume: a resume proves the session's own secret, not the
+          tenant's token) until they are released or expire.
+        - A kept host keeps its ``HostState`` (registration, networks it
+          registered) with the new secret and static networks; its open
+          control connections verify their next call with the new secret.
+        - A removed host's control connections are refused at their next
+          call; sessions bound to it keep running.
+
+        Returns what changed, by name, for the log."""
+        out = {"tenants": {"added": [], "removed": [], "changed": []},
+               "hosts": {"added": [], "removed": [], "changed": []}, "kept_sessions": {}}
+        by_name = {t.name: t for t in self.tenants.values()}
+        fresh: dict[str, Tenant] = {}
+        for spec in tenants.values():
+            tenant = by_name.pop(spec.name, None)
+            if tenant is None:
+                tenant = Tenant(spec.name, spec.token, spec.quota)
+                out["tenants"]["added"].append(spec.name)
+            elif (tenant.token, tenant.quota) != (spec.token, spec.quota):
+                tenant.token, tenant.quota = spec.token, spec.quota
+                out["tenants"]["changed"].append(spec.name)
+            fresh[spec.token] = tenant
+        for name in by_name:
+            out["tenants"]["removed"].append(name)
+            out["kept_sessions"][name] = sum(1 for s in self.sessions.values()
+                                             if s.tenant.name == name and s.live)
+        self.tenants = fresh
+        kept = {}
+        for name, spec in hosts.items():
+            host = self.hosts.get(name)
+            if host is None:
+                host = HostState(spec)
+                out["hosts"]["added"].append(name)
+            elif host.update(spec):
+                out["hosts"]["changed"].append(name)
+            kept[name] = host
+        out["hosts"]["removed"] = sorted(set(self.hosts) - set(kept))
+        self.hosts = kept
+        return out
 
     # -- sessions ------------------------------------------------------------------
     def _new_sid(self) -> str:

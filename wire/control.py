@@ -34,8 +34,8 @@ import socket
 import threading
 
 from accelmig.wire.errors import AuthFailed, FrameError, ProtocolError, Unavailable, from_wire
-from accelmig.wire.frames import (DEFAULT_LIMITS, PREFIX_SIZE, FrameReader, decode_header,
-                                  encode_frame, parse_prefix)
+from accelmig.wire.frames import (PREFIX_SIZE, Limits, decode_header, encode_frame,
+                                  parse_prefix)
 
 CONTROL_VERSIONS = (1,)
 ADMIN_HOST = "admin"
@@ -68,6 +68,15 @@ METHODS = {
 }
 
 
+#: The control plane carries no payloads.  What the pool reads from a peer
+#: that has not authenticated is a tiny hello; a call (a renewal of many
+#: records) is bounded; an answer (every ticket of a VM with a thousand
+#: sessions, every session of the pool) may be larger still — it comes from
+#: the pool, the peer hosts chose to trust — but bounded too.
+HELLO_LIMITS = Limits(max_header=4096, max_payload=0)
+CALL_LIMITS = Limits(max_header=1 << 20, max_payload=0)
+ANSWER_LIMITS = Limits(max_header=32 << 20, max_payload=0)
+
 #: Methods the pool answers when what they wait for happens (other calls on
 #: the same connection go on meanwhile).
 WAITING_METHODS = frozenset({"wait_record"})
@@ -91,13 +100,30 @@ def result_body(header: dict) -> dict:
     return {k: header[k] for k in ("ok", "result", "error") if k in header}
 
 
-async def read_frame_async(reader: asyncio.StreamReader, limits=DEFAULT_LIMITS):
-    """One frame from a StreamReader (control messages are small)."""
+async def read_frame_async(reader: asyncio.StreamReader, limits: Limits = ANSWER_LIMITS) -> dict:
+    """One control frame from a StreamReader; the prefix is checked against
+    ``limits`` before a byte of the header is buffered."""
     prefix = await reader.readexactly(PREFIX_SIZE)
-    _flags, hlen, plen = parse_prefix(prefix, limits)
-    header = decode_header(await reader.readexactly(hlen))
-    payload = await reader.readexactly(plen) if plen else b""
-    return header, payload
+    _flags, hlen, _plen = parse_prefix(prefix, limits)
+    return decode_header(await reader.readexactly(hlen))
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame_blocking(sock: socket.socket, limits: Limits = ANSWER_LIMITS) -> dict:
+    """One control frame from a blocking socket, read to its exact size (an
+    answer of many MiB costs its own size, not a staging buffer per client)."""
+    _flags, hlen, _plen = parse_prefix(_recv_exactly(sock, PREFIX_SIZE), limits)
+    return decode_header(_recv_exactly(sock, hlen))
 
 
 def check_answer(secret: bytes | None, challenge: str, answer: dict, call_id: int):
@@ -185,8 +211,6 @@ class ControlClient:
         self.secret = secret
         self.timeout = timeout
         self._sock: socket.socket | None = None
-        self._reader: FrameReader | None = None
-        self._pending: list[dict] = []
         self._session: ControlSession | None = None
         self._lock = threading.Lock()
 
@@ -205,7 +229,7 @@ class ControlClient:
                 sock = socket.create_connection(parse_endpoint(self.endpoint), timeout=self.timeout)
         except OSError as exc:
             raise Unavailable(what=f"the pool's control plane at {self.endpoint}", reason=str(exc)) from None
-        self._sock, self._reader, self._pending = sock, FrameReader(), []
+        self._sock = sock
         self._session = ControlSession(self.host, self.secret)
         try:
             self._send(self._session.hello())
@@ -221,15 +245,11 @@ class ControlClient:
             raise Unavailable(what="the pool's control plane", reason=str(exc)) from None
 
     def _recv(self) -> dict:
-        while not self._pending:
-            try:
-                n = self._sock.recv_into(self._reader.get_buffer())
-            except OSError as exc:
-                raise Unavailable(what="the pool's control plane", reason=str(exc)) from None
-            if n == 0:
-                raise Unavailable(what="the pool's control plane", reason="connection closed")
-            self._pending += [frame.header for frame in self._reader.feed(n)]
-        return self._pending.pop(0)
+        try:
+            return read_frame_blocking(self._sock)
+        except OSError as exc:          # ConnectionError and timeouts included
+            raise Unavailable(what="the pool's control plane", reason=str(exc) or
+                              type(exc).__name__) from None
 
     def call(self, method: str, **args):
         with self._lock:
@@ -315,7 +335,7 @@ class AsyncControlClient:
                 conn = asyncio.open_connection(host, port)
             reader, writer = await asyncio.wait_for(conn, self.timeout)
             writer.write(session.hello())
-            welcome, _ = await asyncio.wait_for(read_frame_async(reader), self.timeout)
+            welcome = await asyncio.wait_for(read_frame_async(reader), self.timeout)
             session.welcome(welcome)
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
@@ -334,7 +354,7 @@ class AsyncControlClient:
         error: Exception = Unavailable(what="the pool's control plane", reason="connection closed")
         try:
             while True:
-                header, _ = await read_frame_async(reader)
+                header = await read_frame_async(reader)
                 call_id = session.answer_id(header)
                 if call_id is None:             # the pool closes the connection with an error
                     error = from_wire(header.get("error", {})) if header.get("op") == "error" else \
@@ -366,6 +386,16 @@ class AsyncControlClient:
 
     async def call(self, method: str, **args):
         return await self._call(method, args, self.timeout)
+
+    def rekey(self, secret: bytes) -> None:
+        """Use a new secret (hostd's SIGHUP).  The open connection signs with
+        the old one, so it is closed now: calls waiting on it go once more on
+        a new connection, as after a pool restart."""
+        self.secret = secret
+        writer = self._writer
+        if writer is not None:
+            self._drop(writer, Unavailable(what="the pool's control plane",
+                                           reason="new secret: reconnecting"))
 
     async def call_within(self, timeout: float, method: str, /, **args):
         """A call that may take longer than the client's timeout (``wait_record``).

@@ -132,11 +132,15 @@ class FrameReader:
     After a ``FrameError`` the reader is unusable: close the connection.
     """
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS, payload_sink: PayloadSink | None = None):
+    #: the staging buffer's usual floor: big enough that a burst of small
+    #: frames is read in one system call
+    STAGING_FLOOR = 256 * 1024
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, payload_sink: PayloadSink | None = None,
+                 staging_floor: int = STAGING_FLOOR):
         self.limits = limits
         self.payload_sink = payload_sink or _default_sink
-        size = PREFIX_SIZE + limits.max_header + limits.direct_threshold
-        self._staging = bytearray(max(size, 256 * 1024))
+        self._staging = bytearray(self._staging_size(limits, staging_floor))
         self._start = 0          # first unparsed byte in staging
         self._end = 0            # one past the last received byte in staging
         self._header: dict | None = None   # header of a frame whose payload is pending
@@ -146,6 +150,23 @@ class FrameReader:
         self.broken: FrameError | None = None
         self.frames_read = 0
         self.bytes_read = 0
+
+    @staticmethod
+    def _staging_size(limits: Limits, floor: int) -> int:
+        return max(PREFIX_SIZE + limits.max_header + limits.direct_threshold, floor)
+
+    def relimit(self, limits: Limits, staging_floor: int = STAGING_FLOOR) -> None:
+        """Change the bounds between two frames (a peer that authenticated may
+        send more than one that has not); bytes already received are kept."""
+        if self._payload is not None:
+            raise RuntimeError("relimit in the middle of a payload")
+        self.limits = limits
+        size = self._staging_size(limits, staging_floor)
+        if size > len(self._staging):
+            staging = bytearray(size)
+            tail = self._end - self._start
+            staging[:tail] = self._staging[self._start:self._end]
+            self._staging, self._start, self._end = staging, 0, tail
 
     # -- receive side -------------------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:

@@ -1,0 +1,247 @@
+"""Peers that never authenticate, or misbehave after they did, against a
+real pool on loopback (issue 14, items 1, 3 and 8).
+
+- Before authentication a frame carries no payload and a small header, so a
+  40-byte ``hello`` announcing a 1 GiB payload costs nothing.
+- A connection that does not authenticate in time is closed.
+- One address may hold only a few unauthenticated connections, everyone
+  together a bounded number; the rest are refused at once.
+- A session whose connection the *pool* closed (a bad frame after open) is
+  detached like any other, so its grace runs out and it is released:
+  quota, device memory and worker thread come back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from accelmig.agent.driver import connect
+from accelmig.pool.session import SessionState
+from accelmig.pool.testing import PoolThread
+from accelmig.wire.control import AsyncControlClient, ControlClient
+from accelmig.wire.errors import OutOfRange
+from accelmig.wire.frames import MAGIC, PREFIX, FrameReader, encode_frame
+from tests.support.tenants import ALICE, TENANTS
+from tests.support.wait import wait_for
+
+
+def _dial(endpoint: str) -> socket.socket:
+    host, port = endpoint.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _frames_until_closed(sock) -> list[dict]:
+    """Every frame the pool sends until it closes (the socket's timeout
+    bounds a pool that never closes: the test then fails)."""
+    reader, frames = FrameReader(), []
+    while True:
+        try:
+            n = sock.recv_into(reader.get_buffer())
+        except ConnectionResetError:
+            break
+        if n == 0:
+            break
+        frames.extend(f.header for f in reader.feed(n))
+    return frames
+
+
+def _hello(sock) -> dict:
+    sock.sendall(encode_frame({"op": "hello", "versions": [1]}))
+    reader = FrameReader()
+    while True:
+        n = sock.recv_into(reader.get_buffer())
+        assert n, "the pool closed instead of answering hello"
+        frames = reader.feed(n)
+        if frames:
+            return frames[0].header
+
+
+@pytest.fixture
+def pool():
+    with PoolThread(TENANTS) as harness:
+        yield harness
+
+
+def test_a_hello_announcing_a_huge_payload_is_refused_before_anything_is_allocated(pool):
+    handed_out = []
+    buffers = pool.pool.buffers
+    original = buffers.get
+    buffers.get = lambda size: handed_out.append(size) or original(size)
+    with _dial(pool.endpoint) as sock:
+        # 16-byte prefix + a 2-byte header, announcing 1 GiB that never comes
+        sock.sendall(PREFIX.pack(MAGIC, 1, 0, 2, 1 << 30) + b"{}")
+        frames = _frames_until_closed(sock)
+    assert frames and frames[-1]["op"] == "error", frames
+    assert frames[-1]["error"]["code"] == "FRAME_TOO_LARGE"
+    assert "payload" in frames[-1]["error"]["message"]
+    assert handed_out == []               # not one payload buffer for a stranger
+
+
+def test_a_big_header_before_authentication_is_refused(pool):
+    with _dial(pool.endpoint) as sock:
+        assert _hello(sock)["op"] == "welcome"
+        sock.sendall(encode_frame({"op": "open", "token": ALICE, "secret": "ab" * 32,
+                                   "client": {"name": "x" * 8000}}))
+        frames = _frames_until_closed(sock)
+    assert frames[-1]["error"]["code"] == "FRAME_TOO_LARGE"
+    assert "header" in frames[-1]["error"]["message"]
+
+
+def test_after_authentication_the_full_limits_apply():
+    with PoolThread(TENANTS) as harness, connect(harness.endpoint, ALICE) as dev:
+        data = np.arange(1 << 18, dtype=np.uint32)          # 1 MiB: one payload
+        assert np.array_equal(np.frombuffer(dev.read(dev.upload(data)), dtype=np.uint32), data)
+
+
+def test_a_connection_that_never_authenticates_is_closed_in_time():
+    with PoolThread(TENANTS, handshake_timeout=0.3) as harness:
+        # authenticated first: the deadline of the two below is past when they
+        # are closed, so this one has outlived its own deadline by then
+        with connect(harness.endpoint, ALICE) as dev:
+            buf = dev.upload(b"still here")
+            with _dial(harness.endpoint) as silent, _dial(harness.endpoint) as greeted:
+                assert _hello(greeted)["op"] == "welcome"
+                for sock in (silent, greeted):
+                    frames = _frames_until_closed(sock)
+                    assert frames[-1]["error"]["code"] == "PROTOCOL_ERROR"
+                    assert "no open or resume within 0.3 s" in frames[-1]["error"]["message"]
+            assert dev.read(buf) == b"still here"
+            assert dev.stats["resumes"] == 0       # never cut
+
+
+def test_unauthenticated_connections_are_capped_per_peer_and_freed_by_authenticating():
+    with PoolThread(TENANTS, max_unauthenticated_per_peer=3) as harness:
+        pending = [_dial(harness.endpoint) for _ in range(3)]
+        try:
+            for sock in pending:
+                assert _hello(sock)["op"] == "welcome"
+            with _dial(harness.endpoint) as fourth:
+                frames = _frames_until_closed(fourth)
+            assert frames[-1]["error"]["code"] == "UNAVAILABLE"
+            assert "3 connections from 127.0.0.1 have not authenticated" in \
+                frames[-1]["error"]["message"]
+            # one of them authenticates: it no longer counts, a newcomer gets in
+            pending[0].sendall(encode_frame({"op": "open", "token": ALICE, "secret": "ab" * 32}))
+            reader = FrameReader()
+            opened = []
+            while not opened:
+                n = pending[0].recv_into(reader.get_buffer())
+                assert n
+                opened = reader.feed(n)
+            assert opened[0].header["op"] == "opened"
+            with connect(harness.endpoint, ALICE) as dev:
+                assert dev.read(dev.upload(b"in")) == b"in"
+        finally:
+            for sock in pending:
+                sock.close()
+        metric = harness.call(lambda: harness.pool.metrics.refused_connections._value.get())
+        assert metric == 1
+
+
+def test_unauthenticated_connections_are_capped_in_total():
+    with PoolThread(TENANTS, max_unauthenticated=2) as harness:
+        with _dial(harness.endpoint) as a, _dial(harness.endpoint) as b:
+            assert _hello(a)["op"] == _hello(b)["op"] == "welcome"
+            with _dial(harness.endpoint) as c:
+                frames = _frames_until_closed(c)
+        assert "2 connections have not authenticated yet" in frames[-1]["error"]["message"]
+        # closed ones no longer count
+        wait_for(lambda: harness.call(lambda: not harness.pool._unauthenticated), timeout=10)
+        with connect(harness.endpoint, ALICE) as dev:
+            assert dev.read(dev.upload(b"ok")) == b"ok"
+
+
+def test_a_session_the_pool_disconnects_is_detached_and_released_after_its_grace():
+    with PoolThread(TENANTS, grace=30.0) as harness:
+        pool = harness.pool
+        with _dial(harness.endpoint) as sock:
+            assert _hello(sock)["op"] == "welcome"
+            sock.sendall(encode_frame({"op": "open", "token": ALICE, "secret": "ab" * 32}))
+            sock.sendall(encode_frame({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1,
+                                       "size": 4096}))
+            # a frame the pool refuses: it answers with an error and closes
+            sock.sendall(encode_frame({"op": "teleport", "seq": 2, "epoch": 1}))
+            frames = _frames_until_closed(sock)
+        assert frames[0]["op"] == "opened" and frames[-1]["op"] == "error"
+        sid = frames[0]["sid"]
+        session = pool.sessions[sid]
+        wait_for(lambda: harness.call(lambda: session.state) is SessionState.DETACHED, timeout=10)
+        tenant = session.tenant
+        assert harness.call(lambda: tenant.used) == 4096     # held through its grace
+        # at the end of the grace (time handed in, not waited for): released
+        harness.call(pool.sweep, time.time() + 31.0)
+        assert harness.call(lambda: session.state) is SessionState.RELEASED
+        session.wait_released(10)
+        assert harness.call(lambda: tenant.used) == 0
+        assert not [t for t in threading.enumerate() if t.name == f"session-{sid}"]
+
+
+def test_a_read_past_the_end_is_refused_before_its_reply_is_allocated(pool):
+    handed_out = []
+    buffers = pool.pool.buffers
+    original = buffers.get
+    buffers.get = lambda size: handed_out.append(size) or original(size)
+    with connect(pool.endpoint, ALICE) as dev:
+        buf = dev.upload(b"sixteen bytes..!")
+        with pytest.raises(OutOfRange, match="read of buffer"):
+            dev.read(buf, 1 << 30)
+        assert not [size for size in handed_out if size >= 1 << 30]
+        assert dev.read(buf) == b"sixteen bytes..!"      # the session goes on
+
+
+# -- the control plane ---------------------------------------------------------------
+HOST_SECRET = "control-secret-of-host-a"
+
+
+def test_a_control_hello_announcing_a_huge_payload_is_refused_at_once():
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}) as harness:
+        with _dial(harness.control_endpoint) as sock:
+            sock.sendall(PREFIX.pack(MAGIC, 1, 0, 2, 255 << 20) + b"{}")
+            frames = _frames_until_closed(sock)
+        assert frames[-1]["error"]["code"] == "FRAME_TOO_LARGE"
+
+
+def test_a_silent_control_connection_is_closed_in_time():
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}, handshake_timeout=0.3) as harness:
+        with _dial(harness.control_endpoint) as sock:
+            frames = _frames_until_closed(sock)
+        assert "no hello within 0.3 s" in frames[-1]["error"]["message"]
+        with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as client:
+            assert client.call("ping") is not None
+
+
+def test_control_answers_over_64_kib_reach_both_clients():
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}) as harness:
+        sockets = []
+        try:
+            for _ in range(260):                  # ~300 bytes a session: > 64 KiB in all
+                sock = _dial(harness.endpoint)
+                sockets.append(sock)
+                _hello(sock)
+                sock.sendall(encode_frame({"op": "open", "token": ALICE, "secret": "ab" * 32}))
+            wait_for(lambda: harness.call(lambda: len(harness.pool.sessions)) == 260, timeout=30)
+            with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as client:
+                listed = client.call("list_sessions")
+                assert len(json.dumps(listed)) > 65536
+                assert len(listed["sessions"]) == 260
+                assert client.call("ping") is not None   # the connection is still in step
+
+            async def from_the_async_client():
+                client = AsyncControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode())
+                try:
+                    return len((await client.call("list_sessions"))["sessions"]), await client.call("ping")
+                finally:
+                    await client.close()
+
+            count, pong = asyncio.run(from_the_async_client())
+            assert count == 260 and pong is not None
+        finally:
+            for sock in sockets:
+                sock.close()
