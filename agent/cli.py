@@ -9,6 +9,8 @@ import sys
 
 from accelmig.wire import channel as ch
 from accelmig.wire import logs
+from accelmig.wire.cli import exit_codes_epilog, version
+from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
 
 DEFAULT_PORT = "/dev/virtio-ports/" + ch.CHANNEL_NAME
@@ -23,13 +25,39 @@ the guest network change and tells every driver to resume its session.
 """
 
 
+EXIT_CODES = {1: "rehome/status: the agent answered that it failed",
+              2: "usage, a bad option value or rehome document, or the channel cannot be opened",
+              3: "run: another agent already serves the socket; rehome/status: no agent answers"}
+
+
+def _endpoint(text: str) -> str:
+    """argparse type: wire's one endpoint parser (HOST:PORT, [v6]:PORT, port 1-65535)."""
+    try:
+        parse_endpoint(text)
+    except BadRequest as exc:
+        raise argparse.ArgumentTypeError(exc.kwargs.get("reason", exc.message)) from None
+    return text
+
+
+def _log_level(text: str) -> str:
+    """argparse type: a logging level name, any case."""
+    try:
+        logs.level_number(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.upper()
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="accelmig-agent", description=DESCRIPTION,
+                                     epilog=exit_codes_epilog(EXIT_CODES),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the agent daemon",
-                         description="Serve the host channel and the guest's drivers until SIGTERM.")
+                         description="Serve the host channel and the guest's drivers until SIGTERM "
+                                     "(SIGHUP: logged; every setting is an option, so a restart changes them).")
     run.add_argument("--port", default=DEFAULT_PORT,
                      help=f"the channel: a virtio-serial device, a unix socket path to listen on "
                           f"(tests, trials without a VM), or 'none' (a VM with only qemu-guest-agent: "
@@ -37,12 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET,
                      help=f"where drivers register [default {ch.DEFAULT_AGENT_SOCKET}]")
     run.add_argument("--state-dir", default="/run/accelmig", help="where the last identity is kept")
-    run.add_argument("--endpoint", metavar="HOST:PORT",
+    run.add_argument("--endpoint", metavar="HOST:PORT", type=_endpoint,
                      help="a static pool endpoint (without a host that tells one)")
     run.add_argument("--rehome-timeout", type=float, default=30.0,
                      help="seconds a rehome waits for the drivers [default 30]")
     run.add_argument("--log-format", choices=["json", "text"], default="text")
-    run.add_argument("--log-level", default="INFO")
+    run.add_argument("--log-level", type=_log_level, default="INFO", metavar="LEVEL",
+                     help=f"{', '.join(logs.LEVELS)} [default INFO]")
 
     rehome = sub.add_parser("rehome", help="rehome from a JSON document (qemu-guest-agent guest-exec)",
                             description="Do what a 'rehome' on the channel does, from a JSON document "
@@ -53,7 +82,60 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="what the running agent knows")
     status.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET)
+
+    install = sub.add_parser(
+        "install", help="install the agent as a systemd service",
+        description="Write accelmig-agent.service (ExecStart: this installation's agent; hardened: "
+                    "docs/systemd.md) into UNIT_DIR and run 'systemctl daemon-reload' when systemd is "
+                    "PID 1 and the unit went where it reads.  With the default --port the unit is "
+                    "bound to the channel's device (started when it appears, stopped with it); with "
+                    "--port none (a VM with only qemu-guest-agent) it is wanted by multi-user.target.  "
+                    "A rerun that would write the same file says 'unchanged'.  Then: "
+                    "systemctl enable --now accelmig-agent.")
+    install.add_argument("--systemd", action="store_true",
+                         help="install the systemd unit (the only target today; the init script "
+                              "for guests without systemd is agent/data/accelmig-agent.init)")
+    install.add_argument("--port", default=DEFAULT_PORT,
+                         help=f"the channel device the service runs on, or 'none' [default {DEFAULT_PORT}]")
+    install.add_argument("--endpoint", metavar="HOST:PORT", type=_endpoint,
+                         help="a static pool endpoint for the service (see 'run --endpoint')")
+    install.add_argument("--root", metavar="DIR", help="install under this alternate file system root")
+    install.add_argument("--unit-dir", default="/etc/systemd/system",
+                         help="where the unit goes (under --root) [default /etc/systemd/system]")
+    install.add_argument("--print", dest="print_only", action="store_true",
+                         help="print the unit and install nothing")
+    install.add_argument("--json", dest="as_json", action="store_true", help="machine-readable output")
     return parser
+
+
+def _install(parser: argparse.ArgumentParser, args) -> int:
+    from accelmig.agent import unit
+    from accelmig.wire import units
+    if not args.systemd:
+        parser.error("install: nothing to install: pass --systemd")      # exit 2
+    try:
+        text = unit.render(args.port, args.endpoint)
+    except AccelmigError as exc:
+        print(f"accelmig-agent: {exc.message}", file=sys.stderr)
+        return 2
+    if args.print_only:
+        sys.stdout.write(text)
+        return 0
+    try:
+        result = units.install_units({unit.UNIT_NAME: text}, root=args.root, unit_dir=args.unit_dir)
+    except OSError as exc:
+        print(f"accelmig-agent: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    result["mode"] = unit.mode_of(args.port)
+    if args.as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"mode: {result['mode']}")
+        print("\n".join(units.summary(result)))
+    if result["reload"]["action"] == "failed":
+        print(f"accelmig-agent: {result['reload']['reason']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _ask_agent(socket_path: str, kind: str, timeout: float = 60.0, **fields) -> dict:
@@ -74,7 +156,10 @@ def _ask_agent(socket_path: str, kind: str, timeout: float = 60.0, **fields) -> 
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "install":
+        return _install(parser, args)
     if args.command == "run":
         from accelmig.agent.daemon import Agent
         from accelmig.wire.identity import HostIdentity
@@ -88,6 +173,10 @@ def main(argv=None) -> int:
                 return 2
         agent = Agent(args.port, args.socket, state_dir=args.state_dir, identity=identity,
                       rehome_timeout=args.rehome_timeout)
+        # before open() logs that the agent is there: a signal from then on is handled
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: agent.stop())
+        signal.signal(signal.SIGHUP, lambda *_: agent.reload())     # SIGHUP's default kills
         try:
             agent.open()
         except AlreadyRunning as exc:
@@ -99,8 +188,6 @@ def main(argv=None) -> int:
         except OSError as exc:
             print(f"accelmig-agent: cannot open {exc.filename or args.port}: {exc.strerror}", file=sys.stderr)
             return 2
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: agent.stop())
         agent.run()
         return 0
     if args.command == "rehome":

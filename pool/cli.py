@@ -11,9 +11,34 @@ import sys
 import click
 
 from accelmig.wire import logs
-from accelmig.wire.errors import AccelmigError, AlreadyRunning
+from accelmig.wire.cli import exit_codes_epilog
+from accelmig.wire.dataplane import parse_endpoint, parse_listen_list
+from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
 
 LOG = logging.getLogger("accelmig.pool")
+
+
+class ListenAddress(click.ParamType):
+    """HOST:PORT to listen on (port 0: any free one; ``[v6]:PORT``), checked by
+    wire's one endpoint parser; ``several``: a comma-separated list;
+    ``optional``: '' turns the listener off.  The value stays the text given."""
+
+    name = "HOST:PORT"
+
+    def __init__(self, *, several: bool = False, optional: bool = False):
+        self.several, self.optional = several, optional
+
+    def convert(self, value, param, ctx):
+        if self.optional and value == "":
+            return value
+        try:
+            if self.several:
+                parse_listen_list(value)
+            else:
+                parse_endpoint(value, listen=True)
+        except BadRequest as exc:
+            self.fail(exc.kwargs.get("reason", exc.message), param, ctx)
+        return value
 
 
 def _fail(exc: AccelmigError) -> None:
@@ -21,7 +46,11 @@ def _fail(exc: AccelmigError) -> None:
     sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=exit_codes_epilog({2: "usage; a config, tenants or hosts file that does not load; "
+                                          "cannot listen; no pool at the admin socket",
+                                       3: "serve: another pool already owns the admin socket"}, click=True))
+@click.version_option(package_name="accelmig", prog_name="accelmig-pool", message="%(prog)s %(version)s")
 def main():
     """The accelmig accelerator pool.
 
@@ -33,9 +62,9 @@ def main():
 
 
 @main.command()
-@click.option("--listen", metavar="HOST:PORT", help="Data-plane address for guest drivers "
+@click.option("--listen", type=ListenAddress(several=True), help="Data-plane address for guest drivers "
               "[config: listen; default 127.0.0.1:7070].")
-@click.option("--control-listen", metavar="HOST:PORT", help="Control-plane address for "
+@click.option("--control-listen", type=ListenAddress(optional=True), help="Control-plane address for "
               "hypervisor hosts (HMAC-authenticated) [default 127.0.0.1:7071]; '' disables it.")
 @click.option("--tokens", "tokens", metavar="FILE", help="Tenants file (TOML): [tenants.NAME] "
               "with token and quota (e.g. quota = \"2GiB\") [default /etc/accelmig/tokens.toml].")
@@ -47,7 +76,7 @@ def main():
               "(see 'accelmig-pool devices') [default auto].")
 @click.option("--admin-socket", metavar="PATH", help="Local admin socket for 'sessions' and "
               "'migrations' [default /run/accelmig/pool.sock]; '' disables it.")
-@click.option("--metrics-listen", metavar="HOST:PORT", help="Serve Prometheus metrics over HTTP "
+@click.option("--metrics-listen", type=ListenAddress(optional=True), help="Serve Prometheus metrics over HTTP "
               "here (they are also on the control plane).")
 @click.option("--grace", type=float, metavar="SECONDS", help="How long a session whose "
               "connection died keeps its device state [default 30].")
@@ -59,10 +88,16 @@ def main():
               "ticket [default 300].")
 @click.option("--log-format", type=click.Choice(["json", "text"]), help="Log lines on stderr "
               "[default json].")
-@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
-                                                case_sensitive=False))
+@click.option("--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False),
+              help="[config: log_level; default INFO]")
 def serve(config_path, **flags):
     """Serve accelerator sessions until SIGTERM or SIGINT.
+
+    SIGHUP reloads the tenants and hosts files (other settings need a
+    restart).  Sessions are untouched; a file that does not load keeps the
+    running tenants and hosts, and the log says why.  A removed tenant opens
+    no new session, but its sessions keep running until they end; a removed
+    host's control-plane calls are refused.
 
     Example:
 
@@ -88,6 +123,7 @@ def serve(config_path, **flags):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, server.reload)    # never the default: it kills
         try:
             await server.start()
         except AlreadyRunning as exc:
@@ -169,6 +205,63 @@ def devices():
     for dev in found:
         click.echo(f"{dev['spec']:10} {dev['name']} ({dev['platform']}, "
                    f"{dev['global_mem_size'] >> 20} MiB)")
+
+
+@main.command()
+@click.option("--systemd", is_flag=True, help="Install the systemd unit accelmig-pool.service and "
+              "its user (the only thing there is to install today; the flag keeps the command line "
+              "the same as 'accelmig install --systemd' and 'accelmig-agent install --systemd').")
+@click.option("--config", "config_path", default="/etc/accelmig/pool.toml", show_default=True,
+              metavar="FILE", help="The pool config the unit runs with (baked into ExecStart).")
+@click.option("--root", metavar="DIR", type=click.Path(file_okay=False),
+              help="Install under this alternate file system root (an image, a test).")
+@click.option("--unit-dir", default="/etc/systemd/system", show_default=True, metavar="DIR",
+              help="Where the unit goes (under --root).")
+@click.option("--print", "print_only", is_flag=True, help="Print the unit and install nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def install(systemd, config_path, root, unit_dir, print_only, as_json):
+    """Install the pool as a systemd service.
+
+    Writes accelmig-pool.service (ExecStart: this installation's
+    accelmig-pool, User=accelmig-pool, hardened: docs/systemd.md) into
+    UNIT_DIR and /etc/sysusers.d/accelmig-pool.conf, creates the user with
+    systemd-sysusers, and runs 'systemctl daemon-reload' when systemd is
+    PID 1 and the unit went where it reads.  A rerun that would write the
+    same files leaves them and says "unchanged".  Then:
+    systemctl enable --now accelmig-pool.
+    """
+    import os
+
+    from accelmig.pool import unit
+    from accelmig.wire import units
+    if not systemd:
+        raise click.UsageError("nothing to install: pass --systemd")
+    config_path = os.path.abspath(config_path)
+    rendered = unit.render(config_path)
+    if print_only:
+        click.echo(rendered["unit"], nl=False)
+        return
+    try:
+        result = units.install_units({unit.UNIT_NAME: rendered["unit"]}, root=root, unit_dir=unit_dir,
+                                     sysusers={unit.SYSUSERS_NAME: rendered["sysusers"]})
+    except OSError as exc:
+        click.echo(f"accelmig-pool: {exc.filename or ''}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+    warnings = []
+    if not os.path.exists(units.under_root(root, config_path)):
+        warnings.append(f"{config_path} does not exist yet: the service will not start without it")
+    result["warnings"] = warnings
+    for message in warnings:
+        click.echo(f"accelmig-pool: warning: {message}", err=True)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        for line in units.summary(result):
+            click.echo(line)
+    failed = [step for step in (result["users"], result["reload"]) if step["action"] == "failed"]
+    if failed:
+        click.echo(f"accelmig-pool: {failed[0]['reason']}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":  # pragma: no cover

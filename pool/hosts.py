@@ -18,6 +18,19 @@ class HostState:
         self.registered_at: float | None = None
         self.last_seen: float | None = None
 
+    def update(self, spec: HostSpec) -> bool:
+        """A reloaded hosts file's entry for this host (SIGHUP): the secret and
+        the static networks change in place, so that the host's open control
+        connections verify their next call with the new secret; the networks
+        it registered stay.  Whether anything changed."""
+        changed = spec.secret != self.secret or list(spec.addresses) != self.static_networks
+        # ``networks`` is always ``static_networks`` + what the host registered
+        registered = self.networks[len(self.static_networks):]
+        self.secret = spec.secret
+        self.static_networks = list(spec.addresses)
+        self.networks = self.static_networks + registered
+        return changed
+
     def describe(self) -> dict:
         return {"host": self.name, "networks": [str(n) for n in self.networks],
                 "identity": self.identity, "registered_at": self.registered_at,

@@ -44,7 +44,7 @@ class PoolServer:
         # port 0 after the first takes the port the first one got.
         first_port = None
         for item in [p.strip() for p in self.config.listen.split(",") if p.strip()]:
-            host, port = dp.parse_endpoint(item)
+            host, port = dp.parse_endpoint(item, listen=True)
             if port == 0 and first_port is not None:
                 port = first_port
             server = await pool.loop.create_server(lambda: DataConnection(pool), host, port,
@@ -55,7 +55,7 @@ class PoolServer:
             self.endpoints.setdefault("data", bound)
             self.endpoints.setdefault("data_all", []).append(bound)
         if self.config.control_listen:
-            chost, cport = dp.parse_endpoint(self.config.control_listen)
+            chost, cport = dp.parse_endpoint(self.config.control_listen, listen=True)
             cserver = await asyncio.start_server(self.control.handle_host, chost, cport,
                                                  reuse_address=True)
             self._servers.append(cserver)
@@ -66,7 +66,7 @@ class PoolServer:
             self.endpoints["admin"] = "unix:" + self.config.admin_socket
         if self.config.metrics_listen:
             from prometheus_client import start_http_server
-            mhost, mport = dp.parse_endpoint(self.config.metrics_listen)
+            mhost, mport = dp.parse_endpoint(self.config.metrics_listen, listen=True)
             start_http_server(mport, addr=mhost, registry=pool.metrics.registry)
             self.endpoints["metrics"] = self.config.metrics_listen
         self._janitor = asyncio.ensure_future(self._janitor_loop())
@@ -94,6 +94,36 @@ class PoolServer:
         if self._admin_socket is not None:
             self._admin_socket.close()
         LOG.info("pool %s stopped", pool.instance)
+
+    def reload(self) -> bool:
+        """SIGHUP: read the tenants file and the hosts file again (the paths
+        the pool started with) and apply both, or neither: a file that does
+        not load keeps the running tenants and hosts, and the log says why.
+        Sessions are never touched (``Pool.reload`` says what a removed
+        tenant or host means).  Other settings need a restart."""
+        from accelmig.pool.config import load_hosts, load_tenants
+        from accelmig.wire.errors import ConfigInvalid
+        try:
+            tenants = load_tenants(self.config.tokens)
+            hosts = load_hosts(self.config.hosts)
+        except ConfigInvalid as exc:
+            LOG.error("reload refused, still serving the previous tenants and hosts: %s", exc,
+                      extra={"reload": "refused"})
+            return False
+        changes = self.pool.reload(tenants, hosts)
+        parts = []
+        for kind in ("tenants", "hosts"):
+            for what, names in changes[kind].items():
+                if names:
+                    parts.append(f"{kind} {what}: {', '.join(names)}")
+        for name, count in changes["kept_sessions"].items():
+            if count:
+                parts.append(f"tenant {name}'s {count} session(s) keep running; it opens no new one")
+        LOG.info("reload: tenants from %s, hosts from %s: %s", self.config.tokens,
+                 self.config.hosts or "(none)", "; ".join(parts) or "nothing changed",
+                 extra={"reload": "done", **{f"{kind}_{what}": ", ".join(names) for kind in ("tenants", "hosts")
+                                             for what, names in changes[kind].items() if names}})
+        return True
 
     async def _janitor_loop(self) -> None:
         period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))

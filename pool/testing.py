@@ -131,7 +131,7 @@ class CutProxy:
         import socket
         from accelmig.wire.dataplane import parse_endpoint
         self.target = parse_endpoint(target)
-        host, port = parse_endpoint(listen)
+        host, port = parse_endpoint(listen, listen=True)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
         bound_host, bound_port = self._listener.getsockname()[:2]

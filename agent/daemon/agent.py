@@ -99,6 +99,7 @@ class Agent:
         self._lock = threading.Lock()
         self._port_lock = threading.Lock()
         self._stop = threading.Event()
+        self._reload = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self.started = time.time()
         self.stats = collections.Counter()
@@ -171,6 +172,19 @@ class Agent:
         self._stop.set()
         os.write(self._wake_w, b"x")
 
+    def reload(self) -> None:
+        """SIGHUP (safe in a signal handler): answered on the poll thread."""
+        self._reload.set()
+        os.write(self._wake_w, b"x")
+
+    def _reloaded(self) -> None:
+        # Every setting comes from the command line and the identity file is
+        # the agent's own state: there is nothing to read again, and saying
+        # so beats dying (SIGHUP's default) or pretending.
+        self._reload.clear()
+        LOG.info("reload: nothing to reload (accelmig-agent takes its settings from its command "
+                 "line; restart it to change them)")
+
     def close(self) -> None:
         for link in list(self.drivers.values()):
             link.sock.close()
@@ -215,6 +229,8 @@ class Agent:
                     self._accept_driver()
                 elif kind == "wake":
                     os.read(self._wake_r, 64)
+                    if self._reload.is_set():
+                        self._reloaded()
                 elif fd in links:
                     self._on_driver(links[fd])
             except Exception:   # the agent must outlive anything one peer does

@@ -29,6 +29,8 @@ import termios
 import time
 import tty
 
+from accelmig.wire.sockets import OwnedUnixSocket
+
 LOG = logging.getLogger(__name__)
 
 HANGUP_BACKOFF = 0.2     # s between looks at a port with no host on it
@@ -124,12 +126,9 @@ class VirtioPort:
 class UnixPort:
     def __init__(self, path: str):
         self.path = path
-        if os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode):
-            os.unlink(path)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(4)
-        self.listener.setblocking(False)
+        # one agent per path: a second one stops here; a file that is not a socket is never removed
+        self._owned = OwnedUnixSocket(path, mode=0o600, what="accelmig-agent (channel port)", backlog=4)
+        self.listener = self._owned.open()
         self.conn: socket.socket | None = None
 
     @property
@@ -187,11 +186,7 @@ class UnixPort:
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
-        self.listener.close()
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+        self._owned.close()             # unlinks the path only while it is still this socket
 
 
 class NullPort:

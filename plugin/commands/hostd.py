@@ -10,16 +10,20 @@ import sys
 import click
 
 from accelmig.wire import logs
+from accelmig.wire.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError, AlreadyRunning
 
 
-@click.command()
+@click.command(epilog=exit_codes_epilog({0: "stopped by SIGTERM or SIGINT",
+                                         2: "usage, or a host config that does not load",
+                                         3: "another hostd already serves [hostd] socket"}, click=True))
 @click.option("--config", "config_path", metavar="FILE", envvar="ACCELMIG_CONFIG",
               help="Host config (TOML) [default /etc/accelmig/host.toml; $ACCELMIG_CONFIG].")
 @click.option("--rehome-timeout", type=float, default=30.0, show_default=True, metavar="SECONDS",
               help="How long a rehome may take (the guest agent waits for every driver).")
 @click.option("--log-format", type=click.Choice(["json", "text"]), default="json", show_default=True)
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False), default="INFO",
+              show_default=True)
 def hostd(config_path, rehome_timeout, log_format, log_level):
     """Follow libvirt and rehome migrated guests' accelerator sessions.
 
@@ -29,6 +33,11 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
     client), renews the leases of its migration records, and reconciles
     whatever it missed whenever it (or libvirt) restarts.  The hook and the
     CLI reach it on [hostd] socket.
+
+    SIGHUP reads the config and the secret file again: a new secret
+    (rotated with the pool's hosts file) and [hostd] strict take effect at
+    once; the log names any other changed key, which needs a restart.  A
+    config that does not load changes nothing (the log says why).
 
     The host config, e.g. /etc/accelmig/host.toml:
 
@@ -63,6 +72,7 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.stop)
+        loop.add_signal_handler(signal.SIGHUP, daemon.reload)     # never the default: it kills
         await daemon.run()
 
     try:

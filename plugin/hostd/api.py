@@ -130,7 +130,7 @@ class LocalApi:
                 "libvirt": {"uri": d.config.hostd.libvirt_uri, "connected": d.libvirt.conn is not None,
                             "reconnects": d.libvirt.reconnects, "calls": dict(d.libvirt.calls)},
                 "pool": {"control": d.config.pool.control, "reachable": d.pool_reachable,
-                         "instance": d.pool.instance},
+                         "instance": d.pool.instance, "registration_failures": d.registration.failures},
                 "identity": d.identity.to_wire() if d.identity else None,
                 "domains": [w.describe() for w in watches], "foreign_domains": d.watches.foreign_count,
                 "records": records, "counters": dict(d.counters)}

@@ -33,8 +33,9 @@ from accelmig.plugin.hostd.metrics import HostMetrics
 from accelmig.plugin.hostd.migration import MigrationSteps
 from accelmig.plugin.hostd.reconcile import Reconciler
 from accelmig.plugin.hostd.watch import TRIGGERS, DomainWatch, Phase, Step, Trigger, WatchTable
+from accelmig.wire.backoff import FailureLog
 from accelmig.wire.control import AsyncControlClient
-from accelmig.wire.errors import AccelmigError, LibvirtFailure, Unavailable
+from accelmig.wire.errors import AccelmigError, ConfigInvalid, LibvirtFailure, Unavailable
 from accelmig.wire.identity import HostIdentity
 
 LOG = logging.getLogger("accelmig.hostd")
@@ -48,12 +49,14 @@ GUEST_EXEC_THREADS = 4
 
 class HostDaemon:
     def __init__(self, config: HostConfig, *, rehome_timeout: float = 30.0, renew_interval: float = 3.0,
-                 retry_first: float = 0.5, retry_max: float = 10.0):
+                 retry_first: float = 0.5, retry_max: float = 10.0, clock=time.time):
         self.config = config
         self.host = config.host_id
         self.rehome_timeout = rehome_timeout
         self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret())
         self.pool_reachable = False
+        # the pool-down warning: once, then "still failing (N times since ...)" ever more rarely
+        self.registration = FailureLog(LOG, "pool registration", clock=clock)
         self.identity: HostIdentity | None = None
         self.allocator = None
         if config.fabric.host_bound:
@@ -102,7 +105,7 @@ class HostDaemon:
         if self.config.hostd.metrics_listen:
             from prometheus_client import start_http_server
             from accelmig.wire.dataplane import parse_endpoint
-            host, port = parse_endpoint(self.config.hostd.metrics_listen)
+            host, port = parse_endpoint(self.config.hostd.metrics_listen, listen=True)
             start_http_server(port, addr=host, registry=self.metrics.registry)
         LOG.info("hostd for host %s: libvirt %s, pool %s, local API %s", self.host,
                  self.config.hostd.libvirt_uri, self.config.pool.control, self.config.hostd.socket)
@@ -115,6 +118,39 @@ class HostDaemon:
 
     def stop(self) -> None:
         self._stop.set()
+
+    #: what a reload (SIGHUP) applies to the running hostd; ``hostd.hook_timeout``
+    #: is read by the hook itself at every run, so it needs no hostd at all
+    RELOADABLE = ("pool.secret_file", "hostd.strict", "hostd.hook_timeout")
+
+    def reload(self) -> dict:
+        """SIGHUP: read host.toml and the secret file again.  The control-plane
+        secret (rotated together with the pool's hosts file) and ``[hostd]
+        strict`` take effect now; every other key needs a restart and is
+        named in the log; a file that does not load changes nothing."""
+        try:
+            fresh = HostConfig.load(self.config.source)
+            secret = fresh.read_secret()
+        except ConfigInvalid as exc:
+            LOG.error("reload refused, running on as before: %s", exc, extra={"reload": "refused"})
+            return {"refused": str(exc)}
+        old, new = _settings(self.config), _settings(fresh)
+        restart = [key for key in new if new[key] != old[key] and key not in self.RELOADABLE]
+        applied = [f"{key} = {new[key]}" for key in self.RELOADABLE if new[key] != old[key]]
+        self.config = dataclasses.replace(
+            self.config, pool=dataclasses.replace(self.config.pool, secret_file=fresh.pool.secret_file),
+            hostd=dataclasses.replace(self.config.hostd, strict=fresh.hostd.strict,
+                                      hook_timeout=fresh.hostd.hook_timeout))
+        if secret != self.pool.secret:
+            self.pool.rekey(secret)
+            applied.append(f"a new control-plane secret from {fresh.pool.secret_file}")
+        summary = "; ".join(filter(None, [
+            "applied " + ", ".join(applied) if applied else "",
+            "changed but needs a restart of hostd (running with the old values): " + ", ".join(restart)
+            if restart else ""])) or "nothing to reload (host.toml and the secret are unchanged)"
+        (LOG.warning if restart else LOG.info)("reload of %s: %s", self.config.source, summary,
+                                               extra={"reload": "done"})
+        return {"applied": applied, "restart": restart}
 
     async def shutdown(self) -> None:
         for task in list(self._tasks):
@@ -169,7 +205,8 @@ class HostDaemon:
 
     async def _register_loop(self) -> None:
         """Register this host's identity and addresses at the pool, and again
-        whenever the pool restarted (a new instance forgot them)."""
+        whenever the pool restarted (a new instance forgot them).  While the
+        pool is down it tries every 2 s; the warning backs off (``FailureLog``)."""
         registered_for = None
         while True:
             try:
@@ -183,8 +220,9 @@ class HostDaemon:
                                          identity=identity.to_wire())
                     registered_for = self.pool.instance
                     LOG.info("registered at pool %s: %s", registered_for, ", ".join(map(str, addresses)))
+                self.registration.ok()
             except AccelmigError as exc:
-                LOG.warning("pool registration: %s", exc)
+                self.registration.failed(exc)
                 registered_for = None
             await asyncio.sleep(2.0 if registered_for is None else 10.0)
 
@@ -387,3 +425,13 @@ class HostDaemon:
 
 async def _nothing(dom, watch) -> None:
     return None
+
+
+def _settings(config: HostConfig) -> dict:
+    """Every key of a host config, as ``section.key`` -> value (for a reload's diff)."""
+    out = {"host.id": config.host_id}
+    for section in ("pool", "fabric", "hostd"):
+        table = getattr(config, section)
+        for field in dataclasses.fields(table):
+            out[f"{section}.{field.name}"] = getattr(table, field.name)
+    return out
