@@ -29,6 +29,8 @@
 
 Unknown sections and keys are errors (a typo must not silently become a
 default).  Every error is a ``ConfigInvalid`` naming the file, the key and why.
+Every key with its type, default and meaning: docs/config-reference.md,
+generated from the fields' metadata below (``python docs/configref.py``).
 
 The secret file holds the string the pool's ``hosts.toml`` has for this host
 (16+ characters; surrounding whitespace is ignored) and must not be
@@ -65,11 +67,25 @@ _HOST_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _IFNAME_MAX = 15               # IFNAMSIZ - 1
 
 
+# Every key's meaning sits next to its field, in ``metadata``: docs/configref.py
+# writes docs/config-reference.md from it ("doc": the meaning; "key": the TOML
+# key when it is not the field's name; "type"/"default": what to show when the
+# annotation or the literal default would mislead; "example": a valid value
+# where there is no literal default; "toml": False for a field that is no key).
 @dataclasses.dataclass(frozen=True)
 class PoolEndpoints:
-    endpoint: str                       # data plane HOST:PORT, as guests here reach it
-    control: str                        # control plane HOST:PORT
-    secret_file: str = "/etc/accelmig/host.secret"
+    endpoint: str = dataclasses.field(metadata={
+        "doc": "The pool's data plane, HOST:PORT, as guests on this host reach it (an IPv6 "
+               "address in brackets). hostd tells it to every guest here; it is also where "
+               "the default fabric routes point.",
+        "example": "10.88.0.1:7070"})
+    control: str = dataclasses.field(metadata={
+        "doc": "The pool's control plane, HOST:PORT, which hostd calls with this host's secret.",
+        "default": "the endpoint's host, port 7071", "example": "10.88.0.1:7071"})
+    secret_file: str = dataclasses.field(default="/etc/accelmig/host.secret", metadata={
+        "doc": "File holding this host's control-plane secret: the `secret` the pool's "
+               "hosts file has for `[host] id` (16+ characters; surrounding whitespace "
+               "ignored). Refused when others can read or write it (`chmod 600`)."})
 
     @property
     def address(self) -> str:
@@ -79,14 +95,46 @@ class PoolEndpoints:
 
 @dataclasses.dataclass(frozen=True)
 class FabricConfig:
-    mode: str = "none"
-    bridge: str | None = None
-    device: str | None = None
-    guest_subnet: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None
-    gateway: ipaddress.IPv4Address | ipaddress.IPv6Address | None = None
-    mtu: int | None = None
-    routes: tuple[str, ...] = ()
-    interfaces_owner: str = "accelmig"
+    mode: str = dataclasses.field(default="none", metadata={
+        "doc": "How the fabric NIC of an accelmig domain is bound to this host: `bridge` "
+               "(a host bridge), `direct` (macvtap on a host device), `none` (accelmig "
+               "rewrites no interface XML). The migrate-begin hook gives the NIC this "
+               "host's bridge or device.", "type": "string: " + " | ".join(FABRIC_MODES),
+        "example": "bridge"})
+    bridge: str | None = dataclasses.field(default=None, metadata={
+        "doc": "The host bridge of the fabric NIC; required when `mode = \"bridge\"`.",
+        "type": "string (an interface name)", "example": "fab0"})
+    device: str | None = dataclasses.field(default=None, metadata={
+        "doc": "The macvtap source device of the fabric NIC; required when `mode = \"direct\"`.",
+        "type": "string (an interface name)", "example": "eth1"})
+    guest_subnet: ipaddress.IPv4Network | ipaddress.IPv6Network | None = dataclasses.field(
+        default=None, metadata={
+            "doc": "A host-bound fabric: guests on this host get their fabric address from this "
+                   "subnet (one stable lease per domain, kept in `[hostd] state_dir`), and "
+                   "hostd registers it at the pool, which tells by a connection's source "
+                   "address which host a guest is on. Unset: guests keep their addresses.",
+            "type": "string (a CIDR)", "default": "unset (not host-bound)",
+            "example": "10.89.1.0/24"})
+    gateway: ipaddress.IPv4Address | ipaddress.IPv6Address | None = dataclasses.field(
+        default=None, metadata={
+            "doc": "The guests' gateway in `guest_subnet` (this host's address on the fabric "
+                   "bridge). Only with `guest_subnet`.",
+            "type": "string (an IP address)", "default": "the subnet's first address",
+            "example": "10.89.1.1"})
+    mtu: int | None = dataclasses.field(default=None, metadata={
+        "doc": "The MTU the guest's fabric NIC takes on this host (68-65535).",
+        "type": "integer", "default": "leave the guest's MTU as it is", "example": 1500})
+    routes: tuple[str, ...] = dataclasses.field(default=(), metadata={
+        "doc": "What guests reach through `gateway` (CIDRs, the pool's network). Only with "
+               "`guest_subnet`.",
+        "type": "array of strings (CIDRs)",
+        "default": "the pool's data-plane address as a /32 or /128 (when it is an address "
+                   "outside `guest_subnet`)",
+        "example": ["10.88.0.0/16"]})
+    interfaces_owner: str = dataclasses.field(default="accelmig", metadata={
+        "doc": "`external` where another system (Nova/Neutron) owns the domains' interface "
+               "XML: the hook then never rewrites it.",
+        "type": "string: " + " | ".join(INTERFACES_OWNERS)})
 
     @property
     def host_bound(self) -> bool:
@@ -106,21 +154,39 @@ class FabricConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HostdConfig:
-    socket: str = DEFAULT_HOSTD_SOCKET
-    state_dir: str = "/var/lib/accelmig"
-    strict: bool = True
-    hook_timeout: float = 3.0
-    metrics_listen: str = ""
-    libvirt_uri: str = "qemu:///system"
+    socket: str = dataclasses.field(default=DEFAULT_HOSTD_SOCKET, metadata={
+        "doc": "hostd's local API (a unix socket, owned by one hostd): the hook and the CLI "
+               "reach hostd here."})
+    state_dir: str = dataclasses.field(default="/var/lib/accelmig", metadata={
+        "doc": "Where hostd keeps its state: the guest address leases and what `accelmig "
+               "install` did (read by `accelmig doctor`)."})
+    strict: bool = dataclasses.field(default=True, metadata={
+        "doc": "The hook refuses a migration to this host when hostd or the pool cannot be "
+               "reached; `false` lets it through, and hostd reconciles and rehomes later."})
+    hook_timeout: float = dataclasses.field(default=3.0, metadata={
+        "doc": "Seconds the migrate-begin hook may spend with hostd (more than 0, at most 600).",
+        "type": "number (seconds)"})
+    metrics_listen: str = dataclasses.field(default="", metadata={
+        "doc": "HOST:PORT where hostd serves Prometheus metrics over HTTP; `\"\"` = off.",
+        "type": "string (HOST:PORT)", "example": "127.0.0.1:9471"})
+    libvirt_uri: str = dataclasses.field(default="qemu:///system", metadata={
+        "doc": "The libvirt daemon hostd follows (and `accelmig migrate` starts from)."})
 
 
 @dataclasses.dataclass(frozen=True)
 class HostConfig:
-    host_id: str
-    pool: PoolEndpoints
-    fabric: FabricConfig = FabricConfig()
-    hostd: HostdConfig = HostdConfig()
-    source: str = "<defaults>"          # where it was read from, for messages
+    host_id: str = dataclasses.field(metadata={
+        "section": "host", "key": "id",
+        "doc": "The name the pool knows this host by: its `[hosts.NAME]` in the pool's hosts "
+               "file (letters, digits, `.`, `_`, `-`; at most 64; not `admin`).",
+        "default": "this machine's hostname", "example": "hostA"})
+    pool: PoolEndpoints = dataclasses.field(metadata={
+        "doc": "Where the pool is and how this host authenticates to it."})
+    fabric: FabricConfig = dataclasses.field(default=FabricConfig(), metadata={
+        "doc": "The accelerator fabric: how guests here reach the pool."})
+    hostd: HostdConfig = dataclasses.field(default=HostdConfig(), metadata={
+        "doc": "The host daemon and the hook."})
+    source: str = dataclasses.field(default="<defaults>", metadata={"toml": False})  # for messages
 
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "HostConfig":
