@@ -27,6 +27,7 @@ class ErrorCode(str, enum.Enum):
 
     # authentication and authorisation
     AUTH_FAILED = "AUTH_FAILED"                  # bad tenant token, host MAC, proof
+    FORBIDDEN = "FORBIDDEN"                      # a known caller asking what it may not
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"            # tenant device-memory quota
     NO_SUCH_OBJECT = "NO_SUCH_OBJECT"            # handle unknown in this session
     OBJECT_EXISTS = "OBJECT_EXISTS"              # handle already in use
@@ -151,6 +152,11 @@ class ProtocolError(AccelmigError):
 class AuthFailed(AccelmigError):
     msg_fmt = "authentication failed: %(reason)s"
     code = ErrorCode.AUTH_FAILED
+
+
+class Forbidden(AccelmigError):
+    msg_fmt = "%(who)s may not %(what)s"
+    code = ErrorCode.FORBIDDEN
 
 
 class QuotaExceeded(AccelmigError):

@@ -21,6 +21,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -28,7 +29,7 @@ from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.ports import PortClosed, open_port
 from accelmig.wire import channel as ch
-from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, UnknownOp
+from accelmig.wire.errors import AccelmigError, BadRequest, Forbidden, InternalError, Timeout, UnknownOp
 from accelmig.wire.identity import HostIdentity
 from accelmig.wire.sockets import OwnedUnixSocket
 
@@ -45,12 +46,23 @@ class DriverLink:
         self.sessions: dict[str, dict] = {}
         self.pending: dict[int, dict] = {}       # request id -> {"event", "reply"}
         self.lock = threading.Lock()
-        self.peer_pid = None
+        # Who is on the other end, as the kernel says (SO_PEERCRED): never
+        # what the peer claims.  Without it the peer is treated as nobody.
+        self.peer_pid: int | None = None
+        self.peer_uid: int | None = None
         try:
-            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-            self.peer_pid = int.from_bytes(creds[:4], "little")
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            self.peer_pid, self.peer_uid, _gid = struct.unpack("3i", creds)
         except OSError:
             pass
+
+    @property
+    def privileged(self) -> bool:
+        return self.peer_uid == 0
+
+    @property
+    def who(self) -> str:
+        return f"pid {self.peer_pid} (uid {self.peer_uid})"
 
     def send(self, message: dict, timeout: float = 5.0) -> None:
         """Send from any thread (the socket stays non-blocking for the poller)."""
@@ -132,10 +144,19 @@ class Agent:
         except OSError as exc:
             LOG.warning("cannot keep the identity in %s: %s", self.identity_file, exc)
 
-    def sessions(self) -> list[dict]:
+    def sessions(self, uid: int | None = None) -> list[dict]:
+        """Every registered session, or only those of ``uid``'s processes."""
         with self._lock:
             return [dict(info, sid=sid) for link in self.drivers.values()
+                    if uid is None or link.peer_uid == uid
                     for sid, info in link.sessions.items()]
+
+    def _holder(self, sid: str) -> "DriverLink | None":
+        with self._lock:
+            for link in self.drivers.values():
+                if sid in link.sessions:
+                    return link
+        return None
 
     def guest_identity(self) -> dict:
         out = {"hostname": socket.gethostname(), "pid": os.getpid()}
@@ -147,13 +168,20 @@ class Agent:
                 pass
         return out
 
-    def status(self) -> dict:
+    def status(self, uid: int | None = None) -> dict:
+        """All of it for the host and for root (``uid`` None or 0); another
+        user of the guest sees only its own sessions, and of the rehomes
+        only that they happened."""
+        everything = uid in (None, 0)
         return {"agent_version": AGENT_VERSION, "protocol": ch.CHANNEL_PROTOCOL,
                 "channel": self.state.value, "identity": self.identity.to_wire() if self.identity else None,
-                "sessions": self.sessions(), "uptime": round(time.time() - self.started, 3),
+                "sessions": self.sessions(None if everything else uid),
+                "uptime": round(time.time() - self.started, 3),
                 "rehomes": [{"migration_id": r.migration_id, "done": r.done.is_set(),
-                             "result": r.result} for r in self.rehomes.values()],
-                "stats": dict(self.stats), "dropped": self.parser.dropped[-10:]}
+                             **({"result": r.result} if everything else {})}
+                            for r in self.rehomes.values()],
+                "stats": dict(self.stats),
+                **({"dropped": self.parser.dropped[-10:]} if everything else {})}
 
     # -- lifecycle --------------------------------------------------------------------
     def open(self) -> None:
@@ -465,8 +493,20 @@ class Agent:
             sid = message.get("sid")
             if not isinstance(sid, str) or not sid:
                 raise BadRequest(reason="register: sid must be a string")
-            info = {k: message.get(k) for k in ("endpoint", "pid", "name", "epoch")}
-            info["pid"] = info["pid"] or link.peer_pid
+            holder = self._holder(sid)
+            if holder is not None and holder is not link and \
+                    (holder.peer_pid, holder.peer_uid) == (link.peer_pid, link.peer_uid):
+                with self._lock:          # the same process on a new connection
+                    holder.sessions.pop(sid, None)
+                holder = None
+            if holder is not None and holder is not link:
+                # Tickets for a session go to the process that registered it:
+                # nobody else may take it over (another user least of all).
+                raise Forbidden(who=link.who, what=f"register session {sid}: it is registered "
+                                                   f"by {holder.who}")
+            info = {k: message.get(k) for k in ("endpoint", "name", "epoch")}
+            info["pid"] = link.peer_pid          # the kernel's word, not the message's
+            info["uid"] = link.peer_uid
             with self._lock:
                 link.sessions[sid] = info
             LOG.info("session %s opened by pid %s (%s)", sid, info["pid"], info.get("name"))
@@ -492,10 +532,15 @@ class Agent:
                 slot["done"] = time.monotonic()
                 slot["event"].set()
         elif kind == "rehome_local":
-            # accelmig-agent rehome --stdin, relayed from qemu-guest-agent's guest-exec
+            # accelmig-agent rehome --stdin, relayed from qemu-guest-agent's
+            # guest-exec (which runs as root).  It re-addresses the NIC, moves
+            # the default route and hands out tickets: root only.
+            if not link.privileged:
+                raise Forbidden(who=link.who, what="rehome this guest (root only)")
             threading.Thread(target=self._local_rehome, args=(link, message), daemon=True).start()
         elif kind == "status":
-            link.send(ch.result(request_id, result=self.status()))
+            link.send(ch.result(request_id, result=self.status(
+                link.peer_uid if link.peer_uid is not None else -1)))
         else:
             raise UnknownOp(op=kind)
 
