@@ -16,11 +16,15 @@ from accelmig.pool.config import parse_networks
 from accelmig.wire.records import IN_FLIGHT, PausePolicy, RecordStateName
 from accelmig.wire import control as wc
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
-                                  InternalError, NoSuchHost, NoSuchRecord, ProtocolError, UnknownOp,
+                                  Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, UnknownOp,
                                   VersionUnsupported)
 from accelmig.wire.frames import encode_frame
 
 LOG = logging.getLogger(__name__)
+
+#: Bounds of a saved domain's retention (``park``), in seconds.
+MIN_RETENTION = 1.0
+MAX_RETENTION = 30 * 86400.0
 
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
                  "park", "unpark", "register_intent", "wait_record"}
@@ -168,12 +172,27 @@ class ControlServer:
 
     def do_register_host(self, caller, addresses=(), identity=None):
         host = self.pool.hosts[caller]
-        host.networks = host.static_networks + parse_networks(addresses, f"register_host({caller})")
+        wanted = parse_networks(addresses, f"register_host({caller})")
+        # The longest prefix attributes a guest's connection to a host: a
+        # host registering a network inside another's would take its guests.
+        taken = {net: other.name for other in self.pool.hosts.values() if other is not host
+                 for net in other.networks}
+        kept, refused = [], []
+        for net in wanted:
+            clash = next((f"{n} of host {name}" for n, name in taken.items()
+                          if n.version == net.version and n.overlaps(net)), None)
+            if clash is None:
+                kept.append(net)
+            else:
+                refused.append({"network": str(net), "overlaps": clash})
+                LOG.warning("host %s: registration of %s refused: it overlaps %s", caller, net,
+                            clash, extra={"host": caller})
+        host.networks = host.static_networks + kept
         host.identity = dict(identity or {})
         host.registered_at = time.time()
         LOG.info("host %s registered: %s", caller, ", ".join(str(n) for n in host.networks),
                  extra={"host": caller})
-        return host.describe()
+        return dict(host.describe(), refused=refused)
 
     def _session(self, sid):
         session = self.pool.sessions.get(sid)
@@ -209,6 +228,9 @@ class ControlServer:
     def do_unbind_session(self, caller, sid):
         session = self.pool.sessions.get(sid)
         if session is not None:
+            if session.bound_host not in (None, caller):
+                raise Forbidden(who=f"host {caller}", what=f"unbind session {sid}: it is bound "
+                                                           f"to host {session.bound_host}")
             session.domain_uuid = None
         return {"sid": sid}
 
@@ -299,19 +321,38 @@ class ControlServer:
 
     def do_park(self, caller, domain_uuid, retention=None):
         now = time.time()
-        retention = float(retention or self.pool.config.park_retention)
+        retention = self._retention(retention)
+        sessions = self.pool.domain_sessions(domain_uuid)
+        others = sorted({s.bound_host for s in sessions} - {None, caller})
+        if others and caller != wc.ADMIN_HOST:
+            raise Forbidden(who=f"host {caller}", what=f"park domain {domain_uuid}: its sessions "
+                                                       f"are bound to {', '.join(others)}")
         parked = []
-        for session in self.pool.domain_sessions(domain_uuid):
+        for session in sessions:
             session.park(now, retention)
             parked.append(session.sid)
         LOG.info("domain %s saved: %d session(s) parked for %.0f s", domain_uuid, len(parked),
                  retention, extra={"domain": domain_uuid})
         return {"parked": parked, "retention": retention}
 
+    def _retention(self, value) -> float:
+        """A saved domain's retention: finite, from 1 s to 30 days (the
+        pool's own default if none is given)."""
+        if value is None:
+            return float(self.pool.config.park_retention)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not MIN_RETENTION <= value <= MAX_RETENTION:
+            raise BadRequest(reason=f"retention must be seconds from {MIN_RETENTION:g} to "
+                                    f"{MAX_RETENTION:g}, not {value!r}")
+        return float(value)
+
     def do_unpark(self, caller, domain_uuid):
         now = time.time()
+        # Any host may: a saved image may be restored on another host than
+        # the one that saved it (the sessions' secrets still decide).
+        sessions = self.pool.domain_sessions(domain_uuid)
         unparked = []
-        for session in self.pool.domain_sessions(domain_uuid):
+        for session in sessions:
             session.unpark(now, self.pool.config.grace)
             unparked.append(session.sid)
         return {"unparked": unparked}
