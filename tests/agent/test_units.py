@@ -57,6 +57,8 @@ def test_channel_mode_is_bound_to_the_channel_device(tmp_path, capsys):
     assert keys["CapabilityBoundingSet"] == ["CAP_NET_ADMIN"]      # it re-addresses the fabric NIC
     assert keys["DevicePolicy"] == ["closed"] and keys["DeviceAllow"] == ["char-virtio-portsdev rw"]
     assert keys["RuntimeDirectory"] == ["accelmig"] and keys["RuntimeDirectoryPreserve"] == ["yes"]
+    # systemctl reload sends SIGHUP, which the agent answers (test_signals_and_sockets)
+    assert keys["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
     assert exposure(unit) <= MAX_EXPOSURE
 
 
