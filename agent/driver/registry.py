@@ -58,6 +58,11 @@ class AgentRegistration:
     registered with the guest agent."""
 
     RETRY = 1.0
+    #: While no agent socket exists at all: the wait between looks, first and
+    #: longest.  An application started at boot may come up before the agent
+    #: (both start at once); it must still be registered once the agent is
+    #: there, yet a guest with no agent pays only a rare stat().
+    ABSENT_BACKOFF = (1.0, 30.0)
 
     def __init__(self, session, path: str):
         self.session = session
@@ -71,15 +76,23 @@ class AgentRegistration:
     @classmethod
     def start(cls, session, agent) -> "AgentRegistration | None":
         path = agent_socket_path(agent)
-        if path is None or (agent is None and not os.path.exists(path)):
-            return None      # no agent in this guest: the driver works on its own
+        if path is None:
+            return None      # told not to: the driver works on its own
         registration = cls(session, path)
         registration._thread.start()
-        registration.registered.wait(2.0)
+        if os.path.exists(path):
+            registration.registered.wait(2.0)
+        # else: no agent yet (or none in this guest): registered when one comes
         return registration
 
     def _run(self) -> None:
+        absent_wait = self.ABSENT_BACKOFF[0]
         while not self._stop.is_set():
+            if not os.path.exists(self.path):
+                self._stop.wait(absent_wait)
+                absent_wait = min(absent_wait * 2, self.ABSENT_BACKOFF[1])
+                continue
+            absent_wait = self.ABSENT_BACKOFF[0]
             try:
                 conn = agent_connection(self.path, timeout=None)
             except AccelmigError:

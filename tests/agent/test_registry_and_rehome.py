@@ -230,3 +230,24 @@ def test_cli_help_explains(tmp_path):
     assert out.returncode == 0 and "virtio-serial" in out.stdout
     out = run_cli("accelmig-agent", "run", "--help")
     assert "--port" in out.stdout and "unix socket" in out.stdout
+
+
+def test_a_driver_started_before_the_agent_is_registered_once_it_runs(tmp_path, shared_pool, monkeypatch):
+    """At boot the application and the agent start together; the agent may
+    come second.  The driver must still be registered (else no host can ever
+    hand it a ticket)."""
+    from accelmig.agent.driver.registry import AgentRegistration
+    from tests.support.processes import LoggedProcess
+    socket_path = tmp_path / "agent.sock"
+    monkeypatch.setenv("ACCELMIG_AGENT_SOCKET", str(socket_path))
+    monkeypatch.setattr(AgentRegistration, "ABSENT_BACKOFF", (0.05, 0.2))
+    with connect(shared_pool.endpoint, ALICE) as dev:          # agent=None: the environment's socket
+        assert not socket_path.exists()
+        proc = LoggedProcess(["accelmig-agent", "run", "--port", tmp_path / "channel.sock",
+                              "--socket", socket_path, "--state-dir", tmp_path / "state",
+                              "--log-format", "json"])
+        try:
+            entry = proc.wait_log(lambda e: e["msg"].startswith(f"session {dev.sid} opened"))
+            assert f"by pid {os.getpid()}" in entry["msg"]
+        finally:
+            proc.stop()

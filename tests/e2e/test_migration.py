@@ -401,7 +401,7 @@ def test_a_vm_with_only_qemu_guest_agent_is_rehomed_through_guest_exec(accel, vm
     boot(accel, vms, "vm-nova", image, agent_channel=False, qemu_guest_agent=True,
          cmdline_options={"agent_port": "none", "net": f"{plan.guest_address(50)},{plan.gateway}"})
     result = accel.migrate_virsh("vm-nova", "hostA", "hostB")
-    check_hot(result, accel)
+    check_hot(result, accel, "vm-nova")
     log = accel.hostd_log("hostB")
     assert "domain vm-nova has no accelmig channel: rehoming through qemu-guest-agent guest-exec" in log
     assert "custom-ga-command" in log          # the taint libvirt records, said out loud
