@@ -22,6 +22,7 @@ import tempfile
 
 import pytest
 
+from accelmig.wire import channel as wire_channel
 from accelmig.wire.channel import LineClient
 from accelmig.wire.errors import Forbidden
 from tests.support.processes import LoggedProcess
@@ -79,9 +80,16 @@ def test_the_agent_authorises_each_call_by_the_callers_uid(shared_dir):
         with LineClient(socket_path, timeout=10, what="the agent") as root_app:
             assert root_app.call("register", sid="s-root-1", endpoint="10.0.0.5:7070") == \
                 {"registered": "s-root-1"}
-            child = subprocess.run([sys.executable, "-I", "-c", AS_NOBODY, socket_path],
+            # The real interpreter and a copy of accelmig.wire (standard library
+            # only) where nobody can read them: the checkout and its virtualenv
+            # may sit in a directory only root may enter.
+            site = os.path.join(shared_dir, "site", "accelmig")
+            shutil.copytree(os.path.dirname(wire_channel.__file__), os.path.join(site, "wire"),
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            child = subprocess.run([os.path.realpath(sys.executable), "-S", "-c", AS_NOBODY, socket_path],
                                    user=NOBODY, capture_output=True, text=True, timeout=60,
-                                   env={"PATH": "/usr/bin:/bin"}, cwd=shared_dir)
+                                   env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1",
+                                        "PYTHONPATH": os.path.dirname(site)}, cwd=shared_dir)
             assert child.returncode == 0, child.stderr
             seen = json.loads(child.stdout)
 
