@@ -169,17 +169,21 @@ class Session:
             self.deadline = now + grace
 
     def note_resume(self, from_epoch: int, last_seen: int, ticket_nonce: str | None) -> None:
-        self.last_resume = {"from_epoch": from_epoch, "last_seen": last_seen,
+        """After an accepted resume (``self.epoch`` already the new epoch)."""
+        self.last_resume = {"from_epoch": from_epoch, "to_epoch": self.epoch, "last_seen": last_seen,
                             "ticket": ticket_nonce, "next_seq": self.log.next_seq,
                             "acked": self.log.acked}
 
     def is_resume_retry(self, epoch: int, last_seen: int) -> bool:
-        """A resume from the epoch before the current one, by a driver whose
-        last resume was accepted but whose answer was lost (the connection
-        died right after): nothing has happened since on the new epoch, and
-        it presents the same progress.  Any other older epoch is a copy."""
+        """The driver whose last resume was accepted but whose answer was lost
+        (the connection died right after) tries again: it presents the epoch
+        that resume came from and the same progress, and nothing has happened
+        on the epoch that resume made.  The retry's answer may be lost too, so
+        a retry of a retry is one as well: it still comes from the same epoch.
+        Any other older epoch is a copy."""
         last = self.last_resume
-        return bool(last) and epoch == self.epoch - 1 and last["from_epoch"] == epoch \
+        return bool(last) and epoch < self.epoch and last["from_epoch"] == epoch \
+            and last["to_epoch"] == self.epoch \
             and last["last_seen"] == last_seen and last["next_seq"] == self.log.next_seq \
             and last["acked"] == self.log.acked
 

@@ -22,7 +22,8 @@ answered, which ticket it holds.  From that alone it says what must happen:
   (TICKET_REQUIRED while one is pending, WRONG_HOST otherwise), a used or
   revoked ticket is TICKET_INVALID, a stale copy of the driver is
   SESSION_DIVERGED, and a refused resume changes nothing;
-- a resume whose answer was lost may be retried (same ticket included);
+- a resume whose answer was lost may be retried (same ticket included),
+  as often as the retry's answer is lost too;
 - ``bound_host`` follows the tickets that were used.
 """
 
@@ -133,6 +134,7 @@ class PoolModel(RuleBasedStateMachine):
         self.expected_bound = self.host
         self.migrations = 0
         self.copies: list[tuple[DriverState, int, int]] = []   # (state, sends, resumes) at the snapshot
+        self.resumed_from: list[int] = []        # the epoch each accepted resume came from
         self.sends = 0
         self.resumes = 0
         self.lost_resume: dict | None = None            # a resume accepted whose answer was lost
@@ -217,6 +219,7 @@ class PoolModel(RuleBasedStateMachine):
               f"replayed: {bool(conn.frames)}, fenced: {old is not None})")
         self.expected_epoch += 1
         self.resumes += 1
+        self.resumed_from.append(d.epoch)
         assert resumed["epoch"] == self.expected_epoch == self.session.epoch
         assert resumed["expect"] == self.session.log.next_seq
         # exactly the replies the driver had not seen are replayed, in order
@@ -303,13 +306,14 @@ class PoolModel(RuleBasedStateMachine):
         self._accepted_resume(self.host, self._live_ticket(), answer_lost=answer_lost)
 
     @precondition(lambda self: self.lost_resume is not None)
-    @rule()
-    def driver_retries_the_lost_resume(self):
-        """Same epoch, same progress, same ticket: the retry is accepted."""
+    @rule(answer_lost=st.booleans())
+    def driver_retries_the_lost_resume(self, answer_lost):
+        """Same epoch, same progress, same ticket: the retry is accepted, and
+        so is the retry of a retry whose answer was lost too."""
         lost = self.lost_resume
         if lost["ticket"] is not None:
             lost["ticket"].state = "live"                 # the driver still holds it
-        self._accepted_resume(lost["host"], lost["ticket"])
+        self._accepted_resume(lost["host"], lost["ticket"], answer_lost=answer_lost)
 
     @precondition(lambda self: not self.connected and self.lost_resume is None)
     @rule()
@@ -336,15 +340,19 @@ class PoolModel(RuleBasedStateMachine):
         self.copies.append((DriverState(d.epoch, d.next_seq, d.last_seen, set(d.received)),
                             self.sends, self.resumes))
 
-    @precondition(lambda self: any(
-        sends < self.sends or resumes + 2 <= self.resumes or copy.last_seen < self.session.log.acked
-        for copy, sends, resumes in self.copies))
+    def _is_stale(self, copy: DriverState, sends: int, resumes: int) -> bool:
+        """The live driver has moved past the copy: it sent more, acknowledged
+        more, or resumed from a later epoch than the copy's since (it had
+        the answer of a resume).  A copy of a driver whose resumes since all
+        lost their answers is that driver, as far as anyone can tell."""
+        return sends < self.sends or copy.last_seen < self.session.log.acked \
+            or any(epoch > copy.epoch for epoch in self.resumed_from[resumes:])
+
+    @precondition(lambda self: any(self._is_stale(*c) for c in self.copies))
     @rule(data=st.data())
     def stale_copy_resumes(self, data):
-        """A copy the live driver has moved past (it sent more, acknowledged
-        more, or resumed twice since) is refused, whatever it presents."""
-        stale = [c for c in self.copies if c[1] < self.sends or c[2] + 2 <= self.resumes
-                 or c[0].last_seen < self.session.log.acked]
+        """A copy the live driver has moved past is refused, whatever it presents."""
+        stale = [c for c in self.copies if self._is_stale(*c)]
         copy, _, _ = data.draw(st.sampled_from(stale))
         session = self.session
         bound = session.bound_host
@@ -400,7 +408,7 @@ class PoolModel(RuleBasedStateMachine):
     def teardown(self):
         try:
             if self.lost_resume is not None:
-                self.driver_retries_the_lost_resume()
+                self.driver_retries_the_lost_resume(answer_lost=False)
             if not self.connected:
                 self.driver_resumes(answer_lost=False)
             self._settle()
