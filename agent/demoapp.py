@@ -144,6 +144,11 @@ def main(argv=None) -> int:
     parser.add_argument("--wait-endpoint", type=float, default=0.0, metavar="SECONDS",
                         help="without --endpoint, wait this long for the host to tell the guest "
                              "agent where the pool is (a guest that just booted)")
+    tls = parser.add_mutually_exclusive_group()
+    tls.add_argument("--cafile", help="CA file that verifies the pool's certificate "
+                                      "(default $ACCELMIG_CAFILE, else the system's trust store)")
+    tls.add_argument("--insecure", action="store_true", default=None,
+                     help="plain TCP to a pool run with --insecure (default $ACCELMIG_INSECURE)")
     args = parser.parse_args(argv)
     from accelmig.agent.driver import connect
     from accelmig.agent.driver.registry import endpoint_from_agent
@@ -155,7 +160,8 @@ def main(argv=None) -> int:
         if endpoint is None:
             time.sleep(0.2)
     try:
-        with connect(endpoint, args.token, timeout=args.timeout) as device:
+        with connect(endpoint, args.token, timeout=args.timeout, cafile=args.cafile,
+                     insecure=args.insecure) as device:
             run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix)
     except AccelmigError as exc:
         print(args.prefix + json.dumps({"done": False, "error": exc.to_wire()}), flush=True)

@@ -133,7 +133,9 @@ class TwoHostPool:
         self.workdir = workdir
         tokens = os.path.join(workdir, "tokens.toml")
         with open(tokens, "w") as handle:
-            handle.write(f'[tenants.bench]\ntoken = "{BENCH_TOKEN}"\nquota = "{quota}"\n')
+            # max_sessions: the storm bench opens up to --sessions at once
+            handle.write(f'[tenants.bench]\ntoken = "{BENCH_TOKEN}"\nquota = "{quota}"\n'
+                         f'max_sessions = 1024\n')
         hosts = os.path.join(workdir, "hosts.toml")
         with open(hosts, "w") as handle:
             for name, secret in HOST_SECRETS.items():
@@ -142,7 +144,7 @@ class TwoHostPool:
         exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
         argv = [exe, "serve", "--listen", "127.0.0.1:0,[::1]:0", "--control-listen", "127.0.0.1:0",
                 "--hosts", hosts, "--tokens", tokens, "--admin-socket", os.path.join(workdir, "pool.sock"),
-                "--log-level", "WARNING", "--log-format", "text", *extra_args]
+                "--log-level", "WARNING", "--log-format", "text", "--insecure", *extra_args]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
                                          env={**os.environ, **(env or {})})

@@ -140,7 +140,8 @@ def start_pool(workdir: str):
         handle.write('[tenants.bench]\ntoken = "bench-token-0001"\nquota = "4GiB"\n')
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
-                             "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING"],
+                             "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING",
+                             "--insecure"],
                             stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())["data"]
 

@@ -176,7 +176,7 @@ def measure(pool: TwoHostPool, weights, n: int, args, expected: list[bytes], log
     domain = str(uuid.uuid4())
     out = {"hot_total_s": [], "hot_guest_s": [], "hot_resume_s": [], "cold_s": [],
            "steady_s": [], "cold_phases": []}
-    dev = connect(a.endpoint, BENCH_TOKEN, agent=False, timeout=120)
+    dev = connect(a.endpoint, BENCH_TOKEN, agent=False, timeout=120, insecure=True)
     try:
         start = time.perf_counter()
         work = Workload(dev, weights, n)
@@ -221,7 +221,7 @@ def measure(pool: TwoHostPool, weights, n: int, args, expected: list[bytes], log
         dev.close()
     for k in range(args.cold_repeat):
         t0 = time.perf_counter()
-        fresh = connect(b.endpoint, BENCH_TOKEN, agent=False, timeout=300)
+        fresh = connect(b.endpoint, BENCH_TOKEN, agent=False, timeout=300, insecure=True)
         try:
             t_conn = time.perf_counter()
             cold = Workload(fresh, weights, n)

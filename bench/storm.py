@@ -111,7 +111,7 @@ def main(argv=None) -> None:
             try:
                 started = time.perf_counter()
                 for k in range(n):
-                    dev = connect(hosts[0].endpoint, BENCH_TOKEN, agent=False, timeout=120)
+                    dev = connect(hosts[0].endpoint, BENCH_TOKEN, agent=False, timeout=120, insecure=True)
                     devs.append(dev)
                     tags[dev.sid] = (0xA5000000 + n * 1000 + k, session_state(dev, 0xA5000000 + n * 1000 + k, words))
                     hosts[0].call("bind_session", sid=dev.sid, domain_uuid=domain)

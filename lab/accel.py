@@ -44,8 +44,10 @@ def venv_bin(name: str) -> str:
 def demo_command(token: str, steps: int, size: int, report: int, pause: float) -> str:
     """The demo solver inside the guest: it learns the pool's endpoint from
     the agent (the host told it), prints progress lines on the console."""
+    # --insecure: the lab's pool runs plain TCP, said on both ends (lab/rig.py)
     return (f"python3 -m accelmig.agent.demoapp --token {token} --steps {steps} --size {size} "
-            f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 --prefix 'DEMO '")
+            f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 --insecure "
+            f"--prefix 'DEMO '")
 
 
 class AccelLab:
@@ -106,6 +108,7 @@ id = "{host}"
 endpoint = "{POOL_ADDRESS}:{POOL_DATA_PORT}"
 control = "{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
 secret_file = "{secret}"
+insecure = true          # the lab's pool runs plain TCP (lab/rig.py)
 [fabric]
 mode = "bridge"
 bridge = "{BRIDGE}"
@@ -255,7 +258,8 @@ libvirt_uri = "qemu:///system"
     def reference(self, steps: int = DEMO_STEPS, size: int = DEMO_SIZE) -> dict:
         """The same solver, never migrated: run from hostA's namespace."""
         argv = [sys.executable, "-m", "accelmig.agent.demoapp", "--endpoint", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
-                "--token", self.token, "--steps", str(steps), "--size", str(size), "--report", str(steps)]
+                "--token", self.token, "--steps", str(steps), "--size", str(size), "--report", str(steps),
+                "--insecure"]
         out = subprocess.run(netns.exec_argv(self.lab.ns_of("hostA"), argv), capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:

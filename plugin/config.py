@@ -9,6 +9,10 @@
     endpoint = "10.88.0.1:7070"        # data plane, as guests on this host reach it (required)
     control = "10.88.0.1:7071"         # control plane [default: endpoint's host, port 7071]
     secret_file = "/etc/accelmig/host.secret"   # per-host HMAC secret (file mode 0600)
+    ca_file = "/etc/accelmig/pool-ca.crt"   # verifies the pool's certificate [default: system store]
+    cert_file = "/etc/accelmig/host.crt"    # this host's client certificate (mutual TLS)
+    key_file = "/etc/accelmig/host.key"
+    # insecure = true                  # plain TCP to a pool run --insecure (a warning)
     [fabric]
     mode = "bridge"                    # bridge | direct | none [default: none]
     bridge = "fab0"                    # mode = bridge: the host bridge of the fabric NIC
@@ -86,6 +90,21 @@ class PoolEndpoints:
         "doc": "File holding this host's control-plane secret: the `secret` the pool's "
                "hosts file has for `[host] id` (16+ characters; surrounding whitespace "
                "ignored). Refused when others can read or write it (`chmod 600`)."})
+    ca_file: str = dataclasses.field(default="", metadata={
+        "doc": "CA certificate(s) (PEM) that verify the pool's certificate on the control "
+               "plane (it must name the `control` host: an IP needs an IP subjectAltName). "
+               "`\"\"`: the system's trust store.", "example": "/etc/accelmig/pool-ca.crt"})
+    cert_file: str = dataclasses.field(default="", metadata={
+        "doc": "This host's client certificate (PEM), signed by the CA of the pool's "
+               "`tls_client_ca` (mutual TLS). `\"\"`: none (a pool that asks for one refuses "
+               "the host).", "example": "/etc/accelmig/host.crt"})
+    key_file: str = dataclasses.field(default="", metadata={
+        "doc": "The client certificate's private key (PEM; `chmod 600`); `\"\"`: in "
+               "`cert_file`.", "example": "/etc/accelmig/host.key"})
+    insecure: bool = dataclasses.field(default=False, metadata={
+        "doc": "Plain TCP to the pool's control plane (a pool run with `--insecure`): "
+               "tickets and calls cross the network in clear. Logged as a warning; no TLS "
+               "key may be set with it.", "type": "boolean"})
 
     @property
     def address(self) -> str:
@@ -231,6 +250,21 @@ class HostConfig:
         hostd = _hostd(_Table(data.get("hostd", {}), "hostd", source))
         return cls(host_id=host_id, pool=pool, fabric=fabric, hostd=hostd, source=source)
 
+    def control_tls(self):
+        """The control plane's ``ssl.SSLContext`` (the pool verified with
+        ``ca_file``; this host's ``cert_file`` presented), or None where
+        ``insecure = true`` says plain TCP (hostd logs a warning)."""
+        from accelmig.wire import tls
+        pool = self.pool
+        if pool.insecure:
+            return None
+        try:
+            return tls.client_context(pool.ca_file or None, pool.cert_file or None,
+                                      pool.key_file or None)
+        except (OSError, ValueError) as exc:     # ssl.SSLError is an OSError
+            raise ConfigInvalid(source=self.source, reason=f"pool TLS files (ca_file, cert_file, "
+                                                           f"key_file): {exc}") from None
+
     def read_secret(self) -> bytes:
         """This host's control-plane secret.  Refuses a file others may read
         or write, one that is not a regular file, and one too short."""
@@ -358,8 +392,17 @@ def _pool(t: _Table) -> PoolEndpoints:
         control = f"[{host}]:{DEFAULT_CONTROL_PORT}" if ":" in host else f"{host}:{DEFAULT_CONTROL_PORT}"
     t.endpoint("control", control)
     secret_file = t.path("secret_file", PoolEndpoints.secret_file)
+    insecure = t.boolean("insecure", False)
+    files = {}
+    for key in ("ca_file", "cert_file", "key_file"):
+        files[key] = t.path(key, "/") if t.table.get(key) else t.string(key, "") or ""
+        if insecure and files[key]:
+            raise t.error(key, "is a TLS setting and insecure = true: choose one")
+    if files["key_file"] and not files["cert_file"]:
+        raise t.error("key_file", "needs pool.cert_file")
     t.done()
-    return PoolEndpoints(endpoint=endpoint, control=control, secret_file=secret_file)
+    return PoolEndpoints(endpoint=endpoint, control=control, secret_file=secret_file,
+                         insecure=insecure, **files)
 
 
 def _fabric(t: _Table, pool_address: str | None) -> FabricConfig:

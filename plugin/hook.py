@@ -25,20 +25,57 @@ It imports little (no libvirt, no click): libvirt waits for it.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 
 from accelmig.wire.localapi import GATED_HOOK_STEPS
 
+#: the longest line the hook writes (libvirt relays it to the client)
+MAX_LINE = 1000
+
+
+class _Noted(logging.Handler):
+    """Keeps what the libraries log (hostd answering garbage: "dropped
+    input: not JSON ...") for the hook's one line, instead of Python's
+    last-resort handler printing each on a stray line of its own."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.messages.append(record.getMessage())
+        except Exception:  # a broken format must not print a traceback either
+            pass
+
+
+NOTED = _Noted()
+
+
+def _one_line(text: str) -> str:
+    """Whatever came from hostd as one printable line: newlines, escape
+    sequences and other control characters would end up on the client's
+    terminal."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= MAX_LINE else text[:MAX_LINE - 3] + "..."
+
 
 def _log(message: str) -> None:
     # libvirt shows a failing hook's stderr to the client; keep it one line.
-    print(f"accelmig hook: {message}", file=sys.stderr)
+    if NOTED.messages:
+        message += f" ({NOTED.messages[0]})"       # "hostd: dropped input: not JSON ..."
+    print(_one_line(f"accelmig hook: {message}"), file=sys.stderr)
 
 
 def main(argv=None, stdin=None, stdout=None) -> int:
     started = time.monotonic()
+    root = logging.getLogger("accelmig")
+    if NOTED not in root.handlers:
+        root.addHandler(NOTED)
+    NOTED.messages.clear()
     argv = sys.argv[1:] if argv is None else list(argv)
     stdin = stdin if stdin is not None else sys.stdin.buffer
     stdout = stdout if stdout is not None else sys.stdout

@@ -66,6 +66,14 @@ def main():
               "[config: listen; default 127.0.0.1:7070].")
 @click.option("--control-listen", type=ListenAddress(optional=True), help="Control-plane address for "
               "hypervisor hosts (HMAC-authenticated) [default 127.0.0.1:7071]; '' disables it.")
+@click.option("--tls-cert", metavar="FILE", help="The pool's certificate (PEM) for TLS on both planes; "
+              "an IP endpoint needs an IP subjectAltName [config: tls_cert].")
+@click.option("--tls-key", metavar="FILE", help="Its private key (PEM) [config: tls_key; default: in "
+              "--tls-cert].")
+@click.option("--tls-client-ca", metavar="FILE", help="CA (PEM) that signs hosts' certificates: the "
+              "control plane then requires one (mutual TLS) [config: tls_client_ca].")
+@click.option("--insecure", is_flag=True, default=None, help="Plain TCP on both planes instead of TLS "
+              "(anyone on the path reads tokens and data); drivers and hosts must say insecure too.")
 @click.option("--tokens", "tokens", metavar="FILE", help="Tenants file (TOML): [tenants.NAME] "
               "with token and quota (e.g. quota = \"2GiB\") [default /etc/accelmig/tokens.toml].")
 @click.option("--hosts", "hosts", metavar="FILE", help="Hypervisor hosts file (TOML): "
@@ -101,7 +109,8 @@ def serve(config_path, **flags):
 
     Example:
 
-      accelmig-pool serve --listen 0.0.0.0:7070 --tokens tokens.toml --hosts hosts.toml
+      accelmig-pool serve --listen 0.0.0.0:7070 --tokens tokens.toml --hosts hosts.toml \\
+          --tls-cert pool.crt --tls-key pool.key --tls-client-ca hosts-ca.crt
     """
     from accelmig.pool.config import PoolConfig, load_hosts, load_tenants
     from accelmig.pool.devices import open_backend
@@ -112,6 +121,7 @@ def serve(config_path, **flags):
         logs.setup("accelmig-pool", config.log_format, config.log_level)
         tenants = load_tenants(config.tokens)
         hosts = load_hosts(config.hosts)
+        config.check_tls(config_path or "flags")
         backend = open_backend(config.device)
     except AccelmigError as exc:
         _fail(exc)

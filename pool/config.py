@@ -9,6 +9,10 @@ metadata below by ``python docs/configref.py``)::
     control_listen = "0.0.0.0:7071"    # control plane (hypervisor hosts)
     admin_socket = "/run/accelmig/pool.sock"
     metrics_listen = "127.0.0.1:9470"  # Prometheus HTTP; "" = off
+    tls_cert = "/etc/accelmig/pool.crt"  # TLS on both planes (an IP SAN for IP endpoints)
+    tls_key = "/etc/accelmig/pool.key"
+    tls_client_ca = "/etc/accelmig/hosts-ca.crt"  # control plane: hosts' certificates (mutual TLS)
+    # insecure = true                  # plain TCP instead (both ends must say so; a warning)
     device = "auto"                    # or "opencl:N"
     tokens = "/etc/accelmig/tokens.toml"
     hosts = "/etc/accelmig/hosts.toml"
@@ -26,6 +30,7 @@ metadata below by ``python docs/configref.py``)::
     [tenants.alice]
     token = "s3cret"
     quota = "2GiB"
+    max_sessions = 16                 # optional: else [pool] max_sessions_per_tenant
 
 ``hosts.toml``: one table per hypervisor host::
 
@@ -38,12 +43,18 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
+import os
 import re
+import shlex
+import stat
 import tomllib
 
 from accelmig.wire.dataplane import parse_endpoint, parse_listen_list
 from accelmig.wire.errors import BadRequest, ConfigInvalid
 from accelmig.wire.logs import level_number
+
+LOG = logging.getLogger("accelmig.pool")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -71,6 +82,10 @@ class TenantSpec:
     quota: int = dataclasses.field(metadata={
         "doc": "How much device memory the tenant's sessions may hold together.",
         "type": "size", "example": "2GiB"})
+    max_sessions: int | None = dataclasses.field(default=None, metadata={
+        "doc": "Live sessions (attached, detached or parked) the tenant may hold at once; "
+               "unset: the pool's `max_sessions_per_tenant`. Each costs a worker thread and "
+               "host memory, quota or not.", "type": "integer", "example": 16})
 
 
 @dataclasses.dataclass
@@ -102,6 +117,25 @@ class PoolConfig:
         "doc": "HOST:PORT where Prometheus metrics are served over HTTP (they are also on the "
                "control plane, method `metrics`); `\"\"` = off.",
         "example": "127.0.0.1:9470"})
+    tls_cert: str = dataclasses.field(default="", metadata={
+        "doc": "The pool's certificate (PEM, chain after it) for TLS on the data and control "
+               "planes. Drivers check that it names the endpoint they were given: an endpoint "
+               "that is an IP address needs an IP subjectAltName. Required unless `insecure`.",
+        "example": "/etc/accelmig/pool.crt"})
+    tls_key: str = dataclasses.field(default="", metadata={
+        "doc": "The certificate's private key (PEM); `\"\"`: it is in `tls_cert`.",
+        "example": "/etc/accelmig/pool.key"})
+    tls_client_ca: str = dataclasses.field(default="", metadata={
+        "doc": "CA certificate(s) (PEM) the control plane checks hosts' certificates against "
+               "(mutual TLS: a host without a certificate signed by it is refused before any "
+               "call). Each call is still HMAC-signed with the host's secret. `\"\"`: hosts "
+               "present no certificate (a warning: their secret alone authenticates them).",
+        "example": "/etc/accelmig/hosts-ca.crt"})
+    insecure: bool = dataclasses.field(default=False, metadata={
+        "doc": "Serve both planes over plain TCP (no `tls_cert`): a passive tap reads tenant "
+               "tokens, session secrets, tickets and data. Logged as a warning; drivers and "
+               "hosts must be insecure too (`ACCELMIG_INSECURE=1`, `[pool] insecure = true`).",
+        "type": "boolean"})
     device: str = dataclasses.field(default="auto", metadata={
         "doc": "The accelerator: `auto` (the first device) or `opencl:N` (see `accelmig-pool "
                "devices`)."})
@@ -138,14 +172,24 @@ class PoolConfig:
     max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
         "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
                "driver's acknowledgements.", "type": "size"})
+    max_objects_per_session: int = dataclasses.field(default=8192, metadata={
+        "doc": "Per session: buffers and programs held at once (a zero-byte buffer costs "
+               "no quota but still host memory); one more is refused with QUOTA_EXCEEDED.",
+        "type": "integer"})
+    max_sessions_per_tenant: int = dataclasses.field(default=64, metadata={
+        "doc": "Live sessions one tenant may hold at once (each has a worker thread), unless "
+               "its `[tenants.NAME] max_sessions` says otherwise; one more open is refused "
+               "with QUOTA_EXCEEDED.", "type": "integer"})
     log_format: str = dataclasses.field(default="json", metadata={
         "doc": "Log lines on stderr.", "type": "string: json | text"})
     log_level: str = dataclasses.field(default="INFO", metadata={
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
     _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout")
-    _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer")
+    _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
+               "max_sessions_per_tenant")
     _SIZES = ("max_header", "max_payload", "max_reply_bytes")
+    _BOOLS = ("insecure",)
 
     @classmethod
     def load(cls, path: str | None, overrides: dict | None = None) -> "PoolConfig":
@@ -172,6 +216,9 @@ class PoolConfig:
                     raise ConfigInvalid(source=path or "flags", reason=f"{key} must be positive")
             elif key in cls._SIZES:
                 value = parse_size(value, path or "flags")
+            elif key in cls._BOOLS:
+                if not isinstance(value, bool):
+                    raise ConfigInvalid(source=path or "flags", reason=f"{key} must be true or false")
             elif key in cls._COUNTS:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ConfigInvalid(source=path or "flags",
@@ -191,6 +238,21 @@ class PoolConfig:
             reason = exc.kwargs.get("reason", exc.message) if isinstance(exc, BadRequest) else str(exc)
             raise ConfigInvalid(source=path or "flags", reason=reason) from None
         return config
+
+    def check_tls(self, source: str = "config") -> None:
+        """TLS, or plain TCP said explicitly: never plain by omission (checked
+        by ``serve`` once the files load, and again when the listeners start)."""
+        if self.insecure and (self.tls_cert or self.tls_key or self.tls_client_ca):
+            raise ConfigInvalid(source=source, reason="insecure (plain TCP) and tls_* keys: "
+                                                      "choose one")
+        if not self.insecure and not self.tls_cert:
+            raise ConfigInvalid(source=source, reason="the pool serves TLS: give tls_cert and "
+                                                      "tls_key (--tls-cert/--tls-key), or "
+                                                      "insecure = true (--insecure) for plain TCP")
+        for key in ("tls_cert", "tls_key", "tls_client_ca"):
+            value = getattr(self, key)
+            if value and not os.path.isfile(value):
+                raise ConfigInvalid(source=source, reason=f"{key}: {value} is not a file")
 
 
 def _read_toml(path: str) -> dict:
@@ -223,8 +285,31 @@ def load_tenants(path: str) -> dict[str, TenantSpec]:
         tokens.add(token)
         if "quota" not in table:
             raise ConfigInvalid(source=path, reason=f"tenants.{name}.quota is missing")
-        out[name] = TenantSpec(name, token, parse_size(table["quota"], f"{path}: tenants.{name}.quota"))
+        max_sessions = table.get("max_sessions")
+        if max_sessions is not None and (not isinstance(max_sessions, int)
+                                         or isinstance(max_sessions, bool) or max_sessions < 1):
+            raise ConfigInvalid(source=path, reason=f"tenants.{name}.max_sessions must be a "
+                                                    f"positive integer")
+        out[name] = TenantSpec(name, token, parse_size(table["quota"], f"{path}: tenants.{name}.quota"),
+                               max_sessions)
+    warn_if_readable_by_others(path, "tenants file (it holds their tokens)")
     return out
+
+
+def warn_if_readable_by_others(path: str, what: str) -> bool:
+    """Log a warning when a file of secrets grants anything to other users
+    (the pool still loads it: refusing would turn a deploy slip into an
+    outage).  True when it warned."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    if not mode & stat.S_IRWXO:
+        return False
+    LOG.warning("%s %s is mode %04o: other users may read it; run: chmod 0640 %s (or 0600)",
+                what, path, stat.S_IMODE(mode), shlex.quote(path),
+                extra={"path": path, "mode": f"{stat.S_IMODE(mode):04o}"})
+    return True
 
 
 def parse_networks(values, source: str) -> list:
@@ -254,4 +339,5 @@ def load_hosts(path: str) -> dict[str, HostSpec]:
         if name == "admin":
             raise ConfigInvalid(source=path, reason="'admin' is reserved for the admin socket")
         out[name] = HostSpec(name, secret.encode(), parse_networks(table.get("addresses"), path))
+    warn_if_readable_by_others(path, "hosts file (it holds their control-plane secrets)")
     return out

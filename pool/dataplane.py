@@ -18,6 +18,7 @@ import secrets
 import asyncio
 
 from accelmig.wire import dataplane as dp
+from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, FrameError, ProtocolError,
                                   SessionDiverged, StaleEpoch)
@@ -41,8 +42,15 @@ class ConnState(enum.Enum):
 
 
 class DataConnection(asyncio.BufferedProtocol):
-    def __init__(self, pool):
+    """``server_cert_der``: the pool's own certificate when it serves TLS
+    (what ownership proofs are bound to, with the connection's challenge)."""
+
+    def __init__(self, pool, server_cert_der: bytes | None = None):
         self.pool = pool
+        self.server_cert_der = server_cert_der
+        self.binding = b""          # wire.tls.channel_binding, once TLS is up
+        self._first_bytes = True    # a TLS hello on a plain pool gets a clear log line
+        self._buffer: memoryview | None = None
         self.reader = FrameReader(PREAUTH_LIMITS, staging_floor=0,
                                   payload_sink=lambda header, size: pool.buffers.get(size))
         self.state = ConnState.HELLO
@@ -65,6 +73,10 @@ class DataConnection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername") or ("?", 0)
         self.peer = peer[:2] if isinstance(peer, tuple) else (str(peer), 0)
         self.peer_host = self.pool.host_for_address(self.peer[0])
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None:
+            self.binding = tls.channel_binding(ssl_object, self.server_cert_der)
+            self._first_bytes = False
         self.pool.connections.add(self)
         refused = self.pool.admit(self)
         if refused is not None:
@@ -83,11 +95,19 @@ class DataConnection(asyncio.BufferedProtocol):
         if self.reader.broken is not None:
             # Already failing: swallow whatever is still arriving.
             return memoryview(bytearray(65536))
-        return self.reader.get_buffer(sizehint)
+        self._buffer = self.reader.get_buffer(sizehint)
+        return self._buffer
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.state is ConnState.CLOSED or self.reader.broken is not None:
             return
+        if self._first_bytes:
+            self._first_bytes = False
+            if self._buffer is not None and tls.looks_like_tls(self._buffer[:min(nbytes, 2)]):
+                self.fail(ProtocolError(reason="the peer speaks TLS, this pool plain TCP "
+                                               "(--insecure): give the pool --tls-cert/--tls-key, "
+                                               "or the driver insecure too"))
+                return
         try:
             frames = self.reader.feed(nbytes)
         except FrameError as exc:

@@ -33,7 +33,8 @@ def start_pool(workdir: str):
     admin = os.path.join(workdir, "pool.sock")
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
-                             "--tokens", tokens, "--admin-socket", admin, "--log-format", "text"],
+                             "--tokens", tokens, "--admin-socket", admin, "--log-format", "text",
+                             "--insecure"],
                             stdout=subprocess.PIPE, stderr=open(os.path.join(workdir, "pool.log"), "w"),
                             text=True)
     line = proc.stdout.readline()
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     print(f"pool {ready['instance']} serving on {ready['data']} (PoCL OpenCL device)")
     try:
         print(bold(f"1. reference run: {args.steps} Jacobi steps, {args.size} unknowns, no cut"))
-        with connect(ready["data"], TOKEN, agent=False) as dev:
+        with connect(ready["data"], TOKEN, agent=False, insecure=True) as dev:
             reference = demoapp.run(dev, args.steps, args.size, report=args.steps // 4)
         proxy = CutProxy(ready["data"])
         every = max(1, args.steps // 20 // (args.cuts + 1)) * 20
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
                 print(f"   -- connection cut at step {solver.step} --")
 
         print(bold(f"2. the same run through a relay that cuts the connection {args.cuts} times"))
-        with connect(proxy.endpoint, TOKEN, agent=False) as dev:
+        with connect(proxy.endpoint, TOKEN, agent=False, insecure=True) as dev:
             result = demoapp.run(dev, args.steps, args.size, report=20, on_step=maybe_cut,
                                  out=None)
             sid = dev.sid

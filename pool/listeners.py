@@ -13,6 +13,8 @@ from accelmig.pool.control import ControlServer
 from accelmig.pool.dataplane import DataConnection
 from accelmig.pool.state import Pool
 from accelmig.wire import dataplane as dp
+from accelmig.wire import tls
+from accelmig.wire.errors import ConfigInvalid
 from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger("accelmig.pool")
@@ -34,6 +36,7 @@ class PoolServer:
     async def start(self) -> None:
         pool = self.pool
         pool.loop = asyncio.get_running_loop()
+        data_tls, control_tls, cert_der = self._tls_contexts()
         admin_sock = None
         if self.config.admin_socket:
             # First: a second pool on the same admin socket stops here, having touched nothing.
@@ -47,8 +50,9 @@ class PoolServer:
             host, port = dp.parse_endpoint(item, listen=True)
             if port == 0 and first_port is not None:
                 port = first_port
-            server = await pool.loop.create_server(lambda: DataConnection(pool), host, port,
-                                                   reuse_address=True)
+            server = await pool.loop.create_server(
+                lambda: DataConnection(pool, cert_der), host, port, reuse_address=True,
+                ssl=data_tls, ssl_handshake_timeout=self.config.handshake_timeout if data_tls else None)
             self._servers.append(server)
             bound = _bound(server)
             first_port = first_port or server.sockets[0].getsockname()[1]
@@ -56,8 +60,9 @@ class PoolServer:
             self.endpoints.setdefault("data_all", []).append(bound)
         if self.config.control_listen:
             chost, cport = dp.parse_endpoint(self.config.control_listen, listen=True)
-            cserver = await asyncio.start_server(self.control.handle_host, chost, cport,
-                                                 reuse_address=True)
+            cserver = await asyncio.start_server(
+                self.control.handle_host, chost, cport, reuse_address=True, ssl=control_tls,
+                ssl_handshake_timeout=self.config.handshake_timeout if control_tls else None)
             self._servers.append(cserver)
             self.endpoints["control"] = _bound(cserver)
         if admin_sock is not None:
@@ -72,6 +77,27 @@ class PoolServer:
         self._janitor = asyncio.ensure_future(self._janitor_loop())
         LOG.info("pool %s serving", pool.instance, extra={"instance": pool.instance, **self.endpoints,
                                                           "device": pool.backend.spec})
+
+    def _tls_contexts(self):
+        """(data plane's, control plane's, the pool's certificate), or Nones
+        for plain TCP, said explicitly (``insecure``) and warned about."""
+        config = self.config
+        config.check_tls()
+        if config.insecure:
+            LOG.warning("INSECURE: the data and control planes are plain TCP (--insecure): anyone on "
+                        "the path reads tenant tokens, session secrets, tickets and buffers",
+                        extra={"tls": False})
+            return None, None, None
+        try:
+            data_tls = tls.server_context(config.tls_cert, config.tls_key)
+            control_tls = tls.server_context(config.tls_cert, config.tls_key, config.tls_client_ca or None)
+            cert_der = tls.leaf_certificate_der(config.tls_cert)
+        except (OSError, ValueError) as exc:      # ssl.SSLError is an OSError
+            raise ConfigInvalid(source=config.tls_cert, reason=f"TLS: {exc}") from None
+        if config.control_listen and not config.tls_client_ca:
+            LOG.warning("the control plane asks hosts for no certificate (no --tls-client-ca): "
+                        "their HMAC secret alone authenticates them", extra={"tls": True})
+        return data_tls, control_tls, cert_der
 
     async def stop(self) -> None:
         pool = self.pool

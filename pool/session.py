@@ -33,7 +33,8 @@ from typing import Callable
 from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg
 from accelmig.pool.sequencing import SequenceLog, StoredReply
 from accelmig.wire.dataplane import Op, decode_scalar
-from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, OutOfRange, QuotaExceeded
+from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
+                                  QuotaExceeded)
 
 LOG = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ class SessionState(enum.Enum):
 class Tenant:
     """A tenant's token and device-memory quota, shared by its sessions."""
 
-    def __init__(self, name: str, token: str, quota: int):
+    def __init__(self, name: str, token: str, quota: int, max_sessions: int | None = None):
         self.name = name
         self.token = token
         self.quota = quota
+        self.max_sessions = max_sessions     # None: the pool's max_sessions_per_tenant
         self.used = 0
         self._lock = threading.Lock()
 
@@ -99,7 +101,7 @@ class Session:
     def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
                  post: Callable[[Callable], None], *, metrics=None, buffers=None,
                  max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
-                 max_unacked: int = 65536):
+                 max_unacked: int = 65536, max_objects: int = 8192):
         self.sid = sid
         self.tenant = tenant
         self.secret = secret
@@ -127,6 +129,11 @@ class Session:
         self.max_reply_bytes = max_reply_bytes
         self.max_queued_bytes = max_queued_bytes
         self.max_unacked = max_unacked
+        # Buffers and programs held, counted on the worker thread (the only
+        # one that creates or frees them): an empty buffer costs no quota
+        # but still host memory, so their number is bounded too.
+        self.max_objects = max_objects
+        self.objects = 0
         self.held: collections.deque[Command] = collections.deque()
         self.held_bytes = 0
         self.queued_bytes = 0            # payload bytes handed to the worker, not yet done
@@ -353,6 +360,15 @@ def _launch_args(header: dict) -> list:
     return args
 
 
+def _check_object_limit(session: Session, kind: str) -> None:
+    """Before a buffer or program is made: the session's count limit."""
+    if session.objects >= session.max_objects:
+        raise LimitExceeded(tenant=session.tenant.name, reason=(
+            f"session {session.sid} already holds {session.objects} buffers and programs, "
+            f"the most a session may (max_objects_per_session = {session.max_objects}); "
+            f"free one before making another {kind}"))
+
+
 def execute(session: Session, command: Command) -> StoredReply:
     """Run one command on the session's device context; never raises."""
     ctx = session.context
@@ -388,14 +404,17 @@ def execute(session: Session, command: Command) -> StoredReply:
                 raise
             counters.bytes_downloaded += len(payload)
         elif op is Op.ALLOC:
+            _check_object_limit(session, "buffer")
             session.tenant.reserve(h["size"])
             try:
                 ctx.alloc(h["buf"], h["size"])
             except BaseException:
                 session.tenant.give_back(h["size"])
                 raise
+            session.objects += 1
         elif op is Op.FREE:
             session.tenant.give_back(ctx.free(h["buf"]))
+            session.objects -= 1
         elif op is Op.COPY:
             ctx.copy(h["src"], h["dst"], h["src_offset"], h["dst_offset"], h["size"])
         elif op is Op.FINISH:
@@ -406,18 +425,23 @@ def execute(session: Session, command: Command) -> StoredReply:
                 source = bytes(command.payload).decode("utf-8")
             except UnicodeDecodeError:
                 raise BadRequest(reason="program source is not UTF-8") from None
+            _check_object_limit(session, "program")
             result = ctx.build_source(h["prog"], source, h["options"])
+            session.objects += 1
             counters.builds += 1
             fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
         elif op is Op.BUILD_BINARY:
             counters.source_bytes += len(command.payload)
+            _check_object_limit(session, "program")
             result = ctx.build_binary(h["prog"], command.payload, h["options"])
+            session.objects += 1
             counters.builds += 1
             fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
         elif op is Op.PROGRAM_BINARY:
             payload = ctx.program_binary(h["prog"])
         elif op is Op.FREE_PROGRAM:
             ctx.free_program(h["prog"])
+            session.objects -= 1
         elif op is Op.INFO:
             fields = {"device": ctx.info()}
         elif op is Op.RELEASE:

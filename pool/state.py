@@ -25,7 +25,8 @@ from accelmig.pool.migration import MigrationRecord, TicketAuthority
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
-from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, NoSuchRecord,
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, LimitExceeded,
+                                  NoSuchRecord,
                                   SessionDiverged, Unavailable,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost)
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
@@ -41,7 +42,7 @@ class Pool:
         # An instance id that changes with every start: a driver presenting a
         # session of another instance learns the pool restarted (SESSION_LOST).
         self.instance = secrets.token_hex(4)
-        self.tenants = {t.token: Tenant(t.name, t.token, t.quota) for t in tenants.values()}
+        self.tenants = {t.token: Tenant(t.name, t.token, t.quota, t.max_sessions) for t in tenants.values()}
         self.hosts = {name: HostState(spec) for name, spec in (hosts or {}).items()}
         self.sessions: dict[str, Session] = {}
         self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -160,10 +161,11 @@ class Pool:
         for spec in tenants.values():
             tenant = by_name.pop(spec.name, None)
             if tenant is None:
-                tenant = Tenant(spec.name, spec.token, spec.quota)
+                tenant = Tenant(spec.name, spec.token, spec.quota, spec.max_sessions)
                 out["tenants"]["added"].append(spec.name)
-            elif (tenant.token, tenant.quota) != (spec.token, spec.quota):
-                tenant.token, tenant.quota = spec.token, spec.quota
+            elif (tenant.token, tenant.quota, tenant.max_sessions) != \
+                    (spec.token, spec.quota, spec.max_sessions):
+                tenant.token, tenant.quota, tenant.max_sessions = spec.token, spec.quota, spec.max_sessions
                 out["tenants"]["changed"].append(spec.name)
             fresh[spec.token] = tenant
         for name in by_name:
@@ -200,10 +202,20 @@ class Pool:
             secret = b""
         if len(secret) < 16:
             raise BadRequest(reason="open: 'secret' must be 16+ random bytes in hex")
+        # Before anything is made: each session costs a worker thread and a
+        # device context, whatever its quota.
+        limit = tenant.max_sessions or self.config.max_sessions_per_tenant
+        held = sum(1 for s in self.sessions.values() if s.tenant is tenant and s.live)
+        if held >= limit:         # (the connection's close logs it, once)
+            source = "its max_sessions" if tenant.max_sessions else "max_sessions_per_tenant"
+            raise LimitExceeded(tenant=tenant.name, reason=(
+                f"{held} live sessions (attached, detached or parked) already, the most it may "
+                f"hold ({source} = {limit}); close or release one first"))
         session = Session(self._new_sid(), tenant, secret, self.backend.new_context(), self.post,
                           metrics=self.metrics, buffers=self.buffers,
                           max_reply_bytes=self.config.max_reply_bytes,
-                          max_queued_bytes=self.config.max_reply_bytes)
+                          max_queued_bytes=self.config.max_reply_bytes,
+                          max_objects=self.config.max_objects_per_session)
         session.bound_host = conn.peer_host
         session.attach(conn)
         session.on_reply = self._deliver
@@ -233,7 +245,7 @@ class Pool:
             if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, last_seen)):
                 raise BadRequest(reason="resume: epoch and last_seen must be integers")
             if not dp.check_ownership_proof(session.secret, conn.challenge, sid, epoch,
-                                            header.get("proof")):
+                                            header.get("proof"), getattr(conn, "binding", b"")):
                 raise AuthFailed(reason=f"resume of {sid}: the ownership proof does not verify")
             retry = session.is_resume_retry(epoch, last_seen)
             if epoch != session.epoch and not retry:

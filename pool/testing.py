@@ -27,8 +27,9 @@ class PoolThread:
                  listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0",
                  device: str = "auto", backend=None, **config):
         tenants = tenants or {"tenant": ("tenant-token-0001", "4GiB")}
-        self.tenant_specs = {name: TenantSpec(name, token, parse_size(quota))
-                             for name, (token, quota) in tenants.items()}
+        # (token, quota) or (token, quota, max_sessions)
+        self.tenant_specs = {name: TenantSpec(name, spec[0], parse_size(spec[1]), *spec[2:])
+                             for name, spec in tenants.items()}
         self.host_specs = {}
         for name, value in (hosts or {}).items():
             secret, addresses = (value, []) if isinstance(value, str) else value
@@ -36,6 +37,8 @@ class PoolThread:
         self._tmp = tempfile.mkdtemp(prefix="accelmig-pool-")
         config.setdefault("admin_socket", os.path.join(self._tmp, "admin.sock"))
         config.setdefault("log_format", "text")
+        # plain TCP unless the caller gives the pool a certificate (tls_cert=...)
+        config.setdefault("insecure", not config.get("tls_cert"))
         self.config = PoolConfig(listen=listen, control_listen=control_listen, device=device, **config)
         self._backend = backend
         self.pool = None
@@ -125,9 +128,10 @@ class CutProxy:
     """A TCP relay whose connections can be cut on demand (with a reset), to
     lose a driver's connection for real without touching either end; or
     held (``hold()``: what the client sends waits in the relay until
-    ``release()``), to make the far end slow for real."""
+    ``release()``), to make the far end slow for real.  ``record``: keep
+    every byte relayed, both ways, in ``recorded`` (a passive tap)."""
 
-    def __init__(self, target: str, listen: str = "127.0.0.1:0"):
+    def __init__(self, target: str, listen: str = "127.0.0.1:0", *, record: bool = False):
         import socket
         from accelmig.wire.dataplane import parse_endpoint
         self.target = parse_endpoint(target)
@@ -138,6 +142,7 @@ class CutProxy:
         self.endpoint = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
         self._pairs: list = []
         self._lock = threading.Lock()
+        self.recorded: bytearray | None = bytearray() if record else None
         self.cuts = 0
         self._closed = False
         self._flowing = threading.Event()
@@ -169,8 +174,7 @@ class CutProxy:
             for a, b, gate in ((client, upstream, self._flowing), (upstream, client, None)):
                 threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
 
-    @staticmethod
-    def _pump(src, dst, gate: threading.Event | None) -> None:
+    def _pump(self, src, dst, gate: threading.Event | None) -> None:
         buf = bytearray(1 << 20)
         view = memoryview(buf)
         try:
@@ -180,6 +184,9 @@ class CutProxy:
                     break
                 if gate is not None:
                     gate.wait()
+                if self.recorded is not None:
+                    with self._lock:
+                        self.recorded += view[:n]
                 dst.sendall(view[:n])
         except OSError:
             pass

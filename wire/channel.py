@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 
-from accelmig.wire.errors import BadRequest, Timeout, Unavailable, from_wire
+from accelmig.wire.errors import BadRequest, ProtocolError, Timeout, Unavailable, from_wire
 from accelmig.wire.identity import HostIdentity
 
 LOG = logging.getLogger(__name__)
@@ -133,6 +133,10 @@ class LineParser:
             except (UnicodeDecodeError, ValueError) as exc:
                 self._drop(f"not JSON ({exc.__class__.__name__}: {str(exc)[:60]}): {raw[:40]!r}")
                 continue
+            except RecursionError:
+                # dropped like any bad line: the lines after it (a ping) still count
+                self._drop(f"JSON nested too deeply: {raw[:40]!r}")
+                continue
             if not isinstance(message, dict) or not isinstance(message.get("type"), str):
                 self._drop(f"not a message object with a 'type': {raw[:40]!r}")
                 continue
@@ -165,7 +169,11 @@ def answer_of(message: dict):
     """The result of an answer, or its error raised as the typed exception."""
     if message.get("ok"):
         return message.get("result")
-    raise from_wire(message.get("error") or {})
+    error = message.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+        # a peer answering garbage gets a clear error, not an AttributeError
+        raise ProtocolError(reason=f"a failed answer without a valid error: {str(error)[:80]!r}")
+    raise from_wire(error)
 
 
 class LineSession:

@@ -31,8 +31,10 @@ import hmac
 import itertools
 import json
 import socket
+import ssl
 import threading
 
+from accelmig.wire import tls
 from accelmig.wire.errors import AuthFailed, FrameError, ProtocolError, Unavailable, from_wire
 from accelmig.wire.frames import (PREFIX_SIZE, Limits, decode_header, encode_frame,
                                   parse_prefix)
@@ -104,6 +106,7 @@ async def read_frame_async(reader: asyncio.StreamReader, limits: Limits = ANSWER
     """One control frame from a StreamReader; the prefix is checked against
     ``limits`` before a byte of the header is buffered."""
     prefix = await reader.readexactly(PREFIX_SIZE)
+    _check_not_tls(prefix)
     _flags, hlen, _plen = parse_prefix(prefix, limits)
     return decode_header(await reader.readexactly(hlen))
 
@@ -122,8 +125,18 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
 def read_frame_blocking(sock: socket.socket, limits: Limits = ANSWER_LIMITS) -> dict:
     """One control frame from a blocking socket, read to its exact size (an
     answer of many MiB costs its own size, not a staging buffer per client)."""
-    _flags, hlen, _plen = parse_prefix(_recv_exactly(sock, PREFIX_SIZE), limits)
+    prefix = _recv_exactly(sock, PREFIX_SIZE)
+    _check_not_tls(prefix)
+    _flags, hlen, _plen = parse_prefix(prefix, limits)
     return decode_header(_recv_exactly(sock, hlen))
+
+
+def _check_not_tls(prefix: bytes) -> None:
+    # a plain client's first read of a TLS pool: say so, not "bad magic"
+    if tls.looks_like_tls(prefix):
+        raise ProtocolError(reason="the pool's control plane speaks TLS and this client plain TCP: "
+                                   "configure TLS ([pool] ca_file, cert_file, key_file) or the pool "
+                                   "--insecure too")
 
 
 def check_answer(secret: bytes | None, challenge: str, answer: dict, call_id: int):
@@ -196,20 +209,38 @@ class ControlSession:
 BROKEN = (ProtocolError, AuthFailed, FrameError)
 
 
+def _closed_before_welcome(exc: Unavailable, tls_on: bool) -> Unavailable:
+    """A pool closes a connection it will not talk to before its welcome
+    (a refused certificate, TLS against plain): say what that likely means."""
+    reason = str(exc.kwargs.get("reason", ""))
+    if "connection closed" not in reason:
+        return exc
+    hint = ("the pool refused this host's TLS (no client certificate, or one its --tls-client-ca "
+            "did not sign: [pool] cert_file, key_file)" if tls_on else
+            "a pool that serves TLS closes plain connections: configure [pool] ca_file, "
+            "cert_file, key_file (or run both ends insecure)")
+    return Unavailable(what="the pool's control plane", reason=f"{reason} before its welcome: {hint}")
+
+
 class ControlClient:
     """Blocking control-plane client, thread-safe (one call at a time).
 
     ``endpoint`` is ``HOST:PORT`` or ``unix:/path`` (the admin socket).  A
     connection that breaks, times out, or answers with a frame it cannot
     trust is closed; the next call connects again (once more within a call
-    when the pool restarted or the connection idled out).
+    when the pool restarted or the connection idled out).  ``tls``: an
+    ``ssl.SSLContext`` (``wire.tls.client_context``: the pool verified, this
+    host's certificate presented); None: plain TCP (the admin socket; a pool
+    that runs ``--insecure``).
     """
 
-    def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0):
+    def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0,
+                 tls: ssl.SSLContext | None = None):
         self.endpoint = endpoint
         self.host = host
         self.secret = secret
         self.timeout = timeout
+        self.tls = tls
         self._sock: socket.socket | None = None
         self._session: ControlSession | None = None
         self._lock = threading.Lock()
@@ -226,7 +257,17 @@ class ControlClient:
                 sock.settimeout(self.timeout)
                 sock.connect(self.endpoint[5:])
             else:
-                sock = socket.create_connection(parse_endpoint(self.endpoint), timeout=self.timeout)
+                host, port = parse_endpoint(self.endpoint)
+                sock = socket.create_connection((host, port), timeout=self.timeout)
+                if self.tls is not None:
+                    try:
+                        sock = self.tls.wrap_socket(sock, server_hostname=host)
+                    except BaseException:
+                        sock.close()
+                        raise
+        except ssl.SSLError as exc:
+            raise Unavailable(what=f"the pool's control plane at {self.endpoint}",
+                              reason=tls.describe_ssl_error(exc, self.endpoint)) from None
         except OSError as exc:
             raise Unavailable(what=f"the pool's control plane at {self.endpoint}", reason=str(exc)) from None
         self._sock = sock
@@ -234,6 +275,9 @@ class ControlClient:
         try:
             self._send(self._session.hello())
             self._session.welcome(self._recv())
+        except Unavailable as exc:
+            self.close()
+            raise _closed_before_welcome(exc, self.tls is not None) from None
         except BaseException:
             self.close()
             raise
@@ -247,6 +291,9 @@ class ControlClient:
     def _recv(self) -> dict:
         try:
             return read_frame_blocking(self._sock)
+        except ssl.SSLError as exc:     # mutual TLS: a refused certificate shows here (TLS 1.3)
+            raise Unavailable(what="the pool's control plane",
+                              reason=tls.describe_ssl_error(exc, self.endpoint)) from None
         except OSError as exc:          # ConnectionError and timeouts included
             raise Unavailable(what="the pool's control plane", reason=str(exc) or
                               type(exc).__name__) from None
@@ -299,13 +346,16 @@ class AsyncControlClient:
     dropped by id.  A connection that breaks, or answers with a frame that
     cannot be trusted, fails every call waiting on it and is closed; the next
     call connects again.
+    ``tls``: as ``ControlClient``'s.
     """
 
-    def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0):
+    def __init__(self, endpoint: str, host: str, secret: bytes | None, timeout: float = 10.0,
+                 tls: ssl.SSLContext | None = None):
         self.endpoint = endpoint
         self.host = host
         self.secret = secret
         self.timeout = timeout
+        self.tls = tls
         self._writer: asyncio.StreamWriter | None = None
         self._session: ControlSession | None = None
         self._reader_task: asyncio.Task | None = None
@@ -332,11 +382,26 @@ class AsyncControlClient:
                 conn = asyncio.open_unix_connection(self.endpoint[5:])
             else:
                 host, port = parse_endpoint(self.endpoint)
-                conn = asyncio.open_connection(host, port)
+                conn = asyncio.open_connection(host, port, ssl=self.tls,
+                                               server_hostname=host if self.tls else None)
             reader, writer = await asyncio.wait_for(conn, self.timeout)
             writer.write(session.hello())
-            welcome = await asyncio.wait_for(read_frame_async(reader), self.timeout)
+            try:
+                welcome = await asyncio.wait_for(read_frame_async(reader), self.timeout)
+            except asyncio.IncompleteReadError:
+                raise _closed_before_welcome(Unavailable(what="the pool's control plane",
+                                                         reason="connection closed"),
+                                             self.tls is not None) from None
             session.welcome(welcome)
+        except Unavailable:
+            if writer is not None:
+                writer.close()
+            raise
+        except ssl.SSLError as exc:
+            if writer is not None:
+                writer.close()
+            raise Unavailable(what=f"the pool's control plane at {self.endpoint}",
+                              reason=tls.describe_ssl_error(exc, self.endpoint)) from None
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
             if writer is not None:
                 writer.close()

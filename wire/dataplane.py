@@ -97,7 +97,7 @@ def negotiate(offered) -> int:
     """Pick the highest version both sides speak."""
     try:
         common = set(int(v) for v in offered) & set(PROTOCOL_VERSIONS)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise VersionUnsupported(offered=offered, supported=list(PROTOCOL_VERSIONS)) from None
     if not common:
         raise VersionUnsupported(offered=list(offered), supported=list(PROTOCOL_VERSIONS))
@@ -111,8 +111,14 @@ def parse_op(header: dict) -> Op:
         raise UnknownOp(op=header.get("op")) from None
 
 
+#: every integer in a command (handle, size, offset, range, sequence) fits
+#: a signed 64-bit field: beyond it a device runtime's size_t or C++
+#: binding fails in ways it cannot explain (std::bad_cast), not BAD_REQUEST
+MAX_INT = (1 << 63) - 1
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT
 
 
 def validate_command(header: dict, payload_len: int) -> Op:
@@ -130,6 +136,8 @@ def validate_command(header: dict, payload_len: int) -> Op:
             raise BadRequest(reason=f"{op.value}: field {name!r} must be {types[0].__name__}")
         if types == (int,) and value < 0:
             raise BadRequest(reason=f"{op.value}: field {name!r} must not be negative")
+        if types == (int,) and value > MAX_INT:
+            raise BadRequest(reason=f"{op.value}: field {name!r} must be at most 2**63-1")
     if op not in PAYLOAD_OPS and payload_len:
         raise BadRequest(reason=f"{op.value} carries no payload ({payload_len} bytes sent)")
     if op == Op.LAUNCH:
@@ -272,17 +280,22 @@ def command_digest(header: dict, payload=b"") -> str:
     return CommandIdentity(header, payload).hexdigest()
 
 
-def ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int) -> str:
+def ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, binding: bytes = b"") -> str:
     """HMAC proving the resumer holds the session secret, bound to this
-    connection's challenge (so a captured proof cannot be replayed)."""
+    connection's challenge (so a captured proof cannot be replayed) and,
+    with TLS, to the channel (``wire.tls.channel_binding``: so a relay that
+    is not the pool gets a proof the pool refuses)."""
     msg = f"{challenge}|{sid}|{epoch}".encode()
+    if binding:
+        msg += b"|" + binding
     return hmac.new(secret, msg, hashlib.sha256).hexdigest()
 
 
-def check_ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, proof) -> bool:
+def check_ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, proof,
+                          binding: bytes = b"") -> bool:
     if not isinstance(proof, str):
         return False
-    return hmac.compare_digest(ownership_proof(secret, challenge, sid, epoch), proof)
+    return hmac.compare_digest(ownership_proof(secret, challenge, sid, epoch, binding), proof)
 
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")

@@ -165,6 +165,12 @@ class QuotaExceeded(AccelmigError):
     code = ErrorCode.QUOTA_EXCEEDED
 
 
+class LimitExceeded(QuotaExceeded):
+    """A count limit (objects per session, sessions per tenant): host
+    memory and threads the device-memory quota does not see."""
+    msg_fmt = "tenant %(tenant)s: %(reason)s"
+
+
 class NoSuchObject(AccelmigError):
     msg_fmt = "no %(kind)s with handle %(handle)s in this session"
     code = ErrorCode.NO_SUCH_OBJECT

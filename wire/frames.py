@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from typing import Callable
 
@@ -100,11 +101,54 @@ def parse_prefix(data, limits: Limits = DEFAULT_LIMITS) -> tuple[int, int, int]:
     return flags, hlen, plen
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (_INF, -_INF):      # 1e400 parses as infinity, which JSON has not
+        raise ValueError(f"number {text[:20]} overflows")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+_INF = float("inf")
+#: ``\uD800``-``\uDFFF`` as an escape: the only way a lone surrogate gets into
+#: a decoded string (UTF-8 cannot carry one); only then is every string looked at
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _lone_surrogate(value) -> bool:
+    """True if a string anywhere in ``value`` cannot be encoded as UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def decode_header(raw) -> dict:
+    """A header as a dict, or ``FrameError``: never any other exception, so a
+    hostile header costs its connection an error frame, not a traceback."""
+    data = bytes(raw)
     try:
-        header = json.loads(bytes(raw).decode("utf-8"))
+        header = json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as exc:
-        raise FrameError(reason=f"header is not UTF-8 JSON ({exc})") from None
+        raise FrameError(reason=f"header is not UTF-8 JSON ({str(exc)[:100]})") from None
+    except RecursionError:
+        raise FrameError(reason="header is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(data) and _lone_surrogate(header):
+        # a name with one in it would fail deep inside a runtime (INTERNAL)
+        raise FrameError(reason="header holds a lone surrogate (not valid Unicode text)")
     if not isinstance(header, dict):
         raise FrameError(reason=f"header is a JSON {type(header).__name__}, not an object")
     if not isinstance(header.get("op"), str):

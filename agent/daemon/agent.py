@@ -38,10 +38,23 @@ AGENT_VERSION = "0.1.0"
 
 
 class DriverLink:
-    """One driver's connection to the agent; its registered sessions."""
+    """One driver's connection to the agent; its registered sessions.
 
-    def __init__(self, sock: socket.socket):
+    What the agent sends it goes through a bounded outgoing buffer that the
+    poll thread writes when the socket is writable: a driver that does not
+    read never blocks the agent's one loop (the host's ping, every other
+    driver).  One that lets more than ``max_backlog`` bytes pile up is
+    dropped, like a driver that went away."""
+
+    #: far above any burst of answers a reading driver leaves unread
+    MAX_BACKLOG = 1 << 20
+
+    def __init__(self, sock: socket.socket, wake=None, max_backlog: int = MAX_BACKLOG):
         self.sock = sock
+        self.out = bytearray()
+        self.max_backlog = max_backlog
+        self.overflowed = False
+        self._wake = wake or (lambda: None)     # tells the poll thread to watch POLLOUT
         self.parser = ch.LineParser(name="driver")
         self.sessions: dict[str, dict] = {}
         self.pending: dict[int, dict] = {}       # request id -> {"event", "reply"}
@@ -64,18 +77,42 @@ class DriverLink:
     def who(self) -> str:
         return f"pid {self.peer_pid} (uid {self.peer_uid})"
 
-    def send(self, message: dict, timeout: float = 5.0) -> None:
-        """Send from any thread (the socket stays non-blocking for the poller)."""
-        view = memoryview(ch.encode(message))
-        deadline = time.monotonic() + timeout
+    def send(self, message: dict) -> None:
+        """Queue ``message`` from any thread and write what the socket takes
+        now; never blocks.  ``ConnectionError`` (an ``OSError``, as for a
+        driver that went away) once the backlog is over its bound: the poll
+        thread then drops the link."""
+        data = ch.encode(message)
         with self.lock:
-            while view:
-                try:
-                    view = view[self.sock.send(view):]
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("driver not reading") from None
-                    select.select([], [self.sock], [], 0.05)
+            if not self.overflowed and len(self.out) + len(data) > self.max_backlog:
+                self.overflowed = True
+                self.out.clear()        # nobody will read it
+            if self.overflowed:
+                self._wake()
+                raise ConnectionError(f"driver {self.who} does not read: over "
+                                      f"{self.max_backlog} bytes of messages unsent")
+            was_idle = not self.out
+            self.out += data
+            self._flush_locked()
+            if was_idle and self.out:
+                self._wake()
+
+    @property
+    def backlogged(self) -> bool:
+        return bool(self.out)
+
+    def flush(self) -> None:
+        """The socket is writable (the poll thread): write what is queued."""
+        with self.lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        while self.out:
+            try:
+                sent = self.sock.send(self.out)
+            except BlockingIOError:
+                return
+            del self.out[:sent]
 
 
 class Rehome:
@@ -113,6 +150,7 @@ class Agent:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)     # a wake-up never blocks its sender
         self.started = time.time()
         self.stats = collections.Counter()
 
@@ -196,14 +234,21 @@ class Agent:
             raise
         LOG.info("agent %s: channel %s, drivers at %s", AGENT_VERSION, self.port_path, self.socket_path)
 
+    def _wake(self) -> None:
+        """Make the poll thread look again (from any thread, a signal handler)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:     # the pipe is full: it wakes up anyway
+            pass
+
     def stop(self) -> None:
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._wake()
 
     def reload(self) -> None:
         """SIGHUP (safe in a signal handler): answered on the poll thread."""
         self._reload.set()
-        os.write(self._wake_w, b"x")
+        self._wake()
 
     def _reloaded(self) -> None:
         # Every setting comes from the command line and the identity file is
@@ -245,8 +290,13 @@ class Agent:
         fds[self._wake_r] = "wake"
         with self._lock:
             links = dict(self.drivers)
-        for fd in links:
-            poller.register(fd, select.POLLIN)
+        for fd, link in list(links.items()):
+            if link.overflowed:           # flagged by a send on any thread
+                LOG.warning("driver %s dropped: it does not read what the agent sends", link.who)
+                self._drop_driver(link)
+                del links[fd]
+                continue
+            poller.register(fd, select.POLLIN | (select.POLLOUT if link.backlogged else 0))
         wait = self.port.next_look_in()
         for fd, revents in poller.poll(int((wait if wait is not None else 1.0) * 1000)):
             kind = fds.get(fd)
@@ -260,7 +310,7 @@ class Agent:
                     if self._reload.is_set():
                         self._reloaded()
                 elif fd in links:
-                    self._on_driver(links[fd])
+                    self._on_driver(links[fd], revents)
             except Exception:   # the agent must outlive anything one peer does
                 LOG.exception("agent: handling %s failed", kind or "a driver")
 
@@ -446,13 +496,15 @@ class Agent:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        link = DriverLink(sock)
+        link = DriverLink(sock, wake=self._wake)
         with self._lock:
             self.drivers[sock.fileno()] = link
 
     def _drop_driver(self, link: DriverLink) -> None:
         with self._lock:
-            self.drivers.pop(link.sock.fileno(), None)
+            if self.drivers.get(link.sock.fileno()) is not link:
+                return                    # dropped already (a closed socket's fileno is -1)
+            del self.drivers[link.sock.fileno()]
         for slot in link.pending.values():
             slot["reply"] = {"ok": False, "error": {"code": "UNAVAILABLE",
                                                     "message": "the driver went away"}}
@@ -464,7 +516,15 @@ class Agent:
                             "reason": "driver gone"})
         link.sock.close()
 
-    def _on_driver(self, link: DriverLink) -> None:
+    def _on_driver(self, link: DriverLink, revents: int = select.POLLIN) -> None:
+        if revents & select.POLLOUT:
+            try:
+                link.flush()
+            except OSError:
+                self._drop_driver(link)
+                return
+            if not revents & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                return
         try:
             data = link.sock.recv(65536)
         except BlockingIOError:
@@ -482,8 +542,8 @@ class Agent:
                     link.send(ch.result(message.get("id"), ok=False, error=exc.to_wire()))
                 except OSError:
                     pass
-            except OSError as exc:       # the driver went away while we answered
-                LOG.info("driver pid %s: %s", link.peer_pid, exc)
+            except OSError as exc:       # the driver went away, or does not read
+                (LOG.warning if link.overflowed else LOG.info)("driver %s dropped: %s", link.who, exc)
                 self._drop_driver(link)
                 return
 

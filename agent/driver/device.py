@@ -10,13 +10,17 @@ for their reply (nothing is copied); smaller writes are copied and pipelined.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg
 from accelmig.agent.driver.registry import AgentRegistration, endpoint_from_agent
 from accelmig.agent.driver.session import LinkState, Session
+from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
-from accelmig.wire.errors import BadRequest, Unavailable
+from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
+
+LOG = logging.getLogger(__name__)
 
 ZERO_COPY_WRITE = 1 << 20
 DEFAULT_TIMEOUT = 60.0
@@ -80,15 +84,23 @@ class Device:
     only at the current epoch, from the host the session is bound to);
     ``agent`` registers the session with the guest agent so it can be
     rehomed after a migration (``None``: the default socket if it exists).
+
+    TLS: the pool's certificate is verified against ``cafile`` (else
+    ``$ACCELMIG_CAFILE``, else the system's trust store) and must name the
+    endpoint's host (an IP endpoint: an IP subjectAltName).  Plain TCP only
+    with ``insecure=True`` (or, when neither argument is given,
+    ``ACCELMIG_INSECURE=1``), logged as a warning.
     """
 
     def __init__(self, endpoint: str, token: str, *, timeout: float = DEFAULT_TIMEOUT,
                  window_commands: int = 4096, window_bytes: int = 512 << 20,
                  auto_reconnect: bool = True, agent: str | bool | None = None,
-                 name: str | None = None, connect_timeout: float = 10.0):
+                 name: str | None = None, connect_timeout: float = 10.0,
+                 cafile: str | None = None, insecure: bool | None = None):
         self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
                                 window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
-                                connect_timeout=connect_timeout)
+                                connect_timeout=connect_timeout,
+                                tls_context=tls_context(endpoint, cafile, insecure))
         self._agent = None
         if agent is not False:
             self._agent = AgentRegistration.start(self._session, agent)
@@ -294,12 +306,32 @@ class Device:
         return f"<Device {self.sid} {self.state.value} at {self.endpoint}>"
 
 
+def tls_context(endpoint: str, cafile: str | None = None, insecure: bool | None = None):
+    """The driver's TLS context, or None for plain TCP said explicitly:
+    ``insecure=True``; else ``cafile`` (TLS); else ``ACCELMIG_INSECURE``;
+    else ``ACCELMIG_CAFILE`` or the system's trust store (TLS)."""
+    if insecure is None and cafile is None:
+        insecure = tls.env_insecure()
+    if insecure:
+        if cafile:
+            raise BadRequest(reason="insecure=True and a cafile: choose one")
+        LOG.warning("INSECURE: plain TCP to the pool at %s (insecure): anyone on the path reads "
+                    "the tenant token, the session secret and the data", endpoint)
+        return None
+    cafile = cafile or os.environ.get(tls.CAFILE_ENV) or None
+    try:
+        return tls.client_context(cafile)
+    except (OSError, ValueError) as exc:
+        raise ConfigInvalid(source=cafile or "the system's trust store", reason=f"TLS: {exc}") from None
+
+
 def connect(endpoint: str | None = None, token: str | None = None, **options) -> Device:
     """Open a session on the pool at ``endpoint`` (``"HOST:PORT"``).
 
     Without ``endpoint``, the guest agent is asked where the pool is (the
     host told it), then ``$ACCELMIG_ENDPOINT``; without ``token``,
-    ``$ACCELMIG_TOKEN``.  Options: see ``Device``.
+    ``$ACCELMIG_TOKEN``.  Options: see ``Device`` (TLS: ``cafile``,
+    ``insecure``, ``$ACCELMIG_CAFILE``, ``$ACCELMIG_INSECURE``).
     """
     if endpoint is None:
         endpoint = endpoint_from_agent(options.get("agent")) or os.environ.get("ACCELMIG_ENDPOINT")

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 import time
 
 from accelmig.wire import dataplane as dp
+from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
-from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, ProtocolError, Timeout,
-                                  Unavailable, from_wire)
+from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, AuthFailed, ProtocolError,
+                                  Timeout, Unavailable, from_wire)
 from accelmig.wire.frames import FrameReader, Limits, encode_frame
 
 LOG = logging.getLogger(__name__)
@@ -57,6 +59,11 @@ def send_all(sock: socket.socket, head: bytes, payload) -> None:
     """Send head + payload without joining them (no copy of the payload)."""
     if not payload:
         sock.sendall(head)
+        return
+    if isinstance(sock, ssl.SSLSocket):
+        # no sendmsg on TLS; TLS copies into its records anyway
+        sock.sendall(head)
+        sock.sendall(memoryview(payload).cast("B"))
         return
     parts = [memoryview(head), memoryview(payload).cast("B")]
     while parts:
@@ -92,13 +99,23 @@ def read_answer(sock: socket.socket, reader: FrameReader):
     returned too, for the reader to dispatch."""
     while True:
         try:
-            n = sock.recv_into(reader.get_buffer())
+            buffer = reader.get_buffer()
+            n = sock.recv_into(buffer)
         except socket.timeout:
             raise Timeout(what="the pool's answer", timeout=sock.gettimeout() or 0) from None
+        except ssl.SSLError as exc:
+            raise AuthFailed(reason=tls.describe_ssl_error(exc, "the pool")) from None
         except OSError as exc:
             raise Unavailable(what="the pool", reason=str(exc)) from None
         if n == 0:
-            raise Unavailable(what="the pool", reason="connection closed during the handshake")
+            hint = ""
+            if reader.bytes_read == 0 and not isinstance(sock, ssl.SSLSocket):
+                hint = " (a pool that serves TLS closes plain connections: this driver is insecure)"
+            raise Unavailable(what="the pool", reason="connection closed during the handshake" + hint)
+        if reader.bytes_read == 0 and not isinstance(sock, ssl.SSLSocket) and \
+                tls.looks_like_tls(buffer[:min(n, 2)]):
+            raise AuthFailed(reason="the pool answers in TLS and this driver is insecure (plain TCP): "
+                                    "give it cafile= / ACCELMIG_CAFILE instead")
         frames = reader.feed(n)
         if frames:
             first = frames[0].header
@@ -112,14 +129,22 @@ class Link:
     """The connection of one session (``accelmig.agent.driver.session.Session``),
     whose condition, window, state and statistics it shares."""
 
-    def __init__(self, session):
+    def __init__(self, session, tls_context: ssl.SSLContext | None = None):
         self.session = session
+        self.tls_context = tls_context             # None: plain TCP (insecure, said explicitly)
+        self.binding = b""                         # the last dial's channel binding
         self.limits = Limits()
         self.send_lock = threading.Lock()
         self.sock: socket.socket | None = None     # the session's cond guards sock and gen
         self.gen = 0
         self.acked_sent = 0                        # the highest acknowledgement sent
         self.attempt_sock: socket.socket | None = None   # a connect in progress
+        # sockets a reader thread is in: only that thread closes them, so no
+        # new socket gets their descriptor while the thread may still read it
+        # (TLS reads through OpenSSL on the raw descriptor: it would steal the
+        # next connection's handshake)
+        self._reading: set = set()
+        self._reading_lock = threading.Lock()
         self._cork: list[bytes] = []               # pipelined frames not yet sent (send lock)
         self._cork_bytes = 0
         self._cork_pending = threading.Event()
@@ -142,6 +167,9 @@ class Link:
         finally:
             self.attempt_sock = None
         configure_socket(sock)
+        binding = b""
+        if self.tls_context is not None:
+            sock, binding = self._start_tls(sock, host, endpoint)
         reader = FrameReader(self.limits, payload_sink=self._payload_sink)
         try:
             handshake_send(sock, {"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
@@ -152,7 +180,27 @@ class Link:
         if welcome.get("op") != Op.WELCOME.value or leftovers:
             sock.close()
             raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
+        self.binding = binding
         return sock, reader, welcome
+
+    def _start_tls(self, sock: socket.socket, host: str, endpoint: str):
+        """TLS over the connected ``sock``, the pool's certificate verified
+        for ``host`` (an IP endpoint: an IP SAN); (TLS socket, binding)."""
+        self.attempt_sock = sock
+        try:
+            tsock = self.tls_context.wrap_socket(sock, server_hostname=host)
+        except socket.timeout:
+            sock.close()
+            raise Timeout(what=f"the TLS handshake with {endpoint}", timeout=sock.gettimeout() or 0) from None
+        except ssl.SSLError as exc:        # verification included
+            sock.close()
+            raise AuthFailed(reason=tls.describe_ssl_error(exc, f"the pool at {endpoint}")) from None
+        except OSError as exc:
+            sock.close()
+            raise Unavailable(what=f"the pool at {endpoint}", reason=f"TLS handshake: {exc}") from None
+        finally:
+            self.attempt_sock = None
+        return tsock, tls.channel_binding(tsock)
 
     def cut_attempt(self) -> None:
         """Cut a connect in progress (a background reconnect in the way of an
@@ -179,8 +227,22 @@ class Link:
         if error is not None:
             self.lost(gen, error)      # as the reader would have: the session may resume
             return
+        with self._reading_lock:
+            self._reading.add(sock)
         threading.Thread(target=self._read_loop, args=(sock, reader, gen),
                          name=f"accelmig-{session.sid}-rx{gen}", daemon=True).start()
+
+    def release(self, sock) -> None:
+        """Shut ``sock`` down; close it too unless its reader will."""
+        with self._reading_lock:
+            reading = sock in self._reading
+        if not reading:
+            shut(sock)
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)      # wakes the reader, which closes it
+        except OSError:
+            pass
 
     def detach_locked(self) -> socket.socket | None:
         """Take the socket away (the caller holds the session's cond and shuts
@@ -199,7 +261,7 @@ class Link:
             sock, self.sock = self.sock, None
             session.cond.notify_all()
         if sock is not None:
-            shut(sock)
+            self.release(sock)
 
     # -- sending ------------------------------------------------------------------
     def send_command(self, sock: socket.socket, gen: int, head: bytes, payload, pipelined: bool) -> None:
@@ -284,6 +346,14 @@ class Link:
         return bytearray(size)
 
     def _read_loop(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:
+        try:
+            self._read_frames(sock, reader, gen)
+        finally:
+            with self._reading_lock:
+                self._reading.discard(sock)
+            shut(sock)
+
+    def _read_frames(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:
         cond = self.session.cond
         error: Exception | None = None
         try:

@@ -35,7 +35,7 @@ import os
 import threading
 import time
 
-from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all, shut
+from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all
 from accelmig.agent.driver.window import CommandWindow, PendingCommand
 from accelmig.agent.statemachine import StateMachine
 from accelmig.wire import dataplane as dp
@@ -98,7 +98,8 @@ class Session:
     """
 
     def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
-                 window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float):
+                 window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float,
+                 tls_context=None):
         dp.parse_endpoint(endpoint)
         self.endpoint = endpoint
         self.timeout = timeout
@@ -118,7 +119,7 @@ class Session:
         self.pool_instance: str | None = None
         self.stats = {"resumes": 0, "resent_commands": 0, "resent_bytes": 0, "replies": 0,
                       "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None}
-        self.link = Link(self)
+        self.link = Link(self, tls_context)
         self._challenge = ""
         self._max_payload = self.link.limits.max_payload
         self._next_handle = 1
@@ -306,7 +307,7 @@ class Session:
             self.states.to(LinkState.RESUMING)
             old = link.detach_locked()
         if old is not None:
-            shut(old)
+            link.release(old)
         try:
             sock, reader = self._dial(endpoint, timeout or self.connect_timeout)
             try:
@@ -316,7 +317,8 @@ class Session:
                     epoch = self.epoch
                 request = {"op": Op.RESUME.value, "sid": self.sid, "epoch": epoch,
                            "last_seen": last_seen, "next_seq": next_seq,
-                           "proof": dp.ownership_proof(self.secret, self._challenge, self.sid, epoch)}
+                           "proof": dp.ownership_proof(self.secret, self._challenge, self.sid, epoch,
+                                                       self.link.binding)}
                 if ticket:
                     request["ticket"] = ticket
                 handshake_send(sock, request)
@@ -429,7 +431,7 @@ class Session:
             sock = self.link.detach_locked()
             self.cond.notify_all()
         if sock is not None:
-            shut(sock)
+            self.link.release(sock)
 
     def describe(self) -> dict:
         with self.cond:

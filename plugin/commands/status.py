@@ -22,7 +22,13 @@ def pool_ping(config) -> dict:
     except AccelmigError as exc:
         out["error"] = f"no host secret: {exc.message}"
         return out
-    client = ControlClient(config.pool.control, config.host_id, secret, timeout=POOL_TIMEOUT)
+    try:
+        context = config.control_tls()
+    except AccelmigError as exc:
+        out["error"] = exc.message
+        return out
+    out["tls"] = context is not None
+    client = ControlClient(config.pool.control, config.host_id, secret, timeout=POOL_TIMEOUT, tls=context)
     try:
         answer = client.call("ping")
     except AccelmigError as exc:

@@ -53,7 +53,12 @@ class HostDaemon:
         self.config = config
         self.host = config.host_id
         self.rehome_timeout = rehome_timeout
-        self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret())
+        self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret(),
+                                       tls=config.control_tls())
+        if config.pool.insecure:
+            LOG.warning("INSECURE: plain TCP to the pool's control plane at %s ([pool] insecure = true "
+                        "in %s): tickets and calls cross the network in clear", config.pool.control,
+                        config.source, extra={"tls": False})
         self.pool_reachable = False
         # the pool-down warning: once, then "still failing (N times since ...)" ever more rarely
         self.registration = FailureLog(LOG, "pool registration", clock=clock)

@@ -40,7 +40,8 @@ def guest_site(tmp_path):
 def guest(site: str, *args, **kwargs):
     """Run the old Python with only the guest side on its path (no site-packages)."""
     # no bytecode: the site links to the checkout, which a test must not write into
-    env = {"PYTHONPATH": site, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {"PYTHONPATH": site, "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1",
+           "ACCELMIG_INSECURE": "1"}                 # the suite's pools are plain TCP
     return subprocess.Popen([PYTHON, "-S", *args], env=env, cwd=site, text=True, **kwargs)
 
 

@@ -289,10 +289,11 @@ def test_a_driver_from_the_bundle_computes_on_a_real_pool_on_39(pyz, tmp_path):
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     pool = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--tokens", str(tokens), "--admin-socket", str(tmp_path / "pool.sock"),
-                             "--log-format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--log-format", "json", "--insecure"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     agent = driver = None
     sock = tmp_path / "agent.sock"
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "ACCELMIG_INSECURE": "1"}
     try:
         ready = json.loads(pool.stdout.readline())
         assert ready["ready"], ready

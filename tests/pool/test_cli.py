@@ -23,7 +23,7 @@ def serve(tmp_path, *extra, tokens_text=None):
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     return subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--tokens", str(tokens), "--admin-socket", str(tmp_path / "pool.sock"),
-                             "--log-format", "json", *extra],
+                             "--log-format", "json", "--insecure", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -218,7 +218,7 @@ def test_a_silent_control_connection_is_closed_in_time():
 
 
 def test_control_answers_over_64_kib_reach_both_clients():
-    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}) as harness:
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}, max_sessions_per_tenant=300) as harness:
         sockets = []
         try:
             for _ in range(260):                  # ~300 bytes a session: > 64 KiB in all

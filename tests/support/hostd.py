@@ -36,6 +36,7 @@ id = "hostA"
 endpoint = "127.0.0.1:{port}"
 control = "{control or pool.control_endpoint}"
 secret_file = "{secret}"
+insecure = true
 {fabric}
 [hostd]
 socket = "{tmp_path}/hostd.sock"
@@ -93,7 +94,7 @@ def write_host_config(directory: Path, *, socket: str | None = None, control: st
     path = directory / "host.toml"
     path.write_text(
         f'[host]\nid = "{host}"\n'
-        f'[pool]\nendpoint = "127.0.0.1:7070"\ncontrol = "{control}"\nsecret_file = "{secret_file}"\n'
+        f'[pool]\nendpoint = "127.0.0.1:7070"\ncontrol = "{control}"\nsecret_file = "{secret_file}"\ninsecure = true\n'
         f'[hostd]\nsocket = "{socket or directory / "hostd.sock"}"\nstate_dir = "{directory / "state"}"\n'
         f'libvirt_uri = "{libvirt_uri}"\nhook_timeout = 2.0\n')
     return path

@@ -61,6 +61,18 @@ class LoggedProcess:
             if predicate(entry):
                 return entry
 
+    def entries(self) -> list[dict]:
+        """Every log entry so far, those no ``wait_log`` took yet included."""
+        while True:
+            try:
+                entry = self.lines.get_nowait()
+            except queue.Empty:
+                return self.seen
+            if entry is None:
+                self.lines.put(None)
+                return self.seen
+            self.seen.append(entry)
+
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
@@ -80,14 +92,15 @@ class PoolProcess(LoggedProcess):
     """``accelmig-pool serve`` on loopback with ``tokens.toml`` and ``hosts.toml``
     in ``directory`` (written from the texts given)."""
 
-    def __init__(self, directory, tokens: str, hosts: str = "", *, control_listen: str = "127.0.0.1:0"):
+    def __init__(self, directory, tokens: str, hosts: str = "", *, control_listen: str = "127.0.0.1:0",
+                 extra: tuple = ()):
         self.tokens, self.hosts = directory / "tokens.toml", directory / "hosts.toml"
         self.tokens.write_text(tokens)
         self.hosts.write_text(hosts)
         super().__init__(["accelmig-pool", "serve", "--listen", "127.0.0.1:0",
                           "--control-listen", control_listen, "--tokens", self.tokens,
                           "--hosts", self.hosts, "--admin-socket", directory / "pool.sock",
-                          "--log-format", "json"], ready_line=True)
+                          "--log-format", "json", "--insecure", *extra], ready_line=True)
 
     @property
     def endpoint(self) -> str:
