@@ -134,14 +134,14 @@ class RawClient:
 
 
 # -- the subject: driver + pool ----------------------------------------------------------
-def start_pool(workdir: str):
+def start_pool(workdir: str, *extra: str):
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as handle:
         handle.write('[tenants.bench]\ntoken = "bench-token-0001"\nquota = "4GiB"\n')
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING",
-                             "--insecure"],
+                             "--insecure", *extra],
                             stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())["data"]
 
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
     pool_proc, endpoint = start_pool(workdir)
     try:
         raw = RawClient(raw_port)
-        dev = connect(endpoint, "bench-token-0001", agent=False)
+        dev = connect(endpoint, "bench-token-0001", agent=False, insecure=True)
         prog = dev.build(COUNTER)
         small = dev.upload(bytes(SMALL))
         bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)

@@ -82,6 +82,12 @@ def main():
               help="Pool config (TOML, a [pool] table); flags override it.")
 @click.option("--device", metavar="SPEC", help="auto (the first device) or opencl:N "
               "(see 'accelmig-pool devices') [default auto].")
+@click.option("--device-isolation", type=click.Choice(["process", "none"]), help="process: each tenant's "
+              "device work in a process of its own, killed when a call overruns --device-time-limit; "
+              "none: all in the pool's process (one trusted tenant only) [default process].")
+@click.option("--device-time-limit", type=float, metavar="SECONDS", help="Longest one device call of a "
+              "tenant (a finish, a read, a build) may take before its device process is killed "
+              "[default 60].")
 @click.option("--admin-socket", metavar="PATH", help="Local admin socket for 'sessions' and "
               "'migrations' [default /run/accelmig/pool.sock]; '' disables it.")
 @click.option("--metrics-listen", type=ListenAddress(optional=True), help="Serve Prometheus metrics over HTTP "
@@ -113,7 +119,7 @@ def serve(config_path, **flags):
           --tls-cert pool.crt --tls-key pool.key --tls-client-ca hosts-ca.crt
     """
     from accelmig.pool.config import PoolConfig, load_hosts, load_tenants
-    from accelmig.pool.devices import open_backend
+    from accelmig.pool.devices import backend_for
     from accelmig.pool.listeners import PoolServer
     from accelmig.pool.state import Pool
     try:
@@ -122,7 +128,7 @@ def serve(config_path, **flags):
         tenants = load_tenants(config.tokens)
         hosts = load_hosts(config.hosts)
         config.check_tls(config_path or "flags")
-        backend = open_backend(config.device)
+        backend = backend_for(config)
     except AccelmigError as exc:
         _fail(exc)
     server = PoolServer(Pool(config, backend, tenants, hosts))
@@ -148,7 +154,10 @@ def serve(config_path, **flags):
         LOG.info("signal received: stopping")
         await server.stop()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        backend.close()          # the tenants' device processes, their cache directories
 
 
 def _admin_call(socket_path: str, method: str, **args):

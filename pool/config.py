@@ -139,6 +139,24 @@ class PoolConfig:
     device: str = dataclasses.field(default="auto", metadata={
         "doc": "The accelerator: `auto` (the first device) or `opencl:N` (see `accelmig-pool "
                "devices`)."})
+    device_isolation: str = dataclasses.field(default="process", metadata={
+        "doc": "`process`: each tenant's sessions run their device work in a process of the "
+               "tenant's own, which the pool kills when a call overruns `device_time_limit` "
+               "(a kernel that never ends stalls only its tenant; each tenant has its own kernel "
+               "cache). `none`: all in the pool's process (no copy across processes; a spinning "
+               "kernel cannot be stopped): for a single trusted tenant only.",
+        "type": "string: process | none"})
+    device_time_limit: float = dataclasses.field(default=60.0, metadata={
+        "doc": "Seconds one device call of a tenant (a finish or read waiting for its queued "
+               "kernels, a build) may take; then the tenant's device process is killed and its "
+               "sessions end with KILLED. Only with `device_isolation = \"process\"`.",
+        "type": "number (seconds)"})
+    max_source_bytes: int = dataclasses.field(default=1 << 20, metadata={
+        "doc": "Largest program source a build takes (sources are self-contained: `#include` "
+               "and options that name files are refused).", "type": "size"})
+    max_concurrent_builds: int = dataclasses.field(default=2, metadata={
+        "doc": "Builds one tenant may run at once (the rest wait in its device process; other "
+               "tenants build beside them).", "type": "integer"})
     tokens: str = dataclasses.field(default="/etc/accelmig/tokens.toml", metadata={
         "doc": "The tenants file (below)."})
     hosts: str = dataclasses.field(default="", metadata={
@@ -185,10 +203,11 @@ class PoolConfig:
     log_level: str = dataclasses.field(default="INFO", metadata={
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
-    _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout")
+    _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
+               "device_time_limit")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
-               "max_sessions_per_tenant")
-    _SIZES = ("max_header", "max_payload", "max_reply_bytes")
+               "max_sessions_per_tenant", "max_concurrent_builds")
+    _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes")
     _BOOLS = ("insecure",)
 
     @classmethod
@@ -226,6 +245,8 @@ class PoolConfig:
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)
+        if config.device_isolation not in ("process", "none"):
+            raise ConfigInvalid(source=path or "flags", reason="device_isolation is process or none")
         if config.log_format not in ("json", "text"):
             raise ConfigInvalid(source=path or "flags", reason="log_format is json or text")
         try:

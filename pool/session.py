@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Callable
 
-from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg
+from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg, buildpolicy
 from accelmig.pool.sequencing import SequenceLog, StoredReply
 from accelmig.wire.dataplane import Op, decode_scalar
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
@@ -101,7 +101,8 @@ class Session:
     def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
                  post: Callable[[Callable], None], *, metrics=None, buffers=None,
                  max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
-                 max_unacked: int = 65536, max_objects: int = 8192):
+                 max_unacked: int = 65536, max_objects: int = 8192,
+                 max_source_bytes: int = 1 << 20):
         self.sid = sid
         self.tenant = tenant
         self.secret = secret
@@ -134,6 +135,7 @@ class Session:
         # but still host memory, so their number is bounded too.
         self.max_objects = max_objects
         self.objects = 0
+        self.max_source_bytes = max_source_bytes
         self.held: collections.deque[Command] = collections.deque()
         self.held_bytes = 0
         self.queued_bytes = 0            # payload bytes handed to the worker, not yet done
@@ -203,6 +205,8 @@ class Session:
         self.connection = None
         self.held.clear()
         self.held_bytes = 0
+        # quota back now where the backend can (a kernel may still be running)
+        self.tenant.give_back(self.context.abandon())
         self._worker.stop()
 
     def wait_released(self, timeout: float | None = None) -> None:
@@ -334,10 +338,10 @@ class SessionWorker:
             batch.append((command, reply))
             # Hand replies back in batches: one loop wake-up per burst.
             if self._queue.empty() or len(batch) >= 256:
-                done, batch = batch, []
+                done, batch = _settled(batch), []
                 self.post(lambda done=done: session.completed(done))
         if batch:
-            done = batch
+            done = _settled(batch)
             self.post(lambda: session.completed(done))
         try:
             released = session.context.release()
@@ -346,6 +350,34 @@ class SessionWorker:
                 session.metrics.device_bytes.labels(session.tenant.name).set(session.tenant.used)
         except Exception:  # pragma: no cover - a runtime failing at release
             LOG.exception("session %s: releasing device objects failed", session.sid)
+
+
+class PendingReply:
+    """A launch the backend took without answering yet (``launch_begin``)."""
+
+    def __init__(self, session: Session, command: Command, outcome: Callable[[], object]):
+        self.session, self.command, self.outcome = session, command, outcome
+
+    def settle(self) -> StoredReply:
+        seq = self.command.seq
+        try:
+            self.outcome()
+        except AccelmigError as exc:
+            return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": exc.to_wire()})
+        except Exception as exc:  # as in execute: report, keep serving
+            LOG.exception("session %s: seq %d (launch) failed", self.session.sid, seq)
+            err = InternalError(reason=f"{type(exc).__name__}: {exc}")
+            return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": err.to_wire()})
+        self.session.counters.launches += 1
+        if self.session.metrics is not None:
+            self.session.metrics.count_command(self.session, self.command, 0)
+        return StoredReply(seq, {"op": "reply", "seq": seq, "ok": True})
+
+
+def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
+    """Every reply of a batch final, in order (pending launches waited for)."""
+    return [(command, reply.settle() if isinstance(reply, PendingReply) else reply)
+            for command, reply in batch]
 
 
 def _launch_args(header: dict) -> list:
@@ -369,8 +401,9 @@ def _check_object_limit(session: Session, kind: str) -> None:
             f"free one before making another {kind}"))
 
 
-def execute(session: Session, command: Command) -> StoredReply:
-    """Run one command on the session's device context; never raises."""
+def execute(session: Session, command: Command) -> StoredReply | PendingReply:
+    """Run one command on the session's device context; never raises.  A
+    launch the backend pipelines comes back pending (``_settled`` ends it)."""
     ctx = session.context
     h = command.header
     counters = session.counters
@@ -382,7 +415,9 @@ def execute(session: Session, command: Command) -> StoredReply:
             command.identity.settle()   # digest the payload here, off the event loop
         op = command.op
         if op is Op.LAUNCH:
-            ctx.launch(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
+            outcome = ctx.launch_begin(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
+            if outcome is not None:
+                return PendingReply(session, command, outcome)
             counters.launches += 1
         elif op is Op.WRITE:
             ctx.write(h["buf"], h["offset"], command.payload)
@@ -425,6 +460,8 @@ def execute(session: Session, command: Command) -> StoredReply:
                 source = bytes(command.payload).decode("utf-8")
             except UnicodeDecodeError:
                 raise BadRequest(reason="program source is not UTF-8") from None
+            buildpolicy.check_source(source, session.max_source_bytes)
+            buildpolicy.check_options(h["options"])
             _check_object_limit(session, "program")
             result = ctx.build_source(h["prog"], source, h["options"])
             session.objects += 1
@@ -432,6 +469,7 @@ def execute(session: Session, command: Command) -> StoredReply:
             fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
         elif op is Op.BUILD_BINARY:
             counters.source_bytes += len(command.payload)
+            buildpolicy.check_options(h["options"])
             _check_object_limit(session, "program")
             result = ctx.build_binary(h["prog"], command.payload, h["options"])
             session.objects += 1

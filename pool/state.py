@@ -25,10 +25,10 @@ from accelmig.pool.migration import MigrationRecord, TicketAuthority
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
-from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, LimitExceeded,
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, ErrorCode, LimitExceeded,
                                   NoSuchRecord,
                                   SessionDiverged, Unavailable,
-                                  SessionExpired, SessionLost, TicketRequired, WrongHost)
+                                  SessionExpired, SessionLost, TicketRequired, WrongHost, from_wire)
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
 
 LOG = logging.getLogger("accelmig.pool")
@@ -211,11 +211,12 @@ class Pool:
             raise LimitExceeded(tenant=tenant.name, reason=(
                 f"{held} live sessions (attached, detached or parked) already, the most it may "
                 f"hold ({source} = {limit}); close or release one first"))
-        session = Session(self._new_sid(), tenant, secret, self.backend.new_context(), self.post,
+        session = Session(self._new_sid(), tenant, secret, self.backend.new_context(tenant.name), self.post,
                           metrics=self.metrics, buffers=self.buffers,
                           max_reply_bytes=self.config.max_reply_bytes,
                           max_queued_bytes=self.config.max_reply_bytes,
-                          max_objects=self.config.max_objects_per_session)
+                          max_objects=self.config.max_objects_per_session,
+                          max_source_bytes=self.config.max_source_bytes)
         session.bound_host = conn.peer_host
         session.attach(conn)
         session.on_reply = self._deliver
@@ -318,6 +319,15 @@ class Pool:
             conn.send_reply(reply)
         if reply.header.get("op") == "reply" and reply.header.get("released"):
             self._release(session, "released by the driver")
+        elif (reply.header.get("error") or {}).get("code") == ErrorCode.KILLED.value and session.live:
+            # The tenant's device process is gone, and the session's device
+            # state with it: end the session (its driver fails, terminally).
+            error = from_wire(reply.header["error"])
+            LOG.warning("session %s ended: %s", session.sid, error.message,
+                        extra={"sid": session.sid, "tenant": session.tenant.name})
+            self._release(session, f"killed: {error.message}")
+            if conn is not None:
+                conn.fail(error)
 
     def _flow(self, session: Session) -> None:
         if session.connection is not None:

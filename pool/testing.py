@@ -46,11 +46,12 @@ class PoolThread:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "PoolThread":
-        from accelmig.pool.devices import open_backend
+        from accelmig.pool.devices import backend_for
         from accelmig.pool.listeners import PoolServer
         from accelmig.pool.state import Pool
-        if self._backend is None:
-            self._backend = open_backend(self.config.device)
+        self._own_backend = self._backend is None
+        if self._own_backend:
+            self._backend = backend_for(self.config)
         self.pool = Pool(self.config, self._backend, self.tenant_specs, self.host_specs)
         self.server = PoolServer(self.pool)
         ready = concurrent.futures.Future()
@@ -92,6 +93,9 @@ class PoolThread:
         self._thread.join(10)
         self.loop.close()
         self.loop = None
+        if self._own_backend:            # its device processes too
+            self._backend.close()
+            self._backend = None
 
     def restart(self) -> "PoolThread":
         """Stop and start on the same addresses: a new pool instance, no sessions."""

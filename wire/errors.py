@@ -36,6 +36,7 @@ class ErrorCode(str, enum.Enum):
     DEVICE_ERROR = "DEVICE_ERROR"                # the device runtime failed
     BUILD_FAILED = "BUILD_FAILED"                # program build failed (log attached)
     OUT_OF_RANGE = "OUT_OF_RANGE"                # offset/size outside a buffer
+    KILLED = "KILLED"                            # the tenant's device process was killed
 
     # session continuity
     SESSION_LOST = "SESSION_LOST"                # the pool restarted: the session is gone
@@ -79,6 +80,7 @@ TERMINAL_SESSION_CODES = frozenset({
     ErrorCode.SESSION_EXPIRED,
     ErrorCode.SESSION_DIVERGED,
     ErrorCode.STALE_EPOCH,
+    ErrorCode.KILLED,
 })
 
 
@@ -193,6 +195,13 @@ class BuildFailed(AccelmigError):
     @property
     def build_log(self) -> str:
         return self.details.get("log", "")
+
+
+class Killed(AccelmigError):
+    """The pool killed the tenant's device process (a call ran past the
+    device time limit, or the process died): its device state is gone."""
+    msg_fmt = "tenant %(tenant)s: device work killed: %(reason)s; the session's device state is gone"
+    code = ErrorCode.KILLED
 
 
 class OutOfRange(AccelmigError):

@@ -49,8 +49,9 @@ class DeviceBackend(abc.ABC):
         """Name, vendor, memory sizes, limits: JSON-safe."""
 
     @abc.abstractmethod
-    def new_context(self) -> "DeviceContext":
-        """A fresh per-session context with its own in-order queue."""
+    def new_context(self, tenant: str = "") -> "DeviceContext":
+        """A fresh per-session context with its own in-order queue, for a
+        session of ``tenant`` (a backend may keep tenants apart)."""
 
     def close(self) -> None:
         """Release the device."""
@@ -96,12 +97,28 @@ class DeviceContext(abc.ABC):
     def launch(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
                args: list) -> None: ...
 
+    def launch_begin(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
+                     args: list):
+        """Start a launch without waiting for the backend to accept it: None
+        when it is done already (an in-process enqueue does not wait for the
+        kernel anyway), else a callable that waits for the outcome (raising
+        its error).  The session settles it before it answers the command."""
+        self.launch(program, kernel, gsize, lsize, args)
+        return None
+
     @abc.abstractmethod
     def finish(self) -> None: ...
 
     @abc.abstractmethod
     def release(self) -> int:
         """Free everything; return the buffer bytes released."""
+
+    def abandon(self) -> int:
+        """The session was released, perhaps while a command of its still
+        runs (on another thread): the buffer bytes a backend can give back
+        at once, without waiting for the device; the rest comes back from
+        ``release``.  In-process contexts cannot: 0."""
+        return 0
 
     @abc.abstractmethod
     def buffer_size(self, handle: int) -> int: ...

@@ -245,9 +245,10 @@ def test_auto_reconnect_reports_session_lost_after_a_restart():
 
 def test_calls_while_disconnected_block_then_fail_clearly_and_nothing_is_lost(pool):
     proxy = CutProxy(pool.endpoint)
-    dev = connect(proxy.endpoint, ALICE, agent=False, timeout=1.0)
-    prog = dev.build(COUNTER)
+    dev = connect(proxy.endpoint, ALICE, agent=False)
+    prog = dev.build(COUNTER)     # the first build waits for the tenant's device process
     buf = dev.upload(np.zeros(4, dtype=np.uint32))
+    dev.timeout = 1.0
     prog.launch("bump", 4, None, buf, u32(1))
     dev.finish()
     proxy.close()                                   # the pool is unreachable now
@@ -263,9 +264,10 @@ def test_calls_while_disconnected_block_then_fail_clearly_and_nothing_is_lost(po
 
 
 def test_a_full_window_blocks_the_caller(hosts, domain):
-    dev = connect(hosts.a.endpoint, ALICE, agent=False, timeout=0.5, window_commands=8)
-    prog = dev.build(COUNTER)
+    dev = connect(hosts.a.endpoint, ALICE, agent=False, window_commands=8)
+    prog = dev.build(COUNTER)     # the first build waits for the tenant's device process
     buf = dev.upload(np.zeros(4, dtype=np.uint32))
+    dev.timeout = 0.5
     hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
     hosts.a.call("register_intent", domain_uuid=domain, policy="start")
     record = hosts.b.call("open_migration", domain_uuid=domain)     # pauses execution

@@ -61,12 +61,15 @@ class _Context:
     def info(self):
         return {"name": "model device"}
 
+    def abandon(self) -> int:         # in-process: everything comes back at release
+        return 0
+
     def release(self) -> int:
         return 0
 
 
 class _Backend:
-    def new_context(self):
+    def new_context(self, tenant=""):
         return _Context()
 
 

@@ -1,0 +1,88 @@
+"""What keeping tenants apart costs: each tenant's device work in a process
+of its own (``device_isolation = "process"``, the default) beside all of it
+in the pool's process (``"none"``, the baseline), one real pool process of
+each, in one run: opening a tenant's first session (its device process
+starts), small round trips, 64 MiB transfers (one more copy, across a
+socket pair), pipelined launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+from bench.common import Table, median_of, report
+from bench.remoting import COUNTER, MIB, SMALL, start_pool
+
+TOKEN = "bench-token-0001"
+
+
+def measure(endpoint: str, args) -> dict:
+    import numpy as np
+    from accelmig.agent.driver import connect
+    out: dict = {}
+    start = time.perf_counter()
+    dev = connect(endpoint, TOKEN, agent=False, insecure=True)
+    prog = dev.build(COUNTER)            # the first command waits for the device process
+    out["first"] = time.perf_counter() - start
+    small = dev.upload(bytes(SMALL))
+    bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
+    dbuf = dev.upload(bulk)
+    back = np.empty_like(bulk)
+    n = args.round_trips
+    for _ in range(200):
+        dev.finish()
+    out["finish"] = median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)[0] / n
+    out["read"] = median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)[0] / n
+    out["upload"] = median_of(lambda: dev.write(dbuf, bulk), args.repeat)[0]
+    out["download"] = median_of(lambda: dev.read_into(dbuf, back), args.repeat)[0]
+    assert bytes(back) == bytes(bulk), "the download differs from the upload"
+
+    def launches():
+        for _ in range(args.pipelined):
+            prog.launch("bump", 16, None, small)
+        dev.finish()
+    out["pipelined"] = median_of(launches, args.repeat)[0]
+    dev.close()
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="bench isolation", description=__doc__.split("\n")[0])
+    parser.add_argument("--round-trips", type=int, default=1000)
+    parser.add_argument("--bulk-mib", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--pipelined", type=int, default=5000)
+    args = parser.parse_args(argv)
+    results = {}
+    for mode in ("none", "process"):
+        workdir = tempfile.mkdtemp(prefix="accelmig-bench-")
+        proc, endpoint = start_pool(workdir, "--device-isolation", mode)
+        try:
+            results[mode] = measure(endpoint, args)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(20)
+            shutil.rmtree(workdir, ignore_errors=True)
+    base, iso = results["none"], results["process"]
+    gib = args.bulk_mib / 1024
+    table = Table("device isolation: a process per tenant vs all in the pool's process",
+                  "in the pool", "per tenant")
+    table.add("first session: open + build", base["first"] * 1e3, iso["first"] * 1e3, "ms")
+    table.add("small round trip (finish)", base["finish"] * 1e6, iso["finish"] * 1e6, "us")
+    table.add("small round trip (64 B read)", base["read"] * 1e6, iso["read"] * 1e6, "us")
+    table.add(f"upload {args.bulk_mib} MiB", gib / base["upload"], gib / iso["upload"], "GiB/s", "higher")
+    table.add(f"download {args.bulk_mib} MiB", gib / base["download"], gib / iso["download"], "GiB/s",
+              "higher")
+    table.add(f"pipelined launches ({args.pipelined})", args.pipelined / base["pipelined"],
+              args.pipelined / iso["pipelined"], "ops/s", "higher")
+    report(table, "isolation", {"args": vars(args)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

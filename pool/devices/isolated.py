@@ -1,0 +1,447 @@
+"""Each tenant's device work in a process of its own, under a time limit.
+
+``IsolatedBackend`` wraps a real backend spec (``opencl:N``): every tenant
+gets a device process (``accelmig.pool.devices.worker``), started at its
+first session and stopped once it has had none for ``idle_exit`` seconds;
+its sessions' contexts live there.  So:
+
+- a kernel that spins stalls only its tenant: other tenants' processes get
+  their share of the device from the OS (or the GPU driver's time slicing);
+- every call has a deadline (``time_limit``): a finish, a read or a build
+  that has not answered by then gets the tenant's process killed; every
+  call in flight, and every later call of the tenant's sessions, fails with
+  ``KILLED`` (the pool then ends those sessions);
+- quota is counted here, not in the process: a session released while its
+  kernel runs gives its bytes back at once (``abandon``);
+- a PoCL kernel that writes out of bounds corrupts only its own tenant's
+  process, and each tenant has its own kernel cache (``POCL_CACHE_DIR``).
+
+The process is not trusted: its answers are checked (the call they answer
+must be in flight, a read's payload must have the size asked for).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
+from accelmig.pool.devices.worker import PIPE_LIMITS, encode_args
+from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
+from accelmig.wire.frames import FrameReader, encode_prefix_and_header
+
+LOG = logging.getLogger("accelmig.pool.devices")
+
+
+class _Call:
+    __slots__ = ("ctx_id", "method", "deadline", "done", "answer", "payload", "out", "error")
+
+    def __init__(self, ctx_id: int, method: str, deadline: float, out=None):
+        self.ctx_id, self.method, self.deadline, self.out = ctx_id, method, deadline, out
+        self.done = threading.Event()
+        self.answer: dict | None = None
+        self.payload = b""
+        self.error: AccelmigError | None = None
+
+
+class TenantProcess:
+    """One tenant's device process: calls out, answers back, a watchdog."""
+
+    def __init__(self, backend: "IsolatedBackend", tenant: str):
+        self.backend = backend
+        self.tenant = tenant
+        self.dead: Killed | None = None
+        self.contexts = 0
+        self.idle_since: float | None = None
+        self._calls: dict[int, _Call] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Condition()
+        self._send_lock = threading.Lock()
+        self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
+        os.makedirs(os.path.join(self.directory, "cache"))
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"),
+                   POCL_KERNEL_CACHE="1")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "accelmig.pool.devices.worker", "--fd", str(theirs.fileno()),
+                 "--device", backend.device_spec, "--max-builds", str(backend.max_builds),
+                 "--tenant", tenant],
+                pass_fds=[theirs.fileno()], cwd=self.directory, env=env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.reader = FrameReader(PIPE_LIMITS, payload_sink=self._payload_sink)
+        # Not waiting for its "ready" here (this runs on the pool's event
+        # loop): calls queue in the socket meanwhile, under their deadlines.
+        LOG.info("device process of tenant %s starting: pid %d", tenant, self.proc.pid,
+                 extra={"tenant": tenant, "pid": self.proc.pid})
+        threading.Thread(target=self._read_answers, name=f"devproc-{tenant}-rx", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"devproc-{tenant}-watchdog", daemon=True).start()
+
+    # -- calls -------------------------------------------------------------------------
+    def new_context(self) -> int:
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            ctx_id = next(self._ids)
+            self.contexts += 1
+            self.idle_since = None
+        self._send({"op": "new", "ctx": ctx_id})
+        return ctx_id
+
+    def start(self, ctx_id: int, method: str, args: dict, payload=b"", out=None) -> _Call:
+        """Send a call; its answer comes to ``_Call.done``."""
+        call = _Call(ctx_id, method, self.backend.clock() + self.backend.time_limit, out)
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            call_id = next(self._ids)
+            self._calls[call_id] = call
+            self._lock.notify_all()          # the watchdog: a new deadline
+        try:
+            self._send({"op": "call", "ctx": ctx_id, "id": call_id, "m": method, "a": args}, payload)
+        except OSError as exc:
+            self._kill(f"its socket failed: {exc}")
+        return call
+
+    def call(self, ctx_id: int, method: str, args: dict, payload=b"", out=None):
+        return self.wait(self.start(ctx_id, method, args, payload, out))
+
+    def wait(self, call: _Call):
+        """The outcome of a call: its result and payload, or its error."""
+        call.done.wait()                     # the watchdog ends every call by its deadline
+        if call.error is not None:
+            raise call.error
+        answer = call.answer
+        if not answer.get("ok"):
+            raise from_wire(answer.get("error") if isinstance(answer.get("error"), dict) else {})
+        if call.out is not None and call.payload is not call.out:
+            # a small payload comes inline in the frame: copy it where it belongs
+            if len(call.payload) != len(call.out):
+                self._kill(f"it sent {len(call.payload)} bytes for a read of {len(call.out)}")
+                raise self.dead
+            call.out[:] = call.payload
+        return answer.get("r"), call.payload
+
+    def context_released(self) -> None:
+        with self._lock:
+            self.contexts -= 1
+            if self.contexts == 0:
+                self.idle_since = self.backend.clock()
+                self._lock.notify_all()
+
+    def _send(self, header: dict, payload=b"") -> None:
+        head = encode_prefix_and_header(header, len(payload))
+        with self._send_lock:
+            self.sock.sendall(head)
+            if payload:
+                self.sock.sendall(memoryview(payload).cast("B"))
+
+    # -- answers -----------------------------------------------------------------------
+    def _payload_sink(self, header: dict, nbytes: int):
+        """A read's payload straight into the buffer the session gave, if
+        the size is the one asked for; anything else is refused."""
+        with self._lock:
+            call = self._calls.get(header.get("id"))
+        if call is None:
+            raise ProtocolError(reason=f"device process answered call {header.get('id')!r}, "
+                                       f"which is not in flight")
+        if call.out is not None:
+            if nbytes != len(call.out):
+                raise ProtocolError(reason=f"device process sent {nbytes} bytes for a read of "
+                                           f"{len(call.out)}")
+            return call.out
+        if call.method != "program_binary":
+            raise ProtocolError(reason=f"device process sent a payload with {call.method}")
+        return bytearray(nbytes)
+
+    def _read_answers(self) -> None:
+        try:
+            self._read_until_closed()
+        finally:
+            self.sock.close()          # only here: no other thread reads this descriptor
+
+    def _read_until_closed(self) -> None:
+        why = "it exited"
+        started = False
+        try:
+            while True:
+                n = self.sock.recv_into(self.reader.get_buffer())
+                if n == 0:
+                    break
+                for frame in self.reader.feed(n):
+                    if not started:
+                        if frame.header.get("op") != "ready":
+                            error = frame.header.get("error")
+                            raise ProtocolError(reason="it did not start: " + (
+                                str(error.get("message")) if isinstance(error, dict) else str(frame.header)[:200]))
+                        started = True
+                        LOG.info("device process of tenant %s ready", self.tenant, extra={"tenant": self.tenant})
+                        continue
+                    with self._lock:
+                        call = self._calls.pop(frame.header.get("id"), None)
+                    if call is None:
+                        raise ProtocolError(reason="an answer to no call")
+                    call.answer, call.payload = frame.header, frame.payload
+                    call.done.set()
+        except (OSError, AccelmigError) as exc:
+            why = exc.kwargs.get("reason", str(exc)) if isinstance(exc, ProtocolError) else \
+                f"its answers were unreadable ({exc})"
+        if self.dead is not None:      # stopped or killed: said already
+            return
+        code = self.proc.poll()
+        if code is None:
+            self._kill(why)
+        else:
+            how = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            self._mark_dead(f"it died ({how})")
+
+    # -- the watchdog ------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._watch_until_due():
+            pass
+
+    def _watch_until_due(self) -> bool:
+        """Wait for a late call (kill: True) or idleness (stop if still idle)."""
+        with self._lock:
+            while self.dead is None:
+                now = self.backend.clock()
+                late = [c for c in self._calls.values() if c.deadline <= now]
+                if late:
+                    call = min(late, key=lambda c: c.deadline)
+                    reason = (f"its {call.method} ran past the device time limit of "
+                              f"{self.backend.time_limit:g} s")
+                    break
+                if self.idle_since is not None and now - self.idle_since >= self.backend.idle_exit:
+                    reason = None
+                    break
+                deadlines = [c.deadline for c in self._calls.values()]
+                if self.idle_since is not None:
+                    deadlines.append(self.idle_since + self.backend.idle_exit)
+                self._lock.wait(min(deadlines) - now if deadlines else None)
+            else:
+                return True
+        if reason is None:
+            return self.backend.stop_if_idle(self)
+        self._kill(reason)
+        return True
+
+    # -- the end -----------------------------------------------------------------------
+    def _mark_dead(self, reason: str) -> None:
+        with self._lock:
+            if self.dead is None:
+                self.dead = Killed(tenant=self.tenant, reason=reason)
+            calls, self._calls = list(self._calls.values()), {}
+            self._lock.notify_all()
+        for call in calls:
+            call.error = self.dead
+            call.done.set()
+        self.backend.forget(self)
+
+    def _kill(self, reason: str) -> None:
+        """SIGKILL the process: the only way to stop a kernel."""
+        first = self.dead is None
+        self._mark_dead(reason)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        if first:
+            LOG.warning("device process of tenant %s (pid %d) killed: %s; its sessions end with KILLED",
+                        self.tenant, self.proc.pid, reason, extra={"tenant": self.tenant})
+        self._cleanup()
+
+    def stop(self) -> None:
+        """An orderly end: close the socket (the process exits), then reap it."""
+        self._mark_dead("its device process was stopped")
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(2)            # it exits at the socket's end, unless a kernel holds it
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        LOG.info("device process of tenant %s (pid %d) stopped", self.tenant, self.proc.pid,
+                 extra={"tenant": self.tenant})
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the reader, which closes it
+        except OSError:
+            pass
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:40] or "_"
+
+
+class IsolatedBackend(DeviceBackend):
+    """A device shared by tenants, each in a device process of its own."""
+
+    def __init__(self, device_spec: str, info: dict, *, time_limit: float = 60.0,
+                 max_builds: int = 2, idle_exit: float = 60.0, clock=time.monotonic):
+        self.device_spec = device_spec
+        self.spec = device_spec
+        self._info = dict(info, isolation="process")
+        self.time_limit = time_limit
+        self.max_builds = max_builds
+        self.idle_exit = idle_exit
+        self.clock = clock
+        self.directory = tempfile.mkdtemp(prefix="accelmig-pool-devices-")
+        self._tenants: dict[str, TenantProcess] = {}
+        self._lock = threading.Lock()
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def new_context(self, tenant: str = "") -> "IsolatedContext":
+        with self._lock:
+            process = self._tenants.get(tenant)
+            if process is None or process.dead is not None:
+                process = self._tenants[tenant] = TenantProcess(self, tenant)
+            ctx_id = process.new_context()
+        return IsolatedContext(self, process, ctx_id)
+
+    def stop_if_idle(self, process: TenantProcess) -> bool:
+        """Stop a process that has had no context for ``idle_exit`` seconds,
+        unless a session came for it meanwhile (False: watch on)."""
+        with self._lock:
+            with process._lock:
+                idle = process.dead is None and process.contexts == 0 and process.idle_since is not None \
+                    and self.clock() - process.idle_since >= self.idle_exit
+                if not idle:
+                    return process.dead is not None
+            if self._tenants.get(process.tenant) is process:
+                del self._tenants[process.tenant]
+        process.stop()
+        return True
+
+    def forget(self, process: TenantProcess) -> None:
+        with self._lock:
+            if self._tenants.get(process.tenant) is process:
+                del self._tenants[process.tenant]
+
+    def processes(self) -> dict[str, int]:
+        """Tenant -> pid of its device process (for status and tests)."""
+        with self._lock:
+            return {name: p.proc.pid for name, p in self._tenants.items() if p.dead is None}
+
+    def close(self) -> None:
+        with self._lock:
+            processes, self._tenants = list(self._tenants.values()), {}
+        for process in processes:
+            process.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class IsolatedContext(DeviceContext):
+    """A session's context in its tenant's device process.  Buffer sizes are
+    kept here too: quota is given back even when the process is gone."""
+
+    def __init__(self, backend: IsolatedBackend, process: TenantProcess, ctx_id: int):
+        self.backend, self.process, self.ctx_id = backend, process, ctx_id
+        self.sizes: dict[int, int] = {}
+        self._released = False
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, args: dict | None = None, payload=b"", out=None):
+        return self.process.call(self.ctx_id, method, args or {}, payload, out)
+
+    def info(self) -> dict:
+        return self.backend.info()
+
+    def buffer_size(self, handle: int) -> int:
+        try:
+            return self.sizes[handle]
+        except KeyError:
+            raise NoSuchObject(kind="buffer", handle=handle) from None
+
+    def alloc(self, handle: int, nbytes: int) -> None:
+        self._call("alloc", {"buf": handle, "size": nbytes})
+        with self._lock:
+            self.sizes[handle] = nbytes
+
+    def free(self, handle: int) -> int:
+        self._call("free", {"buf": handle})
+        with self._lock:
+            return self.sizes.pop(handle, 0)
+
+    def write(self, handle: int, offset: int, data) -> None:
+        self._call("write", {"buf": handle, "offset": offset}, data)
+
+    def read_into(self, handle: int, offset: int, out: memoryview) -> None:
+        view = memoryview(out).cast("B")
+        self._call("read", {"buf": handle, "offset": offset, "size": len(view)}, out=view if len(view) else None)
+
+    def copy(self, src: int, dst: int, src_offset: int, dst_offset: int, nbytes: int) -> None:
+        self._call("copy", {"src": src, "dst": dst, "src_offset": src_offset, "dst_offset": dst_offset,
+                            "size": nbytes})
+
+    def _build(self, method: str, handle: int, payload: bytes, options: str) -> BuildResult:
+        result, _ = self._call(method, {"prog": handle, "options": options}, payload)
+        return BuildResult(kernels=list(result["kernels"]), log=str(result["log"]),
+                           binary_size=int(result["binary_size"]))
+
+    def build_source(self, handle: int, source: str, options: str) -> BuildResult:
+        return self._build("build_source", handle, source.encode("utf-8"), options)
+
+    def build_binary(self, handle: int, binary: bytes, options: str) -> BuildResult:
+        return self._build("build_binary", handle, binary, options)
+
+    def program_binary(self, handle: int) -> bytes:
+        return bytes(self._call("program_binary", {"prog": handle})[1])
+
+    def free_program(self, handle: int) -> None:
+        self._call("free_program", {"prog": handle})
+
+    def launch(self, program: int, kernel: str, gsize, lsize, args) -> None:
+        self.process.wait(self._start_launch(program, kernel, gsize, lsize, args))
+
+    def launch_begin(self, program: int, kernel: str, gsize, lsize, args):
+        # Pipelined: a round trip to the process per launch would cost more
+        # than the launch; its answer is settled before the command's reply.
+        call = self._start_launch(program, kernel, gsize, lsize, args)
+        return lambda: self.process.wait(call)
+
+    def _start_launch(self, program, kernel, gsize, lsize, args):
+        return self.process.start(self.ctx_id, "launch", {
+            "prog": program, "kernel": kernel, "gsize": list(gsize),
+            "lsize": list(lsize) if lsize else None, "args": encode_args(args)})
+
+    def finish(self) -> None:
+        self._call("finish")
+
+    def abandon(self) -> int:
+        """The session is released, maybe while a call of its runs: its bytes
+        back now, and the process told to drop the context when it gets to it
+        (under the same deadline: a kernel that never ends is killed)."""
+        with self._lock:
+            # called again (the worker's release): what was made meanwhile
+            released = sum(self.sizes.values())
+            self.sizes.clear()
+            first, self._released = not self._released, True
+        if first:
+            try:
+                self.process.start(self.ctx_id, "release", {})
+            except AccelmigError:
+                pass                             # the process is gone: nothing to drop
+            self.process.context_released()
+        return released
+
+    def release(self) -> int:
+        return self.abandon()

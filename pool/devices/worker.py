@@ -1,0 +1,198 @@
+"""The device process of one tenant (``python -m accelmig.pool.devices.worker``).
+
+The pool starts one per tenant (``accelmig.pool.devices.isolated``) and
+talks to it over a socket pair in the data plane's own frames
+(``wire.frames``: a JSON header, raw payload bytes).  Here the tenant's
+contexts live on the real backend (OpenCL), each with a thread of its own
+executing its calls in order; builds take a slot of a small semaphore, so
+one tenant's builds cannot pile up.
+
+Why a process: a kernel that never ends cannot be stopped inside a process
+(OpenCL has no cancel), a PoCL kernel runs as native code that may write
+anywhere in the process it runs in, and PoCL's kernel cache is per process
+environment (``POCL_CACHE_DIR``, set by the pool to a directory of the
+tenant's own, so no tenant can time another's builds).  The pool kills this
+process when a call overruns its time limit.  It exits by itself when the
+pool's end of the socket closes.
+
+Nothing here trusts the pool less than the pool trusts it: the pool treats
+every answer from this process as hostile (sizes, ids), since a tenant's
+kernel may have rewritten this process's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+
+from accelmig.pool.devices.base import BufferArg, LocalArg, ScalarArg
+from accelmig.wire.errors import AccelmigError, BadRequest, InternalError
+from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
+
+LOG = logging.getLogger("accelmig.pool.device-process")
+
+#: what may cross the socket pair: a whole write or read in one frame
+PIPE_LIMITS = Limits(max_header=1 << 20, max_payload=(1 << 40), direct_threshold=64 << 10)
+
+
+def encode_args(args: list) -> list:
+    """Launch arguments as JSON (the pool's side)."""
+    out = []
+    for arg in args:
+        if isinstance(arg, BufferArg):
+            out.append({"buf": arg.handle})
+        elif isinstance(arg, LocalArg):
+            out.append({"local": arg.nbytes})
+        else:
+            out.append({"t": arg.type_name, "x": arg.raw.hex()})
+    return out
+
+
+def decode_args(args: list) -> list:
+    out = []
+    for arg in args:
+        if "buf" in arg:
+            out.append(BufferArg(int(arg["buf"])))
+        elif "local" in arg:
+            out.append(LocalArg(int(arg["local"])))
+        else:
+            out.append(ScalarArg(str(arg["t"]), bytes.fromhex(arg["x"])))
+    return out
+
+
+class Answers:
+    """The socket towards the pool: whole frames, one writer at a time."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, header: dict, payload=b"") -> None:
+        head = encode_prefix_and_header(header, len(payload))
+        with self.lock:
+            self.sock.sendall(head)
+            if payload:
+                self.sock.sendall(memoryview(payload).cast("B"))
+
+
+class ContextThread:
+    """One session's context and the thread that runs its calls in order."""
+
+    def __init__(self, ctx_id: int, context, answers: Answers, builds: threading.Semaphore):
+        self.ctx_id = ctx_id
+        self.context = context
+        self.answers = answers
+        self.builds = builds
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=f"ctx-{ctx_id}", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.calls.get()
+            header, payload = item
+            call_id = header.get("id")
+            try:
+                result, out = self._execute(header, payload)
+                self.answers.send({"op": "answer", "id": call_id, "ok": True, "r": result}, out)
+            except AccelmigError as exc:
+                self.answers.send({"op": "answer", "id": call_id, "ok": False, "error": exc.to_wire()})
+            except Exception as exc:       # a runtime failing oddly: the pool reports it
+                LOG.exception("context %d: %s failed", self.ctx_id, header.get("m"))
+                self.answers.send({"op": "answer", "id": call_id, "ok": False,
+                                   "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()})
+            if header.get("m") == "release":
+                return
+
+    def _execute(self, h: dict, payload) -> tuple:
+        ctx, a, method = self.context, h.get("a", {}), h.get("m")
+        if method == "alloc":
+            ctx.alloc(a["buf"], a["size"])
+        elif method == "free":
+            return ctx.free(a["buf"]), b""
+        elif method == "write":
+            ctx.write(a["buf"], a["offset"], payload)
+        elif method == "read":
+            out = bytearray(a["size"])
+            ctx.read_into(a["buf"], a["offset"], memoryview(out))
+            return None, out
+        elif method == "copy":
+            ctx.copy(a["src"], a["dst"], a["src_offset"], a["dst_offset"], a["size"])
+        elif method in ("build_source", "build_binary"):
+            with self.builds:
+                if method == "build_source":
+                    result = ctx.build_source(a["prog"], bytes(payload).decode("utf-8"), a["options"])
+                else:
+                    result = ctx.build_binary(a["prog"], bytes(payload), a["options"])
+            return {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}, b""
+        elif method == "program_binary":
+            return None, ctx.program_binary(a["prog"])
+        elif method == "free_program":
+            ctx.free_program(a["prog"])
+        elif method == "launch":
+            ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]))
+        elif method == "finish":
+            ctx.finish()
+        elif method == "release":
+            return ctx.release(), b""
+        else:
+            raise BadRequest(reason=f"device process: no method {method!r}")
+        return None, b""
+
+
+def serve(sock: socket.socket, backend, max_builds: int) -> None:
+    answers = Answers(sock)
+    answers.send({"op": "ready", "info": backend.info(), "pid": os.getpid()})
+    builds = threading.Semaphore(max_builds)
+    contexts: dict[int, ContextThread] = {}
+    reader = FrameReader(PIPE_LIMITS)
+    while True:
+        n = sock.recv_into(reader.get_buffer())
+        if n == 0:
+            return                     # the pool closed its end (or died): so do we
+        for frame in reader.feed(n):
+            h = frame.header
+            ctx_id = h.get("ctx")
+            if h["op"] == "new":
+                contexts[ctx_id] = ContextThread(ctx_id, backend.new_context(), answers, builds)
+            elif h["op"] == "call":
+                target = contexts.get(ctx_id)
+                if target is None:
+                    answers.send({"op": "answer", "id": h.get("id"), "ok": False, "error": BadRequest(
+                        reason=f"device process: no context {ctx_id}").to_wire()})
+                    continue
+                target.calls.put((h, frame.payload))
+                if h.get("m") == "release":
+                    contexts.pop(ctx_id, None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="accelmig.pool.devices.worker",
+                                     description="A tenant's device process (started by accelmig-pool).")
+    parser.add_argument("--fd", type=int, required=True, help="the socket to the pool")
+    parser.add_argument("--device", required=True, help="opencl:N")
+    parser.add_argument("--max-builds", type=int, default=2)
+    parser.add_argument("--tenant", default="?", help="for the log")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format=f"accelmig-pool device process (tenant {args.tenant}): %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    from accelmig.pool.devices import open_backend
+    try:
+        backend = open_backend(args.device)
+    except AccelmigError as exc:
+        Answers(sock).send({"op": "failed", "error": exc.to_wire()})
+        return 1
+    try:
+        serve(sock, backend, args.max_builds)
+    except (OSError, AccelmigError) as exc:
+        LOG.warning("stopping: %s", exc)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
