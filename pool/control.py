@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import logging
 import secrets
 import time
 
 from accelmig.pool.config import parse_networks
-from accelmig.wire.records import IN_FLIGHT, PausePolicy, RecordStateName
+from accelmig.wire.records import ABORTABLE, IN_FLIGHT, PausePolicy, RecordStateName
 from accelmig.wire import control as wc
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
-                                  Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, UnknownOp,
-                                  VersionUnsupported)
+                                  Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
+                                  UnknownOp, VersionUnsupported)
 from accelmig.wire.frames import encode_frame
 
 LOG = logging.getLogger(__name__)
@@ -25,6 +26,24 @@ LOG = logging.getLogger(__name__)
 #: Bounds of a saved domain's retention (``park``), in seconds.
 MIN_RETENTION = 1.0
 MAX_RETENTION = 30 * 86400.0
+#: How long an intent names the destination of a domain's next migration
+#: (``accelmig migrate`` starts it at once): a stale one must not keep
+#: refusing every other destination.
+INTENT_TTL = 300.0
+#: Identifiers (domain uuids and names, migration and session ids, host
+#: names) are strings of at most this many characters; reasons of at most
+#: MAX_REASON.
+MAX_NAME = 256
+MAX_REASON = 1024
+#: Networks one host may register (each data-plane connection is matched
+#: against all of them).
+MAX_ADDRESSES = 256
+#: ``wait_record`` calls one connection may have pending at once (hostd
+#: waits once per ``accelmig migrate`` under way on its host).
+MAX_WAITS = 1024
+
+_NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", "source_host"}
+_FLAG_ARGS = {"postcopy", "open_only"}
 
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
                  "park", "unpark", "register_intent", "wait_record"}
@@ -73,6 +92,9 @@ class ControlServer:
             if header.get("op") != "hello":
                 raise ProtocolError(reason="expected hello")
             offered = header.get("versions") or []
+            if not isinstance(offered, list) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in offered):
+                raise BadRequest(reason="hello: versions must be a list of integers")
             if not set(offered) & set(wc.CONTROL_VERSIONS):
                 raise VersionUnsupported(offered=offered, supported=list(wc.CONTROL_VERSIONS))
             name = header.get("host")
@@ -91,6 +113,8 @@ class ControlServer:
                     return
                 call_id = header.get("id")
                 method = header.get("method")
+                if not isinstance(method, str):      # a list is no method (and no dict key)
+                    method = repr(method)[:100]
                 args = header.get("args") if isinstance(header.get("args"), dict) else {}
                 if header.get("op") != "call" or not isinstance(call_id, int) or call_id <= last_id:
                     raise ProtocolError(reason="calls need op 'call' and strictly increasing ids")
@@ -98,15 +122,23 @@ class ControlServer:
                 if host is not None:
                     if self.pool.hosts.get(host.name) is not host:      # a reload (SIGHUP) removed it
                         raise AuthFailed(reason=f"host {host.name} is no longer in the pool's hosts file")
-                    expected = wc.request_mac(host.secret, challenge, call_id, str(method), args)
+                    expected = wc.request_mac(host.secret, challenge, call_id, str(header.get("method")), args)
                     if not hmac.compare_digest(expected, str(header.get("mac", ""))):
                         raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")
                     host.last_seen = time.time()
                 if method in wc.WAITING_METHODS:
+                    if len(waits) >= MAX_WAITS:
+                        error = BadRequest(reason=f"{method}: {len(waits)} waits already pending on this "
+                                                  f"connection, the most one may hold")
+                        self._answer(writer, host, challenge, call_id, {"ok": False, "error": error.to_wire()})
+                        await writer.drain()
+                        continue
                     # A long wait must not hold up this connection's other calls:
                     # answered when it is over (clients match answers by id).
-                    waits.add(asyncio.ensure_future(self._answer_later(
-                        writer, host, admin, challenge, call_id, method, args)))
+                    wait = asyncio.ensure_future(self._answer_later(
+                        writer, host, admin, challenge, call_id, method, args))
+                    waits.add(wait)
+                    wait.add_done_callback(waits.discard)
                     continue
                 self._answer(writer, host, challenge, call_id, self._call(host, admin, method, args))
                 await writer.drain()
@@ -133,7 +165,9 @@ class ControlServer:
     async def _answer_later(self, writer, host, admin, challenge, call_id, method, args) -> None:
         try:
             self._check_caller(host, admin, method)
-            result = await getattr(self, f"wait_{method.removeprefix('wait_')}")(**args)
+            handler = getattr(self, f"wait_{method.removeprefix('wait_')}")
+            check_args(method, handler, args)
+            result = await handler(**args)
             body = {"ok": True, "result": result}
         except TypeError as exc:
             body = {"ok": False, "error": BadRequest(reason=f"{method}: {exc}").to_wire()}
@@ -155,6 +189,7 @@ class ControlServer:
             self._check_caller(host, admin, method)
             handler = getattr(self, f"do_{method}")
             caller = host.name if host is not None else wc.ADMIN_HOST
+            check_args(method, handler, args)
             try:
                 result = handler(caller, **args)
             except TypeError as exc:
@@ -172,6 +207,11 @@ class ControlServer:
 
     def do_register_host(self, caller, addresses=(), identity=None):
         host = self.pool.hosts[caller]
+        if not isinstance(addresses, (list, tuple)) or len(addresses) > MAX_ADDRESSES:
+            raise BadRequest(reason=f"register_host: addresses must be a list of at most "
+                                    f"{MAX_ADDRESSES} networks, not {_short(addresses)}")
+        if identity is not None and not isinstance(identity, dict):
+            raise BadRequest(reason=f"register_host: identity must be an object, not {_short(identity)}")
         wanted = parse_networks(addresses, f"register_host({caller})")
         # The longest prefix attributes a guest's connection to a host: a
         # host registering a network inside another's would take its guests.
@@ -200,19 +240,103 @@ class ControlServer:
             raise NoSuchRecord(record=f"session {sid}")
         return session
 
+    # -- who is who: a domain's host, a record's parties ----------------------------
+    def _domain_host(self, domain_uuid) -> str | None:
+        """Where the domain runs as far as its live sessions tell: the host
+        they are bound to, or the destination they are moving to; None for a
+        domain without any (nothing of it to take)."""
+        hosts = set()
+        for session in self.pool.domain_sessions(domain_uuid):
+            moving = self.pool.records.get("/".join(session.pending_move)) if session.pending_move else None
+            hosts.add(moving.dest_host if moving is not None else session.bound_host)
+        hosts.discard(None)
+        if len(hosts) > 1:
+            return self.pool.domain_hosts.get(domain_uuid)
+        return hosts.pop() if hosts else None
+
+    def _intent(self, domain_uuid, now: float) -> dict | None:
+        """The domain's intent while it is fresh (an older one is dropped)."""
+        intent = self.pool.intents.get(domain_uuid)
+        if intent is not None and now - intent["registered"] > INTENT_TTL:
+            del self.pool.intents[domain_uuid]
+            return None
+        return intent
+
+    def _named_destinations(self, domain_uuid, now: float) -> set[str]:
+        """Where the domain's host (or the admin socket) said it goes: the
+        destination of its fresh intent, and of every migration under way
+        that opened with one (once completed, the destination is the
+        domain's host and names the next one).  Empty where nobody named one."""
+        named = {r.dest_host for r in self.pool.open_records()
+                 if r.domain_uuid == domain_uuid and r.vouched and r.state in IN_FLIGHT}
+        intent = self._intent(domain_uuid, now)
+        if intent is not None and intent.get("dest_host") and \
+                intent["by"] in (wc.ADMIN_HOST, self._domain_host(domain_uuid)):
+            named.add(intent["dest_host"])
+        return named
+
+    def _source_of(self, record) -> str | None:
+        """The record's source; where it is not known yet (the domain was new
+        to the pool when the record opened), the one host the domain's
+        sessions are bound to, if any."""
+        if record.source_host is not None:
+            return record.source_host
+        bound = {s.bound_host for s in self.pool.domain_sessions(record.domain_uuid)} - {None}
+        return bound.pop() if len(bound) == 1 else None
+
+    def _require_source(self, record, caller, action: str) -> None:
+        if record.dest_host == caller:
+            raise Conflict(reason=f"host {caller} is the destination of {record.key}")
+        source = self._source_of(record)
+        if source not in (None, caller):
+            raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it comes from host {source}")
+
+    def _require_dest(self, record, caller, action: str) -> None:
+        if record.dest_host == caller:
+            return
+        source = self._source_of(record)
+        if caller == source:
+            raise Conflict(reason=f"{record.key} goes to {record.dest_host}, not {caller}")
+        raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it goes from host "
+                                                   f"{source or '?'} to host {record.dest_host}")
+
+    def _check_arrival(self, caller, session, domain_uuid) -> None:
+        """``caller`` attests ``session``, bound to another host, for
+        ``domain_uuid``: only as the destination of that domain's migration
+        from the session's host (a VM without the accelmig channel reports
+        its sessions through guest-exec only there), or of the session's own
+        move.  Attesting changes no binding: a ticket still needs the
+        session's own secret."""
+        sid, bound = session.sid, session.bound_host
+        if session.pending_move is not None:
+            moving = self.pool.records.get("/".join(session.pending_move))
+            if moving is not None and moving.dest_host == caller and session.domain_uuid == domain_uuid:
+                return
+        for record in self.pool.open_records():
+            if record.domain_uuid != domain_uuid or record.dest_host != caller:
+                continue
+            source = self._source_of(record)
+            if source == bound or session.domain_uuid == domain_uuid:
+                return
+            if source is None and session.domain_uuid is None:
+                # Nobody vouched for this destination yet: the session's
+                # host does when it switches the migration over.
+                raise RecordState(record=record.key, state=record.state.value,
+                                  action=f"attest session {sid} (bound to host {bound}) before its "
+                                         f"source switched the migration over")
+        raise Conflict(reason=f"session {sid} is bound to host {bound}, not {caller}")
+
+    # -- attestation -----------------------------------------------------------------
     def do_bind_session(self, caller, sid, domain_uuid, domain_name=None):
         session = self._session(sid)
-        # The destination of an in-flight migration of this domain may attest
-        # too (a VM without the accelmig channel reports its sessions through
-        # guest-exec only there).  Binding moves nothing: a ticket still needs
-        # the session's own secret.
-        incoming = any(r.domain_uuid == domain_uuid and r.dest_host == caller
-                       for r in self.pool.open_records())
-        if session.bound_host not in (None, caller) and session.pending_move is None and not incoming:
-            raise Conflict(reason=f"session {sid} is bound to host {session.bound_host}, "
-                                  f"not {caller}")
+        # Bindings are the session's host's to make: a guest's hostd relays
+        # session ids the guest chose, and a guest may name a neighbour's.
+        if session.bound_host not in (None, caller):
+            self._check_arrival(caller, session, domain_uuid)
         if session.domain_uuid not in (None, domain_uuid):
             raise Conflict(reason=f"session {sid} belongs to domain {session.domain_uuid}")
+        incoming = any(r.domain_uuid == domain_uuid and r.dest_host == caller
+                       for r in self.pool.open_records())
         session.domain_uuid = domain_uuid
         if session.bound_host is None:
             session.bound_host = caller
@@ -234,15 +358,25 @@ class ControlServer:
             session.domain_uuid = None
         return {"sid": sid}
 
+    # -- migrations --------------------------------------------------------------------
     def do_register_intent(self, caller, domain_uuid, policy="none", dest_host=None,
                            migration_id=None, source_host=None):
         PausePolicy.parse(policy)
         if dest_host is not None and dest_host not in self.pool.hosts:
             raise NoSuchHost(host=dest_host)
+        # The domain's host vouches for where it goes: nobody else names it.
+        home = self._domain_host(domain_uuid)
+        if caller != wc.ADMIN_HOST and home not in (None, caller):
+            raise Forbidden(who=f"host {caller}", what=f"register an intent for domain {domain_uuid}: "
+                                                       f"it runs on host {home}")
+        now = time.time()
+        for uuid, old in list(self.pool.intents.items()):      # bounded memory
+            if now - old["registered"] > INTENT_TTL:
+                del self.pool.intents[uuid]
         intent = {"domain_uuid": domain_uuid, "policy": policy, "dest_host": dest_host,
                   "migration_id": migration_id or secrets.token_hex(6),
                   "source_host": source_host or (caller if caller != wc.ADMIN_HOST else None),
-                  "registered": time.time()}
+                  "registered": now, "by": caller}
         self.pool.intents[domain_uuid] = intent
         return intent
 
@@ -250,8 +384,19 @@ class ControlServer:
                           policy=None, postcopy=False):
         if policy is not None:
             PausePolicy.parse(policy)
-        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy,
-                                       bool(postcopy))
+        # Once the domain's host named where it goes, nobody else may open
+        # its migration, nor supersede the one under way.  Where nobody named
+        # one (a plain virsh migrate, Nova) the pool cannot tell who is
+        # expected: any host may, as ever.
+        named = self._named_destinations(domain_uuid, time.time())
+        home = self._domain_host(domain_uuid)
+        if named and caller not in named and caller != home:
+            raise Forbidden(who=f"host {caller}", what=(
+                f"open a migration of domain {domain_uuid}: it goes to host {', '.join(sorted(named))}"
+                f" (named by {'its host ' + home if home else 'the admin socket'})"))
+        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy, postcopy)
+        if caller in named:
+            record.vouched = True
         return record.describe()
 
     def do_switchover(self, caller, domain_uuid, migration_id=None, postcopy=False):
@@ -260,15 +405,12 @@ class ControlServer:
         SUSPENDED_POSTCOPY on the source): the record is committed, whatever
         the destination's own event says (libvirt may report RESUMED_MIGRATED
         there for a post-copy migration)."""
-        states = {RecordStateName.OPEN, RecordStateName.SWITCHED_OVER}
+        states = set(ABORTABLE)
         if postcopy:
             states |= {RecordStateName.COMMITTED, RecordStateName.COMPLETED}
         record = self.pool.find_record(domain_uuid, migration_id, states=states)
-        if record.dest_host == caller:
-            raise Conflict(reason=f"host {caller} is the destination of {record.key}")
-        if record.source_host not in (None, caller):
-            raise Conflict(reason=f"{record.key} comes from {record.source_host}, not {caller}")
-        if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+        self._require_source(record, caller, "switch over")
+        if record.state in ABORTABLE:
             self.pool.switchover_record(record, caller)
         if postcopy:
             record.postcopy = True
@@ -277,39 +419,40 @@ class ControlServer:
 
     def do_commit(self, caller, domain_uuid, migration_id=None):
         record = self.pool.find_record(domain_uuid, migration_id, dest=caller, states=IN_FLIGHT)
-        self._require_dest(record, caller)
+        self._require_dest(record, caller, "commit")
         record.commit(time.time())
         return record.describe()
 
     def do_complete(self, caller, domain_uuid, migration_id=None):
         record = self.pool.find_record(domain_uuid, migration_id, dest=caller,
                                        states=IN_FLIGHT | {RecordStateName.COMPLETED})
-        self._require_dest(record, caller)
+        self._require_dest(record, caller, "complete")
         tickets = self.pool.complete_record(record)
         return {"record": record.describe(), "tickets": tickets}
 
     def do_close(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, source=caller, states={
-            RecordStateName.OPEN, RecordStateName.SWITCHED_OVER, RecordStateName.COMMITTED,
-            RecordStateName.COMPLETED})
-        if record.source_host not in (None, caller):
-            raise Conflict(reason=f"{record.key} comes from {record.source_host}, not {caller}")
+        record = self.pool.find_record(domain_uuid, migration_id, source=caller, states=
+                                       IN_FLIGHT | {RecordStateName.COMPLETED})
+        self._require_source(record, caller, "close")
         record.close(time.time())
         return record.describe()
 
     def do_abort(self, caller, domain_uuid, migration_id=None, reason="aborted by a host"):
-        record = self.pool.find_record(domain_uuid, migration_id, states={
-            RecordStateName.OPEN, RecordStateName.SWITCHED_OVER} if migration_id is None else None)
-        if caller != wc.ADMIN_HOST and caller not in (record.source_host, record.dest_host):
-            raise Conflict(reason=f"host {caller} takes no part in {record.key}")
+        record = self.pool.find_record(domain_uuid, migration_id,
+                                       states=ABORTABLE if migration_id is None else None)
+        if caller != wc.ADMIN_HOST and caller not in (self._source_of(record), record.dest_host):
+            raise Forbidden(who=f"host {caller}", what=f"abort {record.key}: it takes no part in it")
         self.pool.abort_record(record, f"{reason} (by {caller})")
         return record.describe()
 
     def do_renew(self, caller, records=()):
+        if not isinstance(records, (list, tuple)):
+            raise BadRequest(reason="renew: records are [domain_uuid, migration_id] pairs")
         now = time.time()
         renewed, unknown = [], []
         for item in records:
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or \
+                    not all(isinstance(part, str) for part in item):
                 raise BadRequest(reason="renew: records are [domain_uuid, migration_id] pairs")
             record = self.pool.records.get(f"{item[0]}/{item[1]}")
             if record is None or caller not in (record.source_host, record.dest_host):
@@ -319,14 +462,20 @@ class ControlServer:
             renewed.append(record.describe())
         return {"renewed": renewed, "unknown": unknown}
 
+    # -- saved domains -----------------------------------------------------------------
+    def _require_domain_host(self, caller, domain_uuid, sessions, action: str) -> None:
+        """Only the host a domain's sessions are bound to (or the admin
+        socket) acts on its saved state."""
+        others = sorted({s.bound_host for s in sessions} - {None, caller})
+        if others and caller != wc.ADMIN_HOST:
+            raise Forbidden(who=f"host {caller}", what=f"{action} domain {domain_uuid}: its sessions "
+                                                       f"are bound to {', '.join(others)}")
+
     def do_park(self, caller, domain_uuid, retention=None):
         now = time.time()
         retention = self._retention(retention)
         sessions = self.pool.domain_sessions(domain_uuid)
-        others = sorted({s.bound_host for s in sessions} - {None, caller})
-        if others and caller != wc.ADMIN_HOST:
-            raise Forbidden(who=f"host {caller}", what=f"park domain {domain_uuid}: its sessions "
-                                                       f"are bound to {', '.join(others)}")
+        self._require_domain_host(caller, domain_uuid, sessions, "park")
         parked = []
         for session in sessions:
             session.park(now, retention)
@@ -348,9 +497,10 @@ class ControlServer:
 
     def do_unpark(self, caller, domain_uuid):
         now = time.time()
-        # Any host may: a saved image may be restored on another host than
-        # the one that saved it (the sessions' secrets still decide).
+        # A restore elsewhere resumes nothing without a ticket (WRONG_HOST)
+        # anyway; unparking early would only cut the retention short.
         sessions = self.pool.domain_sessions(domain_uuid)
+        self._require_domain_host(caller, domain_uuid, sessions, "unpark")
         unparked = []
         for session in sessions:
             session.unpark(now, self.pool.config.grace)
@@ -393,7 +543,26 @@ class ControlServer:
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}
 
-    @staticmethod
-    def _require_dest(record, caller):
-        if record.dest_host != caller:
-            raise Conflict(reason=f"{record.key} goes to {record.dest_host}, not {caller}")
+
+def check_args(method: str, handler, args: dict) -> None:
+    """Identifiers are bounded strings and flags are booleans before any
+    method sees them (numbers are checked by the methods that take them): a
+    record with a number for its id would break every host that lists it."""
+    params = inspect.signature(handler).parameters
+    for key, value in args.items():
+        if key in _NAME_ARGS:
+            if value is None and key in params and params[key].default is None:
+                continue
+            if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
+                raise BadRequest(reason=f"{method}: {key} must be a string of 1 to {MAX_NAME} "
+                                        f"characters, not {_short(value)}")
+        elif key in _FLAG_ARGS and not isinstance(value, bool):
+            raise BadRequest(reason=f"{method}: {key} must be true or false, not {_short(value)}")
+        elif key == "reason" and (not isinstance(value, str) or len(value) > MAX_REASON):
+            raise BadRequest(reason=f"{method}: reason must be a string of at most {MAX_REASON} "
+                                    f"characters, not {_short(value)}")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

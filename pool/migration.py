@@ -71,6 +71,9 @@ class MigrationRecord:
         self.tickets: dict[str, str] = {}      # sid -> ticket nonce
         self.resumed: dict[str, float] = {}    # sid -> seconds from switchover/complete to resume
         self.source_stopped = False
+        # the domain's own host (or the admin socket) named this destination
+        # before it opened: only a named host may then supersede it
+        self.vouched = False
         self.abort_reason: str | None = None
         self.on_change = None                   # called after every transition and resume
 
@@ -146,7 +149,7 @@ class MigrationRecord:
             "dest_host": self.dest_host, "policy": self.policy.value, "state": self.state.value,
             "sessions": list(self.sessions), "resumed": dict(self.resumed),
             "times": dict(self.times), "lease_in": round(self.lease_expiry - now, 3),
-            "abort_reason": self.abort_reason, "postcopy": self.postcopy,
+            "abort_reason": self.abort_reason, "postcopy": self.postcopy, "vouched": self.vouched,
         }
 
 

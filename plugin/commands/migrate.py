@@ -79,8 +79,8 @@ def _fmt_bytes(n: int) -> str:
               "on the destination while pages arrive; no way back to the source).")
 @click.option("--migrate-uri", metavar="URI", help="Where QEMU sends the memory (e.g. tcp://10.88.3.2), "
               "when the destination's hostname is not the address to use.")
-@click.option("--dest-host", metavar="NAME", help="The destination's host id at the pool (checked "
-              "when its hostd opens the record).")
+@click.option("--dest-host", metavar="NAME", help="The destination's host id at the pool: no other "
+              "host may then open the migration's record.")
 @click.option("--timeout", type=float, default=300.0, show_default=True, metavar="SECONDS",
               help="For the migration and the rehome together.")
 @click.option("--connect", "connect_uri", metavar="URI", help="Source libvirt URI [default: [hostd] libvirt_uri].")

@@ -378,14 +378,19 @@ class HostDaemon:
             self.spawn(self._unbind(message.get("sid")), "unbind")
 
     async def bind(self, watch: DomainWatch, sid) -> None:
-        """Attest to the pool that session ``sid`` belongs to this domain on this host."""
-        if not isinstance(sid, str) or watch.phase is Phase.OUTGOING:
-            return
+        """Attest to the pool that session ``sid`` belongs to this domain on
+        this host; a refusal is logged."""
         try:
-            await self.pool_call("bind_session", sid=sid, domain_uuid=watch.uuid, domain_name=watch.name)
-            watch.sessions.add(sid)
+            await self.attest(watch, sid)
         except AccelmigError as exc:
             LOG.warning("domain %s: session %s not attested: %s", watch.name, sid, exc)
+
+    async def attest(self, watch: DomainWatch, sid) -> None:
+        """``bind``, but a refusal raises."""
+        if not isinstance(sid, str) or watch.phase is Phase.OUTGOING:
+            return
+        await self.pool_call("bind_session", sid=sid, domain_uuid=watch.uuid, domain_name=watch.name)
+        watch.sessions.add(sid)
 
     async def _unbind(self, sid) -> None:
         try:

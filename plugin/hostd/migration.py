@@ -32,6 +32,11 @@ from accelmig.wire.records import IN_FLIGHT, RecordStateName, RecordView, latest
 
 LOG = logging.getLogger("accelmig.hostd")
 
+#: s a destination waits, within one rehome attempt, for the source to
+#: switch over before it attests the source's sessions (it normally has:
+#: the source pauses the guest before it runs here)
+ATTEST_WAIT = 1.0
+
 
 class MigrationSteps:
     def __init__(self, daemon, *, retry_first: float, retry_max: float):
@@ -130,15 +135,9 @@ class MigrationSteps:
             record = await self._find_or_open(watch)
         mid = record.migration_id
         if watch.delivery.attests_at_migration:
-            # The guest cannot report its sessions itself: read them, and
-            # attest them as this migration's destination before the record
-            # freezes them.
-            try:
-                for sid in await watch.delivery.sessions(dom, watch):
-                    await self.daemon.bind(watch, sid)
-            except AccelmigError as exc:
-                LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
-                            watch.name, exc)
+            waiting = await self._attest_arrived(dom, watch)
+            if waiting:       # completing now would leave those sessions behind for good
+                return {"migration_id": mid, "postcopy": postcopy, "ok": False, "why": waiting}
         if postcopy:
             await self.pool("commit", domain_uuid=watch.uuid, migration_id=mid)
         done = await self.pool("complete", domain_uuid=watch.uuid, migration_id=mid)
@@ -167,6 +166,37 @@ class MigrationSteps:
             "all sessions resumed" if ok else f"NOT all resumed ({summary['why']}); will retry",
             extra={"domain": watch.name, "migration": mid})
         return summary
+
+    async def _attest_arrived(self, dom, watch: DomainWatch) -> str | None:
+        """The guest cannot report its sessions itself: read them, and attest
+        them as this migration's destination before the record freezes them.
+        The pool takes a session of another host only once that host
+        switched the migration over (RECORD_STATE until then, when the pool
+        did not know the domain): wait a moment for it.  What still waits,
+        for the next attempt, or None."""
+        try:
+            sids = await watch.delivery.sessions(dom, watch)
+        except AccelmigError as exc:
+            LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
+                        watch.name, exc)
+            return None
+        waiting = []
+        for sid in sids:
+            delay, deadline = 0.05, time.monotonic() + ATTEST_WAIT
+            while True:
+                try:
+                    await self.daemon.attest(watch, sid)
+                    break
+                except RecordState as exc:
+                    if time.monotonic() + delay > deadline:
+                        waiting.append(f"session {sid}: {exc}")
+                        break
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                except AccelmigError as exc:
+                    LOG.warning("domain %s: session %s not attested: %s", watch.name, sid, exc)
+                    break
+        return "; ".join(waiting) or None
 
     async def _find_or_open(self, watch: DomainWatch) -> RecordView:
         """The record of this incoming migration; opened now if the hook's note

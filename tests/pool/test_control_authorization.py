@@ -1,29 +1,39 @@
 """Hypervisor hosts authenticated on the control plane may still not touch
-what is another host's (issue 14, item 6, the parts about bindings, saved
-domains and networks): a real pool, real drivers, real control clients.
+what is another host's (issue 14, item 6): bindings, saved domains,
+networks, migration records and the arguments of every call.  A real pool,
+real drivers, real control clients.
 
-hostA owns 127.0.0.1 (the drivers below connect from there), hostB is
-another authenticated host that tries its luck.
+hostA owns 127.0.0.1 (the drivers below connect from there), hostB is the
+destination hostA names or the one that tries its luck, hostC a third
+authenticated host that takes no part.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.pool.control import INTENT_TTL, MAX_WAITS
 from accelmig.pool.testing import PoolThread
-from accelmig.wire.control import ControlClient
-from accelmig.wire.errors import BadRequest, Conflict, Forbidden
-from tests.support.tenants import ALICE, TENANTS
+from accelmig.wire.control import AsyncControlClient, ControlClient
+from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
+from accelmig.wire.records import RecordView
+from tests.support.tenants import ALICE, BOB, TENANTS
 
-SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001"}
+SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001",
+           "hostC": "secret-of-host-c-0001"}
 DOMAIN = "5f0c1f4e-0000-4000-8000-00000000000a"
+OTHER = "5f0c1f4e-0000-4000-8000-00000000000b"
 
 
 @pytest.fixture
 def pool():
     with PoolThread(TENANTS, hosts={"hostA": (SECRETS["hostA"], ["127.0.0.1/32"]),
-                                    "hostB": (SECRETS["hostB"], ["10.99.0.0/24"])}) as harness:
+                                    "hostB": (SECRETS["hostB"], ["10.99.0.0/24"]),
+                                    "hostC": (SECRETS["hostC"], ["10.98.0.0/24"])}) as harness:
         yield harness
 
 
@@ -80,3 +90,188 @@ def test_a_host_cannot_register_a_network_inside_another_hosts(pool, hosts):
     # hostA's guests are still hostA's
     with connect(pool.endpoint, ALICE, agent=False) as dev:
         assert hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+
+
+@pytest.fixture
+def admin(pool):
+    with ControlClient(pool.admin_endpoint, "admin", None) as client:
+        yield client
+
+
+# -- who opens a migration -----------------------------------------------------------
+def test_only_the_destination_the_domains_host_named_opens_its_migration(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
+        with pytest.raises(Forbidden, match="host hostC may not open a migration of domain .*: it goes "
+                                            "to host hostB .named by its host hostA"):
+            hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        assert record["vouched"] and record["source_host"] == "hostA"
+        # nor may it supersede the migration under way (that would abort it)
+        with pytest.raises(Forbidden, match="may not open a migration"):
+            hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
+        with pytest.raises(Forbidden, match="may not complete"):
+            hosts["hostC"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert set(done["tickets"]) == {dev.sid} and done["record"]["state"] == "completed"
+
+
+def test_a_host_names_the_destination_only_of_its_own_domains(pool, hosts, admin):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        with pytest.raises(Forbidden, match="host hostB may not register an intent for domain .*: "
+                                            "it runs on host hostA"):
+            hosts["hostB"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
+        # the admin socket may name one for any domain
+        admin.call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
+        with pytest.raises(Forbidden, match="it goes to host hostB"):
+            hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
+
+
+def test_a_stale_intent_names_no_destination(pool, hosts):
+    """``accelmig migrate`` that failed before the destination's hook ran
+    leaves its intent behind: after INTENT_TTL it keeps nobody out."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB", policy="start")
+        pool.call(lambda: pool.pool.intents[DOMAIN].update(registered=time.time() - INTENT_TTL - 1))
+        record = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
+        assert record["policy"] == "none" and not record["vouched"]
+
+
+# -- who acts on a record --------------------------------------------------------------
+@pytest.mark.parametrize("method", ["switchover", "close", "commit", "complete", "abort"])
+def test_a_host_that_takes_no_part_in_a_migration_cannot_act_on_it(pool, hosts, method):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        with pytest.raises(Forbidden, match=f"host hostC may not .* {DOMAIN}/{record['migration_id']}"):
+            hosts["hostC"].call(method, domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert hosts["hostA"].call("list_records")["records"][0]["state"] == "open"
+
+
+def test_a_record_opened_before_the_pool_knew_the_domain_is_its_sessions_hosts(pool, hosts):
+    """A record opened for a domain the pool did not know has no source yet:
+    once the domain's sessions are bound, it is theirs, not anyone's."""
+    record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+    assert record["source_host"] is None
+    mid = record["migration_id"]
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)     # during pre-copy
+        with pytest.raises(Forbidden, match="may not switch over .*: it comes from host hostA"):
+            hosts["hostC"].call("switchover", domain_uuid=DOMAIN, migration_id=mid)
+        with pytest.raises(Forbidden, match="may not close .*: it comes from host hostA"):
+            hosts["hostC"].call("close", domain_uuid=DOMAIN, migration_id=mid)
+        with pytest.raises(Conflict, match="host hostB is the destination"):
+            hosts["hostB"].call("close", domain_uuid=DOMAIN, migration_id=mid)
+        assert hosts["hostA"].call("switchover", domain_uuid=DOMAIN)["source_host"] == "hostA"
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=mid)
+        assert set(done["tickets"]) == {dev.sid}
+        assert hosts["hostA"].call("close", domain_uuid=DOMAIN, migration_id=mid)["state"] == "closed"
+
+
+def test_only_the_host_of_a_domain_unparks_it(pool, hosts, admin):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=3600)
+        with pytest.raises(Forbidden, match="host hostB may not unpark domain .*: its sessions are "
+                                            "bound to hostA"):
+            hosts["hostB"].call("unpark", domain_uuid=DOMAIN)
+        assert pool.session(dev.sid)["parked"]
+        assert hosts["hostA"].call("unpark", domain_uuid=DOMAIN) == {"unparked": [dev.sid]}
+        hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=3600)
+        assert admin.call("unpark", domain_uuid=DOMAIN) == {"unparked": [dev.sid]}
+
+
+# -- who attests a session ---------------------------------------------------------------
+def test_a_destination_attests_another_hosts_session_only_once_that_host_switched_over(pool, hosts):
+    """A VM without the accelmig channel reports its sessions only at the
+    destination (guest-exec), so the pool knows neither them nor the domain
+    before: a record any host can open.  Its destination takes the sessions
+    of the domain's host only after that host switched the migration over."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev, \
+            connect(pool.endpoint, BOB, agent=False) as neighbour:
+        # hostC opens a migration of a domain it made up, and reaches for
+        # hostA's unattested sessions
+        invented = hosts["hostC"].call("open_migration", domain_uuid=OTHER)
+        with pytest.raises(RecordState, match="cannot attest session .* before its source switched"):
+            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=OTHER)
+        assert pool.session(neighbour.sid)["domain_uuid"] is None
+        hosts["hostC"].call("abort", domain_uuid=OTHER, migration_id=invented["migration_id"])
+        # the real migration of the guest-exec VM from hostA to hostB
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        with pytest.raises(RecordState, match="before its source switched"):
+            hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        assert hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+        with pytest.raises(Conflict, match="bound to host hostA, not hostC"):
+            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=DOMAIN)
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert set(done["tickets"]) == {dev.sid}
+        assert pool.session(neighbour.sid)["domain_uuid"] is None
+
+
+def test_a_session_is_moved_to_another_domain_by_nobody(pool, hosts):
+    """Rebinding is refused even to the session's own host: it unbinds first
+    (the session then belongs to no domain, and no migration takes it)."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        for host in ("hostA", "hostB"):
+            with pytest.raises(Conflict):
+                hosts[host].call("bind_session", sid=dev.sid, domain_uuid=OTHER)
+        assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
+
+
+# -- arguments ------------------------------------------------------------------------------
+@pytest.mark.parametrize("method, args, message", [
+    ("open_migration", {"domain_uuid": DOMAIN, "migration_id": 5}, "migration_id must be a string"),
+    ("open_migration", {"domain_uuid": ["x"]}, "domain_uuid must be a string"),
+    ("open_migration", {"domain_uuid": DOMAIN, "migration_id": "m" * 300}, "of 1 to 256 characters"),
+    ("open_migration", {"domain_uuid": DOMAIN, "postcopy": "no"}, "postcopy must be true or false"),
+    ("register_intent", {"domain_uuid": None}, "domain_uuid must be a string"),
+    ("bind_session", {"sid": 7, "domain_uuid": DOMAIN}, "sid must be a string"),
+    ("abort", {"domain_uuid": DOMAIN, "reason": {"why": 1}}, "reason must be a string"),
+    ("list_records", {"open_only": 1}, "open_only must be true or false"),
+    ("renew", {"records": [[DOMAIN, 5]]}, "records are .domain_uuid, migration_id. pairs"),
+    ("register_host", {"addresses": "10.99.0.0/24"}, "addresses must be a list"),
+    ("register_host", {"addresses": [f"10.99.{n}.0/24" for n in range(257)]}, "at most 256 networks"),
+    ("register_host", {"addresses": [], "identity": ["x"]}, "identity must be an object"),
+])
+def test_arguments_of_the_wrong_type_or_size_are_refused(pool, hosts, method, args, message):
+    with pytest.raises(BadRequest, match=message):
+        hosts["hostB"].call(method, **args)
+    # nothing was made of them: every host still reads every record
+    for record in hosts["hostA"].call("list_records")["records"]:
+        RecordView.from_wire(record)
+
+
+@pytest.mark.parametrize("timeout", [-1, 601, 1e300, "5", True, None])
+def test_a_wait_out_of_range_is_refused(pool, hosts, timeout):
+    with pytest.raises(BadRequest, match="timeout must be 0 to 600 seconds"):
+        hosts["hostA"].call("wait_record", domain_uuid=DOMAIN, timeout=timeout)
+
+
+def test_a_connection_holds_only_so_many_waits_and_finished_ones_do_not_count(pool):
+    async def run():
+        client = AsyncControlClient(pool.control_endpoint, "hostA", SECRETS["hostA"].encode())
+        try:
+            for _ in range(MAX_WAITS + 10):          # each answered at once
+                answer = await client.call("wait_record", domain_uuid=DOMAIN, timeout=0)
+                assert answer == {"record": None, "reached": False}
+            # pipelined on the one connection, in this order
+            pending = [asyncio.ensure_future(client.call_within(600, "wait_record", domain_uuid=DOMAIN,
+                                                                timeout=600)) for _ in range(MAX_WAITS)]
+            one_more = asyncio.ensure_future(client.call_within(10, "wait_record", domain_uuid=DOMAIN,
+                                                                timeout=600))
+            with pytest.raises(BadRequest, match=f"{MAX_WAITS} waits already pending on this connection"):
+                await one_more
+            assert not any(task.done() for task in pending)
+            for task in pending:        # (a call failed by a closed connection is sent again)
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        finally:
+            await client.close()
+    asyncio.run(run())
