@@ -177,10 +177,10 @@ class PoolConfig:
         "doc": "Seconds a data-plane connection may take from connect to a successful open "
                "or resume; then it is closed.", "type": "number (seconds)"})
     max_unauthenticated: int = dataclasses.field(default=512, metadata={
-        "doc": "Data-plane connections that have not authenticated yet, all peers together; "
+        "doc": "Connections (data and control plane) that have not authenticated yet, all peers together; "
                "more are refused at once.", "type": "integer"})
     max_unauthenticated_per_peer: int = dataclasses.field(default=32, metadata={
-        "doc": "Data-plane connections from one address that have not authenticated yet; "
+        "doc": "Connections (data and control plane) from one address that have not authenticated yet; "
                "more are refused at once.", "type": "integer"})
     max_header: int = dataclasses.field(default=64 * 1024, metadata={
         "doc": "Largest data-plane frame header; a bigger frame closes that connection.",

@@ -49,6 +49,13 @@ ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping
                  "park", "unpark", "register_intent", "wait_record"}
 
 
+class _Unauthenticated:
+    """A control connection as the pool's admission counts it (by ``peer``)."""
+
+    def __init__(self, peer: tuple):
+        self.peer = peer
+
+
 class ControlServer:
     def __init__(self, pool):
         self.pool = pool
@@ -82,6 +89,15 @@ class ControlServer:
         host = None
         last_id = 0
         waits: set[asyncio.Task] = set()
+        # A host's connection counts against the pool's unauthenticated
+        # budget (shared with the data plane) until its hello is accepted.
+        pending = None if admin else _Unauthenticated(peer if isinstance(peer, tuple) else (str(peer),))
+        if pending is not None:
+            refused = self.pool.admit(pending)
+            if refused is not None:
+                writer.write(encode_frame({"op": "error", "error": refused.to_wire()}))
+                writer.close()
+                return
         try:
             try:
                 header = await asyncio.wait_for(wc.read_frame_async(reader, wc.HELLO_LIMITS),
@@ -106,6 +122,8 @@ class ControlServer:
                     raise AuthFailed(reason=f"no secret for host {name!r} (add it to the pool's hosts file)")
             writer.write(encode_frame({"op": "welcome", "version": 1, "challenge": challenge,
                                        "instance": self.pool.instance}))
+            if pending is not None:
+                self.pool.release_admission(pending)
             while True:
                 try:
                     header = await wc.read_frame_async(reader, wc.CALL_LIMITS)
@@ -151,6 +169,8 @@ class ControlServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
+            if pending is not None:
+                self.pool.release_admission(pending)
             for wait in waits:
                 wait.cancel()
             writer.close()

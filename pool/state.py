@@ -118,7 +118,7 @@ class Pool:
             self._unauthenticated.setdefault(peer, set()).add(conn)
             return None
         self.metrics.refused_connections.inc()
-        LOG.warning("data plane: refusing a connection from %s: %s", peer, reason)
+        LOG.warning("refusing a connection from %s: %s", peer, reason)
         return Unavailable(what="the pool", reason=reason)
 
     def release_admission(self, conn) -> None:

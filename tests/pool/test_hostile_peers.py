@@ -158,6 +158,30 @@ def test_unauthenticated_connections_are_capped_in_total():
             assert dev.read(dev.upload(b"ok")) == b"ok"
 
 
+def test_control_plane_connections_that_have_not_authenticated_count_too():
+    """The control plane held any number of silent connections (300 of them,
+    10 s each): now they draw on the same budget as the data plane's."""
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}, max_unauthenticated_per_peer=2) as harness:
+        silent = [_dial(harness.control_endpoint) for _ in range(2)]
+        try:
+            # both are counted once the pool has seen them: the data plane's third waits for that
+            wait_for(lambda: harness.call(lambda: len(harness.pool._unauthenticated.get("127.0.0.1", ()))) == 2,
+                     10, "the two silent control connections to be counted")
+            with _dial(harness.control_endpoint) as third:
+                frames = _frames_until_closed(third)
+            assert frames[-1]["error"]["code"] == "UNAVAILABLE"
+            assert "2 connections from 127.0.0.1 have not authenticated" in frames[-1]["error"]["message"]
+        finally:
+            for sock in silent:
+                sock.close()
+        # closed ones no longer count; an authenticated host is not counted at all
+        wait_for(lambda: harness.call(lambda: not harness.pool._unauthenticated), 10, "the count to drop")
+        with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as a, \
+                ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as b, \
+                ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as c:
+            assert [x.call("ping")["caller"] for x in (a, b, c)] == ["hostA"] * 3
+
+
 def test_a_session_the_pool_disconnects_is_detached_and_released_after_its_grace():
     with PoolThread(TENANTS, grace=30.0) as harness:
         pool = harness.pool
