@@ -8,6 +8,7 @@ local run: ``ACCELMIG_FUZZ_EXAMPLES=10``); CI runs the default, 1."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from hypothesis import HealthCheck, settings
@@ -45,3 +46,30 @@ def objects(known: dict, *, extra: bool = True):
         return base
     return st.tuples(base, st.dictionaries(text, json_values, max_size=2)).map(
         lambda pair: {**pair[1], **pair[0]})
+
+
+# -- frames, as any peer may write them (the data plane and the control plane share the framing) --
+
+def frame_prefixes(hlen=st.integers(0, 600), plen=st.integers(0, 5000)):
+    """A frame prefix, sometimes a wrong one (magic, version, a TLS record's first bytes)."""
+    from accelmig.wire.frames import MAGIC, PREFIX
+    return st.builds(lambda magic, version, flags, h, p: PREFIX.pack(magic, version, flags, h, p),
+                     st.sampled_from([MAGIC, MAGIC, MAGIC, b"MA", b"\x16\x03"]),
+                     st.sampled_from([1, 1, 1, 0, 2, 255]), st.integers(0, 255), hlen, plen)
+
+
+#: header bytes no encoder of ours would write: not JSON, not an object, no 'op',
+#: numbers that overflow, lone surrogates, nesting past any recursion limit
+odd_header_bytes = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.sampled_from([b'{"op":"x","n":1e400}', b'{"op":NaN}', b'{"op":"x","s":"\\ud800"}',
+                     b"[" * 50000 + b"]" * 50000, b'{"op":"hello","a":' + b"[" * 3000 + b"]" * 3000 + b"}",
+                     b'{"op":"\xff"}', b'{"op":"hello","op":"call"}', b"{}", b"null", b'{"op":1}',
+                     b'{"op":"hello","versions":[1],"n":' + b"1" * 5000 + b"}"]))
+
+
+def raw_header_frame(raw: bytes) -> bytes:
+    """``raw`` as a frame's header, behind a valid prefix."""
+    from accelmig.wire.frames import MAGIC, PREFIX
+    return PREFIX.pack(MAGIC, 1, 0, len(raw), 0) + raw
