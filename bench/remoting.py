@@ -134,14 +134,16 @@ class RawClient:
 
 
 # -- the subject: driver + pool ----------------------------------------------------------
-def start_pool(workdir: str, *extra: str):
+def start_pool(workdir: str, *extra: str, tls: tuple[str, str] | None = None):
+    """An ``accelmig-pool serve`` process: plain TCP, or TLS with ``tls``
+    (certificate, key)."""
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as handle:
         handle.write('[tenants.bench]\ntoken = "bench-token-0001"\nquota = "4GiB"\n')
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING",
-                             "--insecure", *extra],
+                             *(["--tls-cert", tls[0], "--tls-key", tls[1]] if tls else ["--insecure"]), *extra],
                             stdout=subprocess.PIPE, text=True)
     return proc, json.loads(proc.stdout.readline())["data"]
 
@@ -155,6 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--bulk-mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--pipelined", type=int, default=10000)
+    parser.add_argument("--no-tls", action="store_true", help="skip the TLS-versus-plain table")
     args = parser.parse_args(argv)
     import numpy as np
     from accelmig.agent.driver import connect
@@ -203,11 +206,61 @@ def main(argv=None) -> None:
                   "ops/s", "higher")
         dev.close()
         report(table, "remoting", {"args": vars(args)})
+        if not args.no_tls:
+            plain = {"finish": dev_rt / n, "read": dev_read / n, "upload": dev_up, "download": dev_down,
+                     "pipelined": dev_pipe}
+            tls_cost(args, workdir, plain)
     finally:
         for proc in (pool_proc, raw_proc):
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def tls_cost(args, workdir: str, plain: dict) -> None:
+    """The same driver measurements against a pool serving TLS (a throwaway
+    CA from accelmig.lab.certs), beside the plain-TCP figures just taken."""
+    import numpy as np
+    from pathlib import Path
+    from accelmig.agent.driver import connect
+    from accelmig.lab.certs import make_pki
+    pki = make_pki(Path(workdir) / "pki", hosts=())
+    proc, endpoint = start_pool(workdir, tls=(str(pki.pool.cert), str(pki.pool.key)))
+    try:
+        dev = connect(endpoint, "bench-token-0001", agent=False, cafile=str(pki.ca))
+        prog = dev.build(COUNTER)
+        small = dev.upload(bytes(SMALL))
+        bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
+        dbuf = dev.upload(bulk)
+        out = np.empty_like(bulk)
+        n = args.round_trips
+        for _ in range(200):
+            dev.finish()
+        got = {"finish": median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)[0] / n,
+               "read": median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)[0] / n,
+               "upload": median_of(lambda: dev.write(dbuf, bulk), args.repeat)[0],
+               "download": median_of(lambda: dev.read_into(dbuf, out), args.repeat)[0]}
+        assert bytes(out[:4096]) == bytes(bulk[:4096])
+
+        def launches():
+            for _ in range(args.pipelined):
+                prog.launch("bump", 16, None, small)
+            dev.finish()
+        got["pipelined"] = median_of(launches, args.repeat)[0]
+        dev.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    gib = args.bulk_mib / 1024
+    table = Table("TLS cost: the driver and the pool over TLS vs plain TCP (loopback)", "plain TCP", "TLS")
+    table.add("small round trip (finish)", plain["finish"] * 1e6, got["finish"] * 1e6, "us")
+    table.add("small round trip (64 B read)", plain["read"] * 1e6, got["read"] * 1e6, "us")
+    table.add(f"upload {args.bulk_mib} MiB", gib / plain["upload"], gib / got["upload"], "GiB/s", "higher")
+    table.add(f"download {args.bulk_mib} MiB", gib / plain["download"], gib / got["download"], "GiB/s",
+              "higher")
+    table.add(f"pipelined small commands ({args.pipelined})", args.pipelined / plain["pipelined"],
+              args.pipelined / got["pipelined"], "ops/s", "higher")
+    report(table, "remoting-tls", {"args": vars(args)})
 
 
 if __name__ == "__main__":
