@@ -86,6 +86,11 @@ class LineParser:
         self._buf.clear()
         self._skipping = False
 
+    def drop(self, reason: str) -> None:
+        """Drop a line its reader found wrong after parsing (a field of the
+        wrong type): counted and logged like the parser's own drops."""
+        self._drop(reason)
+
     def _drop(self, reason: str) -> None:
         self.dropped.append(reason)
         del self.dropped[:-100]
@@ -154,6 +159,8 @@ def result(request_id, ok: bool = True, result=None, error=None) -> dict:
 
 def parse_rehome(message: dict) -> tuple[str, HostIdentity, dict]:
     """(migration id, identity, {sid: ticket}) of a rehome, or BadRequest."""
+    if not isinstance(message, dict):
+        raise BadRequest(reason="rehome: the document must be a JSON object")
     migration_id = message.get("migration_id")
     if not isinstance(migration_id, str) or not migration_id:
         raise BadRequest(reason="rehome: migration_id must be a non-empty string")

@@ -23,9 +23,33 @@ IDENTITY_VERSION = 1
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
 
 
+def _type_name(value) -> str:
+    """How a wrong value is named in an error: its JSON type, and the value when it is short."""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            tuple: "a list", dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    if isinstance(value, (list, tuple, dict)) or value is None:
+        return kind                 # never the repr of a container (it may be nested deeply)
+    text = repr(value)
+    return f"{kind} ({text})" if len(text) <= 40 else kind
+
+
+def _wire_check(data: dict, key: str, types: tuple, what: str, optional: bool = True) -> None:
+    """``data[key]`` (what the peer sent) is one of ``types`` (or absent or
+    null where ``optional``): a clear BadRequest, never a TypeError further on."""
+    value = data.get(key)
+    if value is None and optional:
+        return
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = {str: "a string", int: "an integer", list: "a list", dict: "an object", bool: "a boolean"}
+        wanted = " or ".join(names.get(t, t.__name__) for t in types) + (" or null" if optional else "")
+        raise BadRequest(reason=f"identity: {what} must be {wanted}, not {_type_name(value)}")
+
+
 def _check_ip(value, what: str, allow_none: bool = True):
     if value is None and allow_none:
         return None
+    if isinstance(value, (bool, int, float, list, tuple, dict)) or value is None:
+        raise BadRequest(reason=f"identity: {what} must be an IP address string, not {_type_name(value)}")
     try:
         return str(ipaddress.ip_address(str(value)))
     except ValueError:
@@ -35,7 +59,9 @@ def _check_ip(value, what: str, allow_none: bool = True):
 def _check_mac(value, what: str):
     if value is None:
         return None
-    text = str(value).lower()
+    if not isinstance(value, str):
+        raise BadRequest(reason=f"identity: {what} must be a MAC address string, not {_type_name(value)}")
+    text = value.lower()
     if not _MAC.match(text):
         raise BadRequest(reason=f"identity: {what} {value!r} is not a MAC address")
     return text
@@ -69,8 +95,14 @@ class GuestNic:
         object.__setattr__(self, "gateway", _check_ip(self.gateway, "gateway"))
         object.__setattr__(self, "mtu", _check_mtu(self.mtu, "guest MTU"))
         object.__setattr__(self, "mac", _check_mac(self.mac, "guest NIC MAC"))
+        if self.routes is None:
+            object.__setattr__(self, "routes", ())
+        if not isinstance(self.routes, (list, tuple)):
+            raise BadRequest(reason=f"identity: routes must be a list of CIDRs, not {_type_name(self.routes)}")
         routes = []
-        for route in self.routes or ():
+        for route in self.routes:
+            if isinstance(route, (bool, int, float, list, tuple, dict)) or route is None:
+                raise BadRequest(reason=f"identity: route {_type_name(route)} is not a CIDR string")
             try:
                 routes.append(str(ipaddress.ip_network(str(route), strict=False)))
             except ValueError:
@@ -88,13 +120,20 @@ class GuestNic:
     @classmethod
     def from_wire(cls, data) -> "GuestNic":
         if not isinstance(data, dict):
-            raise BadRequest(reason="identity: guest_nic must be an object")
-        try:
-            return cls(address=data["address"], prefixlen=data["prefixlen"],
-                       gateway=data.get("gateway"), mtu=data.get("mtu"), mac=data.get("mac"),
-                       routes=tuple(data.get("routes") or ()))
-        except KeyError as exc:
-            raise BadRequest(reason=f"identity: guest_nic lacks {exc.args[0]!r}") from None
+            raise BadRequest(reason=f"identity: guest_nic must be an object, not {_type_name(data)}")
+        for key in ("address", "prefixlen"):
+            if key not in data:
+                raise BadRequest(reason=f"identity: guest_nic lacks {key!r}")
+        # every field's type, before any is used (a peer may send anything)
+        _wire_check(data, "address", (str,), "guest_nic address", optional=False)
+        _wire_check(data, "prefixlen", (int,), "guest_nic prefixlen", optional=False)
+        _wire_check(data, "gateway", (str,), "guest_nic gateway")
+        _wire_check(data, "mtu", (int,), "guest_nic mtu")
+        _wire_check(data, "mac", (str,), "guest_nic mac")
+        _wire_check(data, "routes", (list,), "guest_nic routes")
+        return cls(address=data["address"], prefixlen=data["prefixlen"],
+                   gateway=data.get("gateway"), mtu=data.get("mtu"), mac=data.get("mac"),
+                   routes=tuple(data.get("routes") or ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,17 +168,25 @@ class HostIdentity:
     @classmethod
     def from_wire(cls, data) -> "HostIdentity":
         if not isinstance(data, dict):
-            raise BadRequest(reason="identity must be an object")
+            raise BadRequest(reason=f"identity must be an object, not {_type_name(data)}")
         version = data.get("version", IDENTITY_VERSION)
-        if not isinstance(version, int) or version < 1:
-            raise BadRequest(reason=f"identity: version {version!r}")
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise BadRequest(reason=f"identity: version must be an integer of 1 or more, not {_type_name(version)}")
+        for key in ("host_id", "pool_endpoint"):
+            if key not in data:
+                raise BadRequest(reason=f"identity lacks {key!r}")
+        # every field's type, before any is used (a peer may send anything)
+        _wire_check(data, "host_id", (str,), "host_id", optional=False)
+        _wire_check(data, "pool_endpoint", (str,), "pool_endpoint", optional=False)
+        _wire_check(data, "host_address", (str,), "host_address")
+        _wire_check(data, "interface", (str,), "interface")
+        _wire_check(data, "mtu", (int,), "mtu")
+        _wire_check(data, "mac", (str,), "mac")
+        _wire_check(data, "guest_nic", (dict,), "guest_nic")
         # A newer host may add fields: ignore the unknown, keep what we know.
-        try:
-            nic = data.get("guest_nic")
-            return cls(host_id=data["host_id"], pool_endpoint=data["pool_endpoint"],
-                       host_address=data.get("host_address"), interface=data.get("interface"),
-                       mtu=data.get("mtu"), mac=data.get("mac"),
-                       guest_nic=GuestNic.from_wire(nic) if nic is not None else None,
-                       version=min(version, IDENTITY_VERSION))
-        except KeyError as exc:
-            raise BadRequest(reason=f"identity lacks {exc.args[0]!r}") from None
+        nic = data.get("guest_nic")
+        return cls(host_id=data["host_id"], pool_endpoint=data["pool_endpoint"],
+                   host_address=data.get("host_address"), interface=data.get("interface"),
+                   mtu=data.get("mtu"), mac=data.get("mac"),
+                   guest_nic=GuestNic.from_wire(nic) if nic is not None else None,
+                   version=min(version, IDENTITY_VERSION))

@@ -10,6 +10,14 @@ A ``rehome`` is applied once per migration id: delivered again (the host
 reconnected, reconciled, or fell back to guest-exec), it gets the same
 answer.  Sessions come and go with their drivers' connections: a driver
 that dies is noticed when its socket closes.
+
+Whatever a peer sends (the host, or any process of the guest on the local
+socket), each field is checked for its type before it is used: a wrong one
+is answered ``BAD_REQUEST`` (a ``result`` with a wrong id, which cannot be
+answered, is dropped with its reason), and the rest of the same read is
+still handled.  One local connection may register at most
+``max_sessions_per_link`` sessions (256), all of them together at most
+``max_sessions`` (4096).
 """
 
 from __future__ import annotations
@@ -29,12 +37,75 @@ from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.ports import PortClosed, open_port
 from accelmig.wire import channel as ch
-from accelmig.wire.errors import AccelmigError, BadRequest, Forbidden, InternalError, Timeout, UnknownOp
+from accelmig.wire.errors import (AccelmigError, BadRequest, Forbidden, InternalError, LimitExceeded, Timeout,
+                                  UnknownOp)
 from accelmig.wire.identity import HostIdentity
 from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
+
+#: the longest session id a client may register (the pool's identifiers are at most 256 characters)
+MAX_SID = 256
+#: the longest ``endpoint`` a client may register with a session (a longer ``name`` is cut to it)
+MAX_FIELD = 1024
+MAX_EPOCH = 2**63 - 1
+
+
+def _kind(value) -> str:
+    """What a wrong value is, for an error message (never a container's repr:
+    it may be nested deeply, or long)."""
+    kind = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    if isinstance(value, (bool, int, float)):
+        text = repr(value)
+        return f"{kind} ({text})" if len(text) <= 40 else kind
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    return kind
+
+
+def _sid_of(message: dict, kind: str) -> str:
+    sid = message.get("sid")
+    if not isinstance(sid, str) or not 1 <= len(sid) <= MAX_SID:
+        raise BadRequest(reason=f"{kind}: sid must be a string of 1 to {MAX_SID} characters, not {_kind(sid)}")
+    return sid
+
+
+def _optional_text(message: dict, key: str, kind: str, cut: bool = False):
+    value = message.get(key)
+    if value is not None and isinstance(value, str) and cut:
+        return value[:MAX_FIELD]
+    if value is not None and (not isinstance(value, str) or len(value) > MAX_FIELD):
+        raise BadRequest(reason=f"{kind}: {key} must be a string of at most {MAX_FIELD} characters or null, "
+                                f"not {_kind(value)}")
+    return value
+
+
+def _is_int(value) -> bool:
+    """An integer (a JSON number without a fraction; not a boolean): the
+    agent's own request ids (``resume``), an epoch."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _driver_reply(message: dict) -> dict:
+    """A driver's answer to a ``resume``, in a shape the rehome can rely on:
+    ``ok`` a boolean, ``result`` an object, ``error`` an error object."""
+    ok = message.get("ok")
+    if ok is True:
+        result = message.get("result")
+        if result is None or isinstance(result, dict):
+            return {"ok": True, "result": result or {}}
+        problem = f"its result is {_kind(result)}, not an object"
+    elif ok is False:
+        error = message.get("error")
+        if isinstance(error, dict) and isinstance(error.get("code"), str) and \
+                isinstance(error.get("message", ""), str):
+            return {"ok": False, "error": error}
+        problem = f"a failed answer whose error is {_kind(error)}, not an error object"
+    else:
+        problem = f"its ok is {_kind(ok)}, not a boolean"
+    return {"ok": False, "error": {"code": "PROTOCOL_ERROR", "message": f"the driver answered garbage: {problem}"}}
 
 
 class DriverLink:
@@ -128,10 +199,18 @@ class Rehome:
 
 
 class Agent:
+    #: sessions one local connection may register (a driver registers one per connection)
+    MAX_SESSIONS_PER_LINK = 256
+    #: sessions all local connections together may register
+    MAX_SESSIONS = 4096
+
     def __init__(self, port_path: str, socket_path: str = ch.DEFAULT_AGENT_SOCKET, *,
                  state_dir: str = "/run/accelmig", identity: HostIdentity | None = None,
-                 rehome_timeout: float = 30.0, network: NetworkConfigurator | None = None):
+                 rehome_timeout: float = 30.0, network: NetworkConfigurator | None = None,
+                 max_sessions_per_link: int = MAX_SESSIONS_PER_LINK, max_sessions: int = MAX_SESSIONS):
         self.port_path = port_path
+        self.max_sessions_per_link = max_sessions_per_link
+        self.max_sessions = max_sessions
         self.socket_path = socket_path
         self.state_dir = state_dir
         self.rehome_timeout = rehome_timeout
@@ -188,13 +267,6 @@ class Agent:
             return [dict(info, sid=sid) for link in self.drivers.values()
                     if uid is None or link.peer_uid == uid
                     for sid, info in link.sessions.items()]
-
-    def _holder(self, sid: str) -> "DriverLink | None":
-        with self._lock:
-            for link in self.drivers.values():
-                if sid in link.sessions:
-                    return link
-        return None
 
     def guest_identity(self) -> dict:
         out = {"hostname": socket.gethostname(), "pid": os.getpid()}
@@ -325,7 +397,12 @@ class Agent:
             return
         self.channel.host_wrote()
         for message in self.parser.feed(data):
-            self._on_host_message(message)
+            try:
+                self._on_host_message(message)
+            except Exception as exc:     # a bug costs only its message: the rest of the read is handled
+                LOG.exception("channel: handling a %s failed", message.get("type"))
+                self.send_host(ch.result(message.get("id"), ok=False, error=InternalError(
+                    reason=f"{type(exc).__name__} handling a {message.get('type')}").to_wire()))
 
     def send_host(self, message: dict, resync: bool = False) -> bool:
         data = ch.encode(message)
@@ -341,7 +418,8 @@ class Agent:
 
     def _on_host_message(self, message: dict) -> None:
         kind, request_id = message.get("type"), message.get("id")
-        self.stats[f"host_{kind}"] += 1
+        # (a host inventing types does not grow the counters without end)
+        self.stats[f"host_{kind}" if kind in ch.HOST_TYPES else "host_unknown"] += 1
         try:
             if kind == "sync":
                 self.channel.host_synced()
@@ -474,6 +552,7 @@ class Agent:
             outcome = {"ok": bool(reply.get("ok")), "seconds": round(slot.get("done", 0) - slot["sent"], 6)}
             if reply.get("ok"):
                 outcome.update(reply.get("result") or {})
+                outcome["ok"] = True        # the driver's result does not say otherwise
             else:
                 outcome["error"] = reply.get("error")
             sessions[sid] = outcome
@@ -546,34 +625,57 @@ class Agent:
                 (LOG.warning if link.overflowed else LOG.info)("driver %s dropped: %s", link.who, exc)
                 self._drop_driver(link)
                 return
+            except Exception as exc:     # a bug costs only its message: the rest of the read is handled
+                LOG.exception("driver %s: handling a %s failed", link.who, message.get("type"))
+                try:
+                    link.send(ch.result(message.get("id"), ok=False, error=InternalError(
+                        reason=f"{type(exc).__name__} handling a {message.get('type')}").to_wire()))
+                except OSError:
+                    pass
 
     def _on_driver_message(self, link: DriverLink, message: dict) -> None:
         kind, request_id = message.get("type"), message.get("id")
         if kind == "register":
-            sid = message.get("sid")
-            if not isinstance(sid, str) or not sid:
-                raise BadRequest(reason="register: sid must be a string")
-            holder = self._holder(sid)
-            if holder is not None and holder is not link and \
-                    (holder.peer_pid, holder.peer_uid) == (link.peer_pid, link.peer_uid):
-                with self._lock:          # the same process on a new connection
-                    holder.sessions.pop(sid, None)
-                holder = None
-            if holder is not None and holder is not link:
-                # Tickets for a session go to the process that registered it:
-                # nobody else may take it over (another user least of all).
-                raise Forbidden(who=link.who, what=f"register session {sid}: it is registered "
-                                                   f"by {holder.who}")
-            info = {k: message.get(k) for k in ("endpoint", "name", "epoch")}
+            # every field is checked before any is used or kept (any process of the guest may send this)
+            sid = _sid_of(message, "register")
+            # (the name is a label only: a long one is cut, not refused)
+            info = {"endpoint": _optional_text(message, "endpoint", "register"),
+                    "name": _optional_text(message, "name", "register", cut=True)}
+            epoch = message.get("epoch")
+            if epoch is not None and (not _is_int(epoch) or not 0 <= epoch <= MAX_EPOCH):
+                raise BadRequest(reason=f"register: epoch must be an integer from 0 to 2**63-1 or null, "
+                                        f"not {_kind(epoch)}")
+            info["epoch"] = epoch
             info["pid"] = link.peer_pid          # the kernel's word, not the message's
             info["uid"] = link.peer_uid
             with self._lock:
+                holder = next((other for other in self.drivers.values() if sid in other.sessions), None)
+                moves = holder is not None and holder is not link and \
+                    (holder.peer_pid, holder.peer_uid) == (link.peer_pid, link.peer_uid)
+                if holder is not None and holder is not link and not moves:
+                    # Tickets for a session go to the process that registered it:
+                    # nobody else may take it over (another user least of all).
+                    raise Forbidden(who=link.who, what=f"register session {sid}: it is registered "
+                                                       f"by {holder.who}")
+                if holder is not link:       # one more on this connection (a move keeps the total)
+                    if len(link.sessions) >= self.max_sessions_per_link:
+                        raise LimitExceeded(
+                            f"register session {sid}: this connection already holds {len(link.sessions)} "
+                            f"sessions, the most one connection may ({self.max_sessions_per_link}); "
+                            f"unregister one first")
+                    total = sum(len(other.sessions) for other in self.drivers.values())
+                    if not moves and total >= self.max_sessions:
+                        raise LimitExceeded(
+                            f"register session {sid}: the agent already holds {total} sessions, the most "
+                            f"it keeps for all its clients together ({self.max_sessions})")
+                if moves:                    # the same process on a new connection
+                    holder.sessions.pop(sid, None)
                 link.sessions[sid] = info
             LOG.info("session %s opened by pid %s (%s)", sid, info["pid"], info.get("name"))
             self.send_host({"type": "session_opened", "id": next(self._ids), "sid": sid, **info})
             link.send(ch.result(request_id, result={"registered": sid}))
         elif kind == "unregister":
-            sid = message.get("sid")
+            sid = _sid_of(message, "unregister")
             with self._lock:
                 known = link.sessions.pop(sid, None)
             if known is not None:
@@ -586,9 +688,14 @@ class Agent:
                 "endpoint": identity.pool_endpoint if identity else None,
                 "identity": identity.to_wire() if identity else None}))
         elif kind == "result":
+            if not _is_int(request_id):
+                # an answer to nothing the agent asked: nothing to answer either
+                link.parser.drop(f"a result from {link.who} whose id is {_kind(request_id)}, "
+                                 f"not the id of a request of the agent's")
+                return
             slot = link.pending.pop(request_id, None)
             if slot is not None:
-                slot["reply"] = message
+                slot["reply"] = _driver_reply(message)
                 slot["done"] = time.monotonic()
                 slot["event"].set()
         elif kind == "rehome_local":
@@ -597,6 +704,10 @@ class Agent:
             # the default route and hands out tickets: root only.
             if not link.privileged:
                 raise Forbidden(who=link.who, what="rehome this guest (root only)")
+            document = message.get("document")
+            if not isinstance(document, dict):
+                raise BadRequest(reason=f"rehome_local: document must be a rehome document (an object), "
+                                        f"not {_kind(document)}")
             threading.Thread(target=self._local_rehome, args=(link, message), daemon=True).start()
         elif kind == "status":
             link.send(ch.result(request_id, result=self.status(
@@ -606,9 +717,13 @@ class Agent:
 
     def _local_rehome(self, link: DriverLink, message: dict) -> None:
         try:
-            answer = ch.result(message.get("id"), result=self.rehome(message.get("document") or {}))
+            answer = ch.result(message.get("id"), result=self.rehome(message.get("document")))
         except AccelmigError as exc:
             answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
+        except Exception as exc:  # never leave the caller without an answer (nor die on stderr)
+            LOG.exception("local rehome failed")
+            answer = ch.result(message.get("id"), ok=False,
+                               error=InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire())
         try:
             link.send(answer)
         except OSError:
