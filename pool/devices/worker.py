@@ -79,6 +79,12 @@ class Answers:
             if payload:
                 self.sock.sendall(memoryview(payload).cast("B"))
 
+    def send_headers(self, headers: list[dict]) -> None:
+        """Answers without payload in one write (a burst of launches)."""
+        data = b"".join(encode_prefix_and_header(h, 0) for h in headers)
+        with self.lock:
+            self.sock.sendall(data)
+
 
 class ContextThread:
     """One session's context and the thread that runs its calls in order."""
@@ -92,20 +98,35 @@ class ContextThread:
         threading.Thread(target=self._run, name=f"ctx-{ctx_id}", daemon=True).start()
 
     def _run(self) -> None:
+        held: list[dict] = []        # payload-less answers not sent yet
         while True:
-            item = self.calls.get()
-            header, payload = item
+            header, payload = self.calls.get()
             call_id = header.get("id")
+            out = b""
             try:
                 result, out = self._execute(header, payload)
-                self.answers.send({"op": "answer", "id": call_id, "ok": True, "r": result}, out)
+                answer = {"op": "answer", "id": call_id, "ok": True, "r": result}
             except AccelmigError as exc:
-                self.answers.send({"op": "answer", "id": call_id, "ok": False, "error": exc.to_wire()})
+                answer = {"op": "answer", "id": call_id, "ok": False, "error": exc.to_wire()}
             except Exception as exc:       # a runtime failing oddly: the pool reports it
                 LOG.exception("context %d: %s failed", self.ctx_id, header.get("m"))
-                self.answers.send({"op": "answer", "id": call_id, "ok": False,
-                                   "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()})
+                answer = {"op": "answer", "id": call_id, "ok": False,
+                          "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()}
+            # A burst of calls (pipelined launches) is answered in one write
+            # once nothing more is queued; a payload goes at once.
+            if out:
+                if held:
+                    self.answers.send_headers(held)
+                    held = []
+                self.answers.send(answer, out)
+            else:
+                held.append(answer)
+                if self.calls.empty() or len(held) >= 256:
+                    self.answers.send_headers(held)
+                    held = []
             if header.get("m") == "release":
+                if held:
+                    self.answers.send_headers(held)
                 return
 
     def _execute(self, h: dict, payload) -> tuple:
