@@ -44,9 +44,12 @@ def venv_bin(name: str) -> str:
 def demo_command(token: str, steps: int, size: int, report: int, pause: float) -> str:
     """The demo solver inside the guest: it learns the pool's endpoint from
     the agent (the host told it), prints progress lines on the console."""
-    # --insecure: the lab's pool runs plain TCP, said on both ends (lab/rig.py)
+    # No TLS flag here, so one cached image serves both modes: the guest's
+    # environment says how to reach the pool, from the domain's kernel command
+    # line (Lab.guest_tls_word): ACCELMIG_CAFILE, the lab's CA written at boot
+    # (TLS), or ACCELMIG_INSECURE=1 for a lab run --insecure.
     return (f"python3 -m accelmig.agent.demoapp --token {token} --steps {steps} --size {size} "
-            f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 --insecure "
+            f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 "
             f"--prefix 'DEMO '")
 
 
@@ -63,6 +66,8 @@ class AccelLab:
         """Idempotent: what already runs (each daemon checked by its recorded
         pid and start time) is left alone; what is missing is started."""
         self.lab.up()
+        LOG.info("lab %s: %s", self.name, f"TLS (CA {self.lab.pool_ca})" if self.lab.tls
+                 else "INSECURE: plain TCP between guests, hosts and the pool (--insecure)")
         for host in self.lab.HOSTS:
             self.write_host_config(host, strict=strict)
             self.install_hook(host)
@@ -108,7 +113,7 @@ id = "{host}"
 endpoint = "{POOL_ADDRESS}:{POOL_DATA_PORT}"
 control = "{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
 secret_file = "{secret}"
-insecure = true          # the lab's pool runs plain TCP (lab/rig.py)
+{self._tls_lines(host)}
 [fabric]
 mode = "bridge"
 bridge = "{BRIDGE}"
@@ -123,6 +128,16 @@ hook_timeout = 5.0
 libvirt_uri = "qemu:///system"
 """)
         return config
+
+    def _tls_lines(self, host: str) -> str:
+        """host.toml's [pool] TLS keys: the lab's CA and ``host``'s client
+        certificate (mutual TLS), or ``insecure`` for a lab run --insecure."""
+        cert = self.lab.host_cert(host)
+        if cert is None:
+            return "insecure = true          # the lab runs --insecure: plain TCP (lab/rig.py)"
+        return (f'ca_file = "{self.lab.pool_ca}"\n'
+                f'cert_file = "{cert[0]}"\n'
+                f'key_file = "{cert[1]}"')
 
     def install_hook(self, host: str) -> dict:
         node = self.lab.node(host)
@@ -259,7 +274,7 @@ libvirt_uri = "qemu:///system"
         """The same solver, never migrated: run from hostA's namespace."""
         argv = [sys.executable, "-m", "accelmig.agent.demoapp", "--endpoint", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
                 "--token", self.token, "--steps", str(steps), "--size", str(size), "--report", str(steps),
-                "--insecure"]
+                *(["--cafile", self.lab.pool_ca] if self.lab.tls else ["--insecure"])]
         out = subprocess.run(netns.exec_argv(self.lab.ns_of("hostA"), argv), capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:
@@ -342,7 +357,10 @@ libvirt_uri = "qemu:///system"
                  f"HOSTA_MIGRATE_URI={a['migrate_uri']}", f"HOSTB_MIGRATE_URI={b['migrate_uri']}",
                  f"HOSTA_CONFIG={self.config_path('hostA')}", f"HOSTB_CONFIG={self.config_path('hostB')}",
                  f"POOL_DATA={env['pool']['data']}", f"POOL_CONTROL={env['pool']['control']}",
-                 f"POOL_ADMIN_SOCKET={env['pool'].get('admin_socket', '')}"]
+                 f"POOL_ADMIN_SOCKET={env['pool'].get('admin_socket', '')}",
+                 f"POOL_TLS={'yes' if env['pool']['tls'] else 'no'}"]
+        if env["pool"]["tls"]:
+            lines.append(f"ACCELMIG_CAFILE={env['pool']['ca']}")
         if domain:
             lines.append(f"DOMAIN={domain}")
         return lines

@@ -31,9 +31,20 @@ def _need_root():
         sys.exit(2)
 
 
-def _lab(name: str):
+def _lab(name: str, insecure: bool | None = None):
     from accelmig.lab.accel import AccelLab
-    return AccelLab(name)
+    return AccelLab(name, insecure=insecure)
+
+
+insecure_option = click.option(
+    "--insecure", is_flag=True, default=None,
+    help="Plain TCP between guests, hosts and the pool instead of TLS (debugging; also "
+         "ACCELMIG_LAB_INSECURE=1). Default: TLS, with a throwaway CA made in the lab's directory.")
+
+
+def _mode(accel) -> str:
+    return (f"TLS (CA {accel.lab.pool_ca})" if accel.lab.tls
+            else "INSECURE: plain TCP between guests, hosts and the pool")
 
 
 name_option = click.option("--name", default=DEFAULT_NAME, show_default=True,
@@ -61,14 +72,19 @@ def lab():
 @lab.command()
 @name_option
 @click.option("--lenient", is_flag=True, help="The hooks let migrations through when hostd is down.")
-def up(name, lenient):
+@insecure_option
+def up(name, lenient, insecure):
     """Bring the lab up (idempotent) and print how to reach it."""
     _need_root()
-    accel = _lab(name)
+    accel = _lab(name, insecure)
     started = time.monotonic()
     click.echo(f"bringing lab {name} up ...", err=True)
-    accel.up(strict=not lenient)
-    click.echo(f"lab {name} up in {time.monotonic() - started:.1f} s", err=True)
+    try:
+        accel.up(strict=not lenient)
+    except RuntimeError as exc:
+        click.echo(f"accelmig lab: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"lab {name} up in {time.monotonic() - started:.1f} s; {_mode(accel)}", err=True)
     for line in accel.env_lines():
         click.echo(line)
 
@@ -159,7 +175,8 @@ def _row(label: str, r: dict) -> str:
 @name_option
 @click.option("--keep", is_flag=True, help="Leave the lab up afterwards.")
 @click.option("--steps", type=int, default=600, show_default=True)
-def demo(name, keep, steps):
+@insecure_option
+def demo(name, keep, steps, insecure):
     """The main job: a VM computes on the pool while it live-migrates.
 
     Boots the VM on hostA with the demo solver running on the pool,
@@ -171,7 +188,7 @@ def demo(name, keep, steps):
     """
     _need_root()
     bold = (lambda s: f"\033[1m{s}\033[0m") if sys.stdout.isatty() else (lambda s: s)
-    accel = _lab(name)
+    accel = _lab(name, insecure)
     t0 = time.monotonic()
     ok = False
     try:
@@ -180,6 +197,7 @@ def demo(name, keep, steps):
         env = accel.lab.env()
         click.echo(f"   pool {env['pool']['data']} in netns {env['pool']['netns']}; "
                    f"hosts {', '.join(env['hosts'])} ({accel.lab.virt_type.upper()})")
+        click.echo(f"   {_mode(accel)}")
         click.echo(bold("2. the guest image (cached) and a reference run that never migrates"))
         image = accel.demo_image(steps=steps, pause=0.5)
         reference = accel.reference(steps=steps)

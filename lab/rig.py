@@ -17,6 +17,7 @@ directory.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import hashlib
@@ -30,12 +31,14 @@ import sys
 import time
 from pathlib import Path
 
+import ssl
+
 import libvirt
 
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME
 from accelmig.plugin.domain.render import render
 
-from . import netns
+from . import certs, netns
 from .guest import ResponderChannel, channel_source
 from .image import DEFAULT_CACHE, GuestImage
 from .libvirtd import LibvirtNode, proc_starttime, same_process, stop_process
@@ -48,6 +51,17 @@ POOL_DATA_PORT = 7070
 POOL_CONTROL_PORT = 7071
 DEFAULT_TENANTS = {"alice": ("alice-lab-token-0001", "1GiB"), "bob": ("bob-lab-token-00002", "1GiB")}
 MIGRATION_PORTS = {"hostA": (49152, 49167), "hostB": (49168, 49183)}
+#: ``ACCELMIG_LAB_INSECURE=1``: labs run their pool on plain TCP (debugging),
+#: as ``accelmig lab up --insecure`` does.
+INSECURE_ENV = "ACCELMIG_LAB_INSECURE"
+#: Where a lab guest finds the pool's CA: ``/etc/accelmig/lib.sh`` writes it
+#: from the kernel command line's ``accelmig.pool_ca=`` (base64 DER) and
+#: exports ``ACCELMIG_CAFILE`` to every guest service and application.
+GUEST_CA_PATH = "/run/accelmig/pool-ca.crt"
+
+
+def env_insecure() -> bool:
+    return os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # ---------------------------------------------------------------- KVM or TCG
@@ -137,7 +151,8 @@ class Lab:
 
     def __init__(self, name: str = "lab", *, base_dir: Path | str = DEFAULT_BASE,
                  cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
-                 pool: bool = False, tenants: dict | None = None, pool_args: list | None = None):
+                 pool: bool = False, tenants: dict | None = None, pool_args: list | None = None,
+                 insecure: bool | None = None):
         self.name = name
         self.topology = Topology(name)
         self.dir = Path(base_dir) / name
@@ -153,8 +168,19 @@ class Lab:
         self._popens: dict[str, subprocess.Popen] = {}
         self._conns: dict[str, libvirt.virConnect] = {}
         self.timings: dict[str, float] = {}
+        # TLS (the default) or plain TCP, said explicitly: ``insecure``, else
+        # what a running lab's state file says, else $ACCELMIG_LAB_INSECURE.
+        self._insecure_setting = insecure
         if self.state_file.exists():
             self._load_state()
+
+    @property
+    def insecure(self) -> bool:
+        if self._insecure_setting is not None:
+            return self._insecure_setting
+        if "insecure" in self.state:
+            return bool(self.state["insecure"])
+        return env_insecure()
 
     # ------------------------------------------------------------ state file
 
@@ -218,6 +244,10 @@ class Lab:
         started again, nothing else touched); leftovers of a crashed one are
         removed first."""
         if self.is_up():
+            running_insecure = bool(self.state.get("insecure", False))
+            if self._insecure_setting is not None and self._insecure_setting != running_insecure:
+                raise RuntimeError(f"lab {self.name} is up with {'plain TCP' if running_insecure else 'TLS'}: "
+                                   f"take it down first (accelmig lab down --name {self.name})")
             if self.want_pool and not self.pool_running():
                 LOG.warning("lab %s: its pool is not running: starting it again", self.name)
                 self._start_pool()
@@ -231,7 +261,8 @@ class Lab:
         self.state = {"name": self.name, "dir": str(self.dir), "status": "starting",
                       "created": time.time(), "namespaces": self.topology.namespaces,
                       "netns_dir_before": self._note_netns_dir(), "dirs": [str(self.dir)],
-                      "mounts": [], "processes": {}, "nodes": {}, "virt_type": self.virt_type}
+                      "mounts": [], "processes": {}, "nodes": {}, "virt_type": self.virt_type,
+                      "insecure": self.insecure}
         self._write_state()           # before anything exists
         try:
             self.topology.up()
@@ -340,12 +371,22 @@ class Lab:
         exe = Path(sys.executable).with_name("accelmig-pool")
         ready = pdir / "stdout"
         ready.write_bytes(b"")
+        if "--tls-cert" in self.pool_args or "--insecure" in self.pool_args:
+            tls_args = []                        # the caller chose
+        elif self.insecure:
+            LOG.warning("lab %s: INSECURE: the pool serves plain TCP on both planes (--insecure)", self.name)
+            tls_args = ["--insecure"]
+        else:
+            pki = self.pki()
+            LOG.info("lab %s: TLS on both planes (pool certificate for %s, hosts' certificates "
+                     "required on the control plane; CA %s)", self.name, POOL_ADDRESS, pki["ca"])
+            tls_args = ["--tls-cert", pki["pool"]["cert"], "--tls-key", pki["pool"]["key"],
+                        "--tls-client-ca", pki["ca"]]
         argv = [str(exe), "serve", "--listen", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
                 "--control-listen", f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}",
                 "--tokens", str(tokens), "--hosts", str(hosts),
                 "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text",
-                # plain TCP, said explicitly: the guest image has no CA yet (docs/lab-notes.md)
-                *([] if "--tls-cert" in self.pool_args else ["--insecure"]), *self.pool_args]
+                *tls_args, *self.pool_args]
         with open(ready, "ab") as out:
             proc = self.spawn("pool", "pool", argv, log=pdir / "pool.log", stdout=out)
         deadline = time.monotonic() + 60
@@ -361,6 +402,65 @@ class Lab:
                                    f"{(pdir / 'pool.log').read_text()[-2000:]}")
             time.sleep(0.05)
         raise TimeoutError("accelmig-pool did not report ready within 60 s")
+
+    # ------------------------------------------------------------ TLS
+
+    def pki(self) -> dict:
+        """The lab's throwaway PKI (``lab/certs.py``), made once per lab under
+        its directory: a CA, the pool's certificate (IP SAN: the pool's
+        address) and a client certificate per host; paths, as strings."""
+        saved = self.state.get("pki")
+        if saved and all(Path(p).exists() for p in (saved["ca"], saved["pool"]["cert"], saved["pool"]["key"])):
+            return saved
+        t0 = time.monotonic()
+        # 127.0.0.1 too: a test's relay on a host's own loopback stands in for
+        # the pool there (tests/e2e/test_migration.py, the pool blip)
+        made = certs.make_pki(self.dir / "pki", pool_addresses=(POOL_ADDRESS, "127.0.0.1"), pool_dns=(),
+                              hosts=self.HOSTS)
+        self.state["pki"] = {
+            "ca": str(made.ca), "pool": {"cert": str(made.pool.cert), "key": str(made.pool.key)},
+            "hosts": {h: {"cert": str(i.cert), "key": str(i.key)} for h, i in made.hosts.items()}}
+        self._write_state()
+        self.timings["pki"] = time.monotonic() - t0
+        return self.state["pki"]
+
+    @property
+    def tls(self) -> bool:
+        """Whether this lab's pool serves TLS (it has a PKI and is not insecure)."""
+        return not self.insecure and "pki" in self.state
+
+    @property
+    def pool_ca(self) -> str | None:
+        """The CA file that verifies the pool (None: plain TCP)."""
+        return self.state["pki"]["ca"] if self.tls else None
+
+    def host_cert(self, host: str) -> tuple[str, str] | None:
+        """``host``'s control-plane client certificate and key (None: plain TCP)."""
+        if not self.tls:
+            return None
+        issued = self.state["pki"]["hosts"][host]
+        return issued["cert"], issued["key"]
+
+    def control_tls(self, host: str) -> ssl.SSLContext | None:
+        """What a control-plane client of ``host`` needs (``ControlClient(tls=...)``)."""
+        from accelmig.wire import tls
+        cert = self.host_cert(host)
+        return tls.client_context(self.pool_ca, *cert) if cert else None
+
+    def guest_tls_word(self) -> str:
+        """The kernel command-line word that tells a guest how to reach the
+        pool: ``accelmig.pool_ca=<the CA, base64 DER>`` (the guest writes
+        it to ``GUEST_CA_PATH`` and exports ``ACCELMIG_CAFILE``) or, for a
+        lab run insecure, ``accelmig.insecure=1`` (``ACCELMIG_INSECURE``);
+        "" without a pool."""
+        if "pool" not in self.state and not self.want_pool:
+            return ""
+        if self.insecure:
+            return "accelmig.insecure=1"
+        if "pki" not in self.state:
+            return ""
+        der = ssl.PEM_cert_to_DER_cert(Path(self.state["pki"]["ca"]).read_text())
+        return "accelmig.pool_ca=" + base64.b64encode(der).decode()
 
     # ------------------------------------------------------------ down
 
@@ -474,9 +574,15 @@ class Lab:
         """A lab domain: ``image`` booted directly, the agent channel, a
         fabric NIC on ``host``'s ``fab0`` with an address of that host's
         guest subnet on the kernel command line, the serial console in the
-        node's /var/log/libvirt/qemu/<name>-console.log."""
+        node's /var/log/libvirt/qemu/<name>-console.log.  With a pool, the
+        command line also carries how the guest reaches it (the pool's CA,
+        or ``accelmig.insecure=1``: :meth:`guest_tls_word`), unless it says
+        so already."""
         if cmdline is None:
             cmdline = image.cmdline(net=self.topology.host(host).guest_net(guest_index))
+        word = self.guest_tls_word()
+        if word and word.split("=")[0] + "=" not in cmdline:
+            cmdline = f"{cmdline} {word}"
         return render("accelerator-domain.xml.j2", name=name, memory_mib=memory_mib,
                       virt_type=self.virt_type, kernel=str(image.kernel), initrd=str(image.initrd),
                       cmdline=cmdline, console_log=f"/var/log/libvirt/qemu/{name}-console.log",
@@ -544,7 +650,9 @@ class Lab:
         pool = {"netns": self.topology.pool_ns, "address": POOL_ADDRESS,
                 "data": f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
                 "control": f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}",
-                "running": "pool" in self.state.get("processes", {})}
+                "running": "pool" in self.state.get("processes", {}),
+                "tls": self.tls, "ca": self.pool_ca,
+                "host_certs": {h: self.host_cert(h) for h in self.HOSTS} if self.tls else {}}
         if "pool" in self.state:
             pdir = Path(self.state["pool"]["dir"])
             pool.update(admin_socket=str(pdir / "pool.sock"), tokens=str(pdir / "tokens.toml"),

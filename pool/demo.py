@@ -26,7 +26,19 @@ def bold(text: str) -> str:
     return f"\033[1m{text}\033[0m" if sys.stdout.isatty() else text
 
 
-def start_pool(workdir: str):
+def make_certs(workdir: str) -> dict:
+    """A throwaway CA and the pool's certificate for 127.0.0.1 (the lab's
+    certificate maker, ``accelmig.lab.certs``, installed by ./dev.sh)."""
+    try:
+        from accelmig.lab.certs import make_pki
+    except ImportError:
+        raise SystemExit("the pool demo makes its TLS certificates with accelmig.lab.certs "
+                         "(pip install -e ./lab), or run it with --insecure") from None
+    pki = make_pki(os.path.join(workdir, "pki"), hosts=())
+    return {"ca": str(pki.ca), "cert": str(pki.pool.cert), "key": str(pki.pool.key)}
+
+
+def start_pool(workdir: str, tls: dict | None):
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as handle:
         handle.write(f'[tenants.demo]\ntoken = "{TOKEN}"\nquota = "1GiB"\n')
@@ -34,7 +46,7 @@ def start_pool(workdir: str):
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--tokens", tokens, "--admin-socket", admin, "--log-format", "text",
-                             "--insecure"],
+                             *(["--tls-cert", tls["cert"], "--tls-key", tls["key"]] if tls else ["--insecure"])],
                             stdout=subprocess.PIPE, stderr=open(os.path.join(workdir, "pool.log"), "w"),
                             text=True)
     line = proc.stdout.readline()
@@ -49,14 +61,20 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--cuts", type=int, default=5, help="connection cuts during the run")
+    parser.add_argument("--insecure", action="store_true",
+                        help="plain TCP between the solver and the pool instead of TLS (debugging)")
     args = parser.parse_args(argv)
     workdir = tempfile.mkdtemp(prefix="accelmig-demo-")
     print(bold("accelmig pool demo") + f"  (work dir {workdir})")
-    proc, ready = start_pool(workdir)
-    print(f"pool {ready['instance']} serving on {ready['data']} (PoCL OpenCL device)")
+    tls = None if args.insecure else make_certs(workdir)
+    proc, ready = start_pool(workdir, tls)
+    # the driver: the demo's CA (TLS), or plain TCP said explicitly on both ends
+    options = {"insecure": True} if tls is None else {"cafile": tls["ca"], "insecure": False}
+    print(f"pool {ready['instance']} serving on {ready['data']} (PoCL OpenCL device), "
+          + ("INSECURE: plain TCP (--insecure)" if tls is None else f"TLS (throwaway CA {tls['ca']})"))
     try:
         print(bold(f"1. reference run: {args.steps} Jacobi steps, {args.size} unknowns, no cut"))
-        with connect(ready["data"], TOKEN, agent=False, insecure=True) as dev:
+        with connect(ready["data"], TOKEN, agent=False, **options) as dev:
             reference = demoapp.run(dev, args.steps, args.size, report=args.steps // 4)
         proxy = CutProxy(ready["data"])
         every = max(1, args.steps // 20 // (args.cuts + 1)) * 20
@@ -68,7 +86,7 @@ def main(argv=None) -> int:
                 print(f"   -- connection cut at step {solver.step} --")
 
         print(bold(f"2. the same run through a relay that cuts the connection {args.cuts} times"))
-        with connect(proxy.endpoint, TOKEN, agent=False, insecure=True) as dev:
+        with connect(proxy.endpoint, TOKEN, agent=False, **options) as dev:
             result = demoapp.run(dev, args.steps, args.size, report=20, on_step=maybe_cut,
                                  out=None)
             sid = dev.sid

@@ -419,9 +419,9 @@ def test_a_pool_blip_at_resumed_is_retried_until_the_sessions_resume(accel, vms,
     boot(accel, vms, "vm-blip", image)
     uuid = uuid_of(accel, "vm-blip")
     control = f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
-    # the relay lives in hostB's network namespace (its threads too), where hostd runs
-    proxy = netns.in_thread(accel.lab.ns_of("hostB"), CutProxy, control,
-                            f"{accel.lab.topology.host('hostB').uplink_address}:0")
+    # the relay lives in hostB's network namespace (its threads too), where hostd runs, on
+    # its loopback: an address the lab pool's certificate names (hostd verifies it, TLS)
+    proxy = netns.in_thread(accel.lab.ns_of("hostB"), CutProxy, control, "127.0.0.1:0")
     config = accel.config_path("hostB")
     original = config.read_text()
     assert f'control = "{control}"' in original

@@ -56,7 +56,7 @@ endpoint, token = sys.argv[1], sys.argv[2]
 deadline = time.monotonic() + 60
 while not os.path.exists("/run/accelmig/agent.sock") and time.monotonic() < deadline:
     time.sleep(0.1)                       # register with the agent, so a rehome reaches us
-dev = driver.connect(endpoint, token, name="e2e-qga", insecure=True)   # the lab's pool is plain TCP
+dev = driver.connect(endpoint, token, name="e2e-qga")   # the lab says how: $ACCELMIG_CAFILE (TLS) or $ACCELMIG_INSECURE (lib.sh)
 print(f"e2e session {dev.sid} open at {endpoint}", flush=True)
 calls, error = 0, None
 while True:
@@ -123,7 +123,7 @@ def control(lab: Lab, host: str) -> ControlClient:
     """A control-plane client of ``host``, its socket made inside that
     host's network namespace (the pool's control port exists only there)."""
     client = ControlClient(f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}", host,
-                           lab.state["host_secrets"][host].encode())
+                           lab.state["host_secrets"][host].encode(), tls=lab.control_tls(host))
     with netns.entered(lab.topology.host_ns[host]):
         client.call("ping")
     return client

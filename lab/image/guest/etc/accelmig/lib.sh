@@ -10,6 +10,24 @@ uptime_s() { cut -d' ' -f1 /proc/uptime; }
 load_settings() {
     [ -f /etc/accelmig/guest.conf ] && . /etc/accelmig/guest.conf
     [ -f /run/accelmig/settings ] && . /run/accelmig/settings
+    # How applications reach the pool, for every service and application
+    # started after /init: the pool's CA (TLS), else plain TCP said explicitly.
+    if [ -s /run/accelmig/pool-ca.crt ]; then
+        export ACCELMIG_CAFILE=/run/accelmig/pool-ca.crt
+    fi
+    case "${ACCELMIG_INSECURE:-}" in 1|on|yes|true) export ACCELMIG_INSECURE=1;; *) unset ACCELMIG_INSECURE;; esac
+    return 0
+}
+# The pool's CA from the kernel command line (accelmig.pool_ca=<base64 DER>,
+# put there by the host at each boot: no per-run CA in the cached image)
+# as a PEM file; called by /init after parse_cmdline.
+write_pool_ca() {
+    [ -n "${ACCELMIG_POOL_CA:-}" ] || return 0
+    {
+        echo "-----BEGIN CERTIFICATE-----"
+        echo "$ACCELMIG_POOL_CA" | fold -w 64
+        echo "-----END CERTIFICATE-----"
+    } > /run/accelmig/pool-ca.crt.tmp && mv /run/accelmig/pool-ca.crt.tmp /run/accelmig/pool-ca.crt
 }
 parse_cmdline() {
     mkdir -p /run/accelmig
