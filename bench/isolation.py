@@ -9,47 +9,14 @@ socket pair), pipelined launches.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import sys
 import tempfile
-import time
 
-from bench.common import Table, median_of, report
-from bench.remoting import COUNTER, MIB, SMALL, start_pool
+from bench.common import Table, report
+from bench.remoting import driver_figures, start_pool
 
-TOKEN = "bench-token-0001"
-
-
-def measure(endpoint: str, args) -> dict:
-    import numpy as np
-    from accelmig.agent.driver import connect
-    out: dict = {}
-    start = time.perf_counter()
-    dev = connect(endpoint, TOKEN, agent=False, insecure=True)
-    prog = dev.build(COUNTER)            # the first command waits for the device process
-    out["first"] = time.perf_counter() - start
-    small = dev.upload(bytes(SMALL))
-    bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
-    dbuf = dev.upload(bulk)
-    back = np.empty_like(bulk)
-    n = args.round_trips
-    for _ in range(200):
-        dev.finish()
-    out["finish"] = median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)[0] / n
-    out["read"] = median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)[0] / n
-    out["upload"] = median_of(lambda: dev.write(dbuf, bulk), args.repeat)[0]
-    out["download"] = median_of(lambda: dev.read_into(dbuf, back), args.repeat)[0]
-    assert bytes(back) == bytes(bulk), "the download differs from the upload"
-
-    def launches():
-        for _ in range(args.pipelined):
-            prog.launch("bump", 16, None, small)
-        dev.finish()
-    out["pipelined"] = median_of(launches, args.repeat)[0]
-    dev.close()
-    return out
 
 
 def main(argv=None) -> None:
@@ -64,7 +31,7 @@ def main(argv=None) -> None:
         workdir = tempfile.mkdtemp(prefix="accelmig-bench-")
         proc, endpoint = start_pool(workdir, "--device-isolation", mode)
         try:
-            results[mode] = measure(endpoint, args)
+            results[mode] = driver_figures(endpoint, args, insecure=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(20)

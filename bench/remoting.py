@@ -217,37 +217,49 @@ def main(argv=None) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def driver_figures(endpoint: str, args, **connect_options) -> dict:
+    """A fresh driver against ``endpoint``: its first command (open and a
+    build), then the medians of round trips, bulk transfers and pipelined
+    launches, in seconds.  Used here for TLS and by bench/isolation.py."""
+    import time
+    import numpy as np
+    from accelmig.agent.driver import connect
+    out: dict = {}
+    start = time.perf_counter()
+    dev = connect(endpoint, "bench-token-0001", agent=False, **connect_options)
+    prog = dev.build(COUNTER)            # waits for a device process where there is one
+    out["first"] = time.perf_counter() - start
+    small = dev.upload(bytes(SMALL))
+    bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
+    dbuf = dev.upload(bulk)
+    back = np.empty_like(bulk)
+    n = args.round_trips
+    for _ in range(200):
+        dev.finish()
+    out["finish"] = median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)[0] / n
+    out["read"] = median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)[0] / n
+    out["upload"] = median_of(lambda: dev.write(dbuf, bulk), args.repeat)[0]
+    out["download"] = median_of(lambda: dev.read_into(dbuf, back), args.repeat)[0]
+    assert bytes(back) == bytes(bulk), "the download differs from the upload"
+
+    def launches():
+        for _ in range(args.pipelined):
+            prog.launch("bump", 16, None, small)
+        dev.finish()
+    out["pipelined"] = median_of(launches, args.repeat)[0]
+    dev.close()
+    return out
+
+
 def tls_cost(args, workdir: str, plain: dict) -> None:
     """The same driver measurements against a pool serving TLS (a throwaway
     CA from accelmig.lab.certs), beside the plain-TCP figures just taken."""
-    import numpy as np
     from pathlib import Path
-    from accelmig.agent.driver import connect
     from accelmig.lab.certs import make_pki
     pki = make_pki(Path(workdir) / "pki", hosts=())
     proc, endpoint = start_pool(workdir, tls=(str(pki.pool.cert), str(pki.pool.key)))
     try:
-        dev = connect(endpoint, "bench-token-0001", agent=False, cafile=str(pki.ca))
-        prog = dev.build(COUNTER)
-        small = dev.upload(bytes(SMALL))
-        bulk = np.frombuffer(os.urandom(args.bulk_mib * MIB), dtype=np.uint8)
-        dbuf = dev.upload(bulk)
-        out = np.empty_like(bulk)
-        n = args.round_trips
-        for _ in range(200):
-            dev.finish()
-        got = {"finish": median_of(lambda: [dev.finish() for _ in range(n)], args.repeat)[0] / n,
-               "read": median_of(lambda: [dev.read(small, SMALL) for _ in range(n)], args.repeat)[0] / n,
-               "upload": median_of(lambda: dev.write(dbuf, bulk), args.repeat)[0],
-               "download": median_of(lambda: dev.read_into(dbuf, out), args.repeat)[0]}
-        assert bytes(out[:4096]) == bytes(bulk[:4096])
-
-        def launches():
-            for _ in range(args.pipelined):
-                prog.launch("bump", 16, None, small)
-            dev.finish()
-        got["pipelined"] = median_of(launches, args.repeat)[0]
-        dev.close()
+        got = driver_figures(endpoint, args, cafile=str(pki.ca))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)

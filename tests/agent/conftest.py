@@ -10,12 +10,26 @@ from accelmig.agent.daemon import Agent
 
 
 @pytest.fixture
-def agent(tmp_path):
-    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), rehome_timeout=15)
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
+def agent_on_thread(tmp_path):
+    """Start an ``Agent`` (options as its constructor's) on a thread; each
+    is stopped at the test's end."""
+    started = []
+
+    def start(**options):
+        options.setdefault("rehome_timeout", 15)
+        agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
+                      state_dir=str(tmp_path / "state"), **options)
+        agent.open()
+        thread = threading.Thread(target=agent.run, daemon=True)
+        thread.start()
+        started.append((agent, thread))
+        return agent
+    yield start
+    for agent, thread in started:
+        agent.stop()
+        thread.join(5)
+
+
+@pytest.fixture
+def agent(agent_on_thread):
+    return agent_on_thread()

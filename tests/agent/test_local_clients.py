@@ -22,15 +22,7 @@ from accelmig.plugin.channel import GuestChannel
 from accelmig.wire import channel as ch
 from accelmig.wire.channel import LineClient
 from accelmig.wire.errors import BadRequest, QuotaExceeded
-from tests.support.processes import LoggedProcess
-
-
-def _agent_process(tmp_path) -> LoggedProcess:
-    proc = LoggedProcess(["accelmig-agent", "run", "--port", tmp_path / "channel.sock",
-                          "--socket", tmp_path / "agent.sock", "--state-dir", tmp_path / "state",
-                          "--log-format", "json"])
-    proc.wait_log(lambda e: e["msg"].startswith("agent "))
-    return proc
+from tests.support.processes import AgentProcess
 
 
 def _answers(sock: socket.socket, ids) -> dict:
@@ -52,7 +44,7 @@ def _register(i: int, sid: str) -> bytes:
 
 def test_one_connection_may_register_only_so_many_sessions(tmp_path):
     limit = Agent.MAX_SESSIONS_PER_LINK
-    proc = _agent_process(tmp_path)
+    proc = AgentProcess(tmp_path)
     try:
         with ch.connect_unix(str(tmp_path / "agent.sock"), 30) as sock:
             # one write: every register past the bound, and a where behind them, in the same reads
@@ -84,17 +76,9 @@ def test_one_connection_may_register_only_so_many_sessions(tmp_path):
 
 
 @pytest.fixture
-def small_agent(tmp_path):
+def small_agent(agent_on_thread):
     """An agent on a thread that keeps at most 4 sessions, 3 per connection."""
-    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), rehome_timeout=15,
-                  max_sessions_per_link=3, max_sessions=4)
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
+    return agent_on_thread(max_sessions_per_link=3, max_sessions=4)
 
 
 def test_all_connections_together_may_register_only_so_many_sessions(small_agent):

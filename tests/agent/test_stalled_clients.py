@@ -18,17 +18,9 @@ from accelmig.agent.daemon.agent import DriverLink
 from accelmig.plugin.channel import GuestChannel
 from accelmig.wire import channel as ch
 from accelmig.wire.channel import LineClient
-from tests.support.processes import LoggedProcess
+from tests.support.processes import AgentProcess
 
 BACKLOG = getattr(DriverLink, "MAX_BACKLOG", 1 << 20)       # what the agent keeps for a client that does not read
-
-
-def _agent(tmp_path) -> LoggedProcess:
-    proc = LoggedProcess(["accelmig-agent", "run", "--port", tmp_path / "channel.sock",
-                          "--socket", tmp_path / "agent.sock", "--state-dir", tmp_path / "state",
-                          "--log-format", "json"])
-    proc.wait_log(lambda e: e["msg"].startswith("agent "))
-    return proc
 
 
 def _where_answer_size(path) -> int:
@@ -76,7 +68,7 @@ class Stalled:
 
 
 def test_clients_that_never_read_do_not_stall_the_host_channel_or_other_clients(tmp_path):
-    proc = _agent(tmp_path)
+    proc = AgentProcess(tmp_path)
     stalled = []
     try:
         # well past what a socket buffers, well below the agent's bound
@@ -104,7 +96,7 @@ def test_clients_that_never_read_do_not_stall_the_host_channel_or_other_clients(
 
 
 def test_a_client_that_lets_too_much_pile_up_is_dropped_and_only_it(tmp_path):
-    proc = _agent(tmp_path)
+    proc = AgentProcess(tmp_path)
     try:
         count = 3 * BACKLOG // _where_answer_size(tmp_path / "agent.sock")
         with GuestChannel(str(tmp_path / "channel.sock")) as host, \
@@ -140,7 +132,7 @@ def _answer(sock, session: ch.LineSession, want: int):
 def test_a_line_nested_too_deeply_costs_only_itself(tmp_path):
     """It used to raise RecursionError out of the parser: the rest of that
     read, a ping with it, was lost."""
-    proc = _agent(tmp_path)
+    proc = AgentProcess(tmp_path)
     nested = b'{"type":"ping","id":1,"x":' + b"[" * 100000 + b"]" * 100000 + b"}\n"
     try:
         with ch.connect_unix(str(tmp_path / "channel.sock"), 30) as host:

@@ -7,12 +7,11 @@ process (resident memory, threads, descriptors)."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 
 from accelmig.wire.frames import FrameReader, encode_frame
-from tests.support.processes import LoggedProcess, PoolProcess, tenants_toml
+from tests.support.processes import AgentProcess, LoggedProcess, PoolProcess, tenants_toml
 from tests.support.tenants import ALICE, BOB
 
 #: hostA's guests come from IPv4 loopback, hostB's from IPv6 loopback (as in
@@ -37,29 +36,6 @@ def start_pool(directory, *extra, config: str = "") -> PoolProcess:
     for path in (pool.tokens, pool.hosts):
         os.chmod(path, 0o600)
     return pool
-
-
-class AgentProcess(LoggedProcess):
-    """``accelmig-agent run`` on a unix-socket channel (``channel``, the
-    host's end, as hostd connects to QEMU's chardev) and its local socket
-    (``socket``) in ``directory``.  Also keeps what it writes to stderr that
-    is no JSON log line (``raw``): a thread that died of an exception prints
-    its traceback there, not in the log."""
-
-    def __init__(self, directory, *extra):
-        self.channel, self.socket = directory / "channel.sock", directory / "agent.sock"
-        self.raw: list[str] = []
-        super().__init__(["accelmig-agent", "run", "--port", self.channel, "--socket", self.socket,
-                          "--state-dir", directory / "state", "--log-format", "json", *extra])
-        self.wait_log(lambda e: e["msg"].startswith("agent "))
-
-    def _read(self):
-        for line in self.proc.stderr:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-            elif line.strip():
-                self.raw.append(line.rstrip("\n"))
-        self.lines.put(None)
 
 
 def start_agent(directory, *extra) -> AgentProcess:

@@ -1,6 +1,7 @@
 """Daemons of this virtualenv as child processes, whose JSON log lines a test
-waits on (``wait_log``), never on time: ``LoggedProcess``, and ``PoolProcess``
-(``accelmig-pool serve`` with a tenants file and a hosts file)."""
+waits on (``wait_log``), never on time: ``LoggedProcess``, ``PoolProcess``
+(``accelmig-pool serve`` with a tenants file and a hosts file) and
+``AgentProcess`` (``accelmig-agent run``)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,29 @@ class PoolProcess(LoggedProcess):
         """SIGHUP, and the log line of the reload it caused."""
         self.signal(signal.SIGHUP)
         return self.wait_log(lambda e: e["msg"].startswith("reload"))
+
+
+class AgentProcess(LoggedProcess):
+    """``accelmig-agent run`` on a unix-socket channel (``channel``, the
+    host's end, as hostd connects to QEMU's chardev) and its local socket
+    (``socket``) in ``directory``.  Also keeps what it writes to stderr that
+    is no JSON log line (``raw``): a thread that died of an exception prints
+    its traceback there, not in the log."""
+
+    def __init__(self, directory, *extra):
+        self.channel, self.socket = directory / "channel.sock", directory / "agent.sock"
+        self.raw: list[str] = []
+        super().__init__(["accelmig-agent", "run", "--port", self.channel, "--socket", self.socket,
+                          "--state-dir", directory / "state", "--log-format", "json", *extra])
+        self.wait_log(lambda e: e["msg"].startswith("agent "))
+
+    def _read(self):
+        for line in self.proc.stderr:
+            if line.startswith("{"):
+                self.lines.put(json.loads(line))
+            elif line.strip():
+                self.raw.append(line.rstrip("\n"))
+        self.lines.put(None)
 
 
 def tenants_toml(**tenants) -> str:
