@@ -36,7 +36,9 @@ def hostd(config_path, rehome_timeout, log_format, log_level):
 
     SIGHUP reads the config and the secret file again: a new secret
     (rotated with the pool's hosts file) and [hostd] strict take effect at
-    once; the log names any other changed key, which needs a restart.  A
+    once, renewed TLS files ([pool] ca_file, cert_file, key_file, also at
+    the same paths) from the next connection to the pool; the log names
+    any other changed key, which needs a restart.  A
     config that does not load changes nothing (the log says why).
 
     The host config, e.g. /etc/accelmig/host.toml:

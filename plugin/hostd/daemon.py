@@ -20,6 +20,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import time
 
@@ -55,6 +56,7 @@ class HostDaemon:
         self.rehome_timeout = rehome_timeout
         self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret(),
                                        tls=config.control_tls())
+        self._tls_files = None if config.pool.insecure else _tls_fingerprint(config)
         if config.pool.insecure:
             LOG.warning("INSECURE: plain TCP to the pool's control plane at %s ([pool] insecure = true "
                         "in %s): tickets and calls cross the network in clear", config.pool.control,
@@ -126,16 +128,20 @@ class HostDaemon:
 
     #: what a reload (SIGHUP) applies to the running hostd; ``hostd.hook_timeout``
     #: is read by the hook itself at every run, so it needs no hostd at all
-    RELOADABLE = ("pool.secret_file", "hostd.strict", "hostd.hook_timeout")
+    RELOADABLE = ("pool.secret_file", "pool.ca_file", "pool.cert_file", "pool.key_file", "hostd.strict",
+                  "hostd.hook_timeout")
 
     def reload(self) -> dict:
         """SIGHUP: read host.toml and the secret file again.  The control-plane
         secret (rotated together with the pool's hosts file) and ``[hostd]
-        strict`` take effect now; every other key needs a restart and is
+        strict`` take effect now, renewed TLS files from the next connection; every other key needs a restart and is
         named in the log; a file that does not load changes nothing."""
         try:
             fresh = HostConfig.load(self.config.source)
             secret = fresh.read_secret()
+            # the TLS files too: a renewed certificate often keeps its path
+            tls_files = _tls_fingerprint(fresh) if not fresh.pool.insecure else None
+            tls_context = fresh.control_tls() if tls_files != self._tls_files else None
         except ConfigInvalid as exc:
             LOG.error("reload refused, running on as before: %s", exc, extra={"reload": "refused"})
             return {"refused": str(exc)}
@@ -143,12 +149,18 @@ class HostDaemon:
         restart = [key for key in new if new[key] != old[key] and key not in self.RELOADABLE]
         applied = [f"{key} = {new[key]}" for key in self.RELOADABLE if new[key] != old[key]]
         self.config = dataclasses.replace(
-            self.config, pool=dataclasses.replace(self.config.pool, secret_file=fresh.pool.secret_file),
+            self.config, pool=dataclasses.replace(self.config.pool, secret_file=fresh.pool.secret_file,
+                                                  ca_file=fresh.pool.ca_file, cert_file=fresh.pool.cert_file,
+                                                  key_file=fresh.pool.key_file),
             hostd=dataclasses.replace(self.config.hostd, strict=fresh.hostd.strict,
                                       hook_timeout=fresh.hostd.hook_timeout))
         if secret != self.pool.secret:
             self.pool.rekey(secret)
             applied.append(f"a new control-plane secret from {fresh.pool.secret_file}")
+        if tls_context is not None and not self.config.pool.insecure:
+            self.pool.tls = tls_context          # the next connection presents and checks these
+            self._tls_files = tls_files
+            applied.append("new TLS files (ca_file, cert_file, key_file) for the next connection to the pool")
         summary = "; ".join(filter(None, [
             "applied " + ", ".join(applied) if applied else "",
             "changed but needs a restart of hostd (running with the old values): " + ", ".join(restart)
@@ -435,6 +447,21 @@ class HostDaemon:
 
 async def _nothing(dom, watch) -> None:
     return None
+
+
+def _tls_fingerprint(config: HostConfig) -> str | None:
+    """A digest of the control plane's TLS files as they are now (None
+    when they cannot be read: control_tls then says why)."""
+    digest = hashlib.sha256()
+    try:
+        for path in (config.pool.ca_file, config.pool.cert_file, config.pool.key_file):
+            digest.update(path.encode() + b"\0")
+            if path:
+                with open(path, "rb") as handle:
+                    digest.update(handle.read())
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _settings(config: HostConfig) -> dict:

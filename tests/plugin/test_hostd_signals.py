@@ -76,6 +76,41 @@ def test_sighup_reloads_hostd_and_a_secret_rotates_with_the_pool(tmp_path):
         pool.stop()
 
 
+def test_sighup_takes_renewed_tls_files_at_the_same_paths(tmp_path):
+    """A host certificate is renewed in place: hostd used the files it read
+    at start until a restart; now SIGHUP takes them for the next connection.
+    hostd starts with a certificate of a CA the pool does not trust (refused
+    before any call), gets the right one at the same paths, and registers."""
+    import shutil
+    from accelmig.lab.certs import issue, make_ca, make_pki
+    pki = make_pki(tmp_path / "pki", hosts=("hostA",))
+    other_ca, other_key = make_ca(tmp_path / "other", name="a CA the pool does not trust")
+    wrong = issue(tmp_path / "other", other_ca, other_key, "hostA", client=True)
+    cert, key = tmp_path / "host.crt", tmp_path / "host.key"
+    shutil.copy(wrong.cert, cert)
+    shutil.copy(wrong.key, key)
+    pool = PoolProcess(tmp_path, tenants_toml(t="tenant-token-01"), hosts_toml(hostA=SECRET), tls=pki)
+    config = write_config(tmp_path, pool)
+    text = open(config).read().replace(
+        "insecure = true", f'ca_file = "{pki.ca}"\ncert_file = "{cert}"\nkey_file = "{key}"')
+    with open(config, "w") as handle:
+        handle.write(text)
+    daemon = hostd(config)
+    try:
+        refused = daemon.wait_log(lambda e: e["msg"].startswith("pool registration"))
+        assert refused["level"] == "warning", refused
+        shutil.copy(pki.hosts["hostA"].cert, cert)          # renewed, same paths
+        shutil.copy(pki.hosts["hostA"].key, key)
+        entry = reload_line(daemon)
+        assert "new TLS files (ca_file, cert_file, key_file)" in entry["msg"], entry
+        daemon.wait_log(lambda e: e["msg"].startswith("registered at pool"), timeout=30)
+        assert reload_line(daemon)["msg"].endswith("nothing to reload (host.toml and the secret are unchanged)")
+        assert daemon.stop() == 0
+    finally:
+        daemon.stop()
+        pool.stop()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -91,17 +91,20 @@ class LoggedProcess:
 
 class PoolProcess(LoggedProcess):
     """``accelmig-pool serve`` on loopback with ``tokens.toml`` and ``hosts.toml``
-    in ``directory`` (written from the texts given)."""
+    in ``directory`` (written from the texts given); plain TCP, or TLS and
+    mutual TLS with ``tls`` (an ``accelmig.lab.certs.LabPKI``)."""
 
     def __init__(self, directory, tokens: str, hosts: str = "", *, control_listen: str = "127.0.0.1:0",
-                 extra: tuple = ()):
+                 extra: tuple = (), tls=None):
         self.tokens, self.hosts = directory / "tokens.toml", directory / "hosts.toml"
         self.tokens.write_text(tokens)
         self.hosts.write_text(hosts)
         super().__init__(["accelmig-pool", "serve", "--listen", "127.0.0.1:0",
                           "--control-listen", control_listen, "--tokens", self.tokens,
                           "--hosts", self.hosts, "--admin-socket", directory / "pool.sock",
-                          "--log-format", "json", "--insecure", *extra], ready_line=True)
+                          "--log-format", "json",
+                          *(["--tls-cert", tls.pool.cert, "--tls-key", tls.pool.key, "--tls-client-ca", tls.ca]
+                            if tls is not None else ["--insecure"]), *extra], ready_line=True)
 
     @property
     def endpoint(self) -> str:
