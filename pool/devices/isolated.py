@@ -428,12 +428,18 @@ class IsolatedContext(DeviceContext):
 
     def abandon(self) -> int:
         """The session is released, maybe while a call of its runs: its bytes
-        back now, and the process told to drop the context when it gets to it
-        (under the same deadline: a kernel that never ends is killed)."""
+        back now (the worker's ``release`` drops the context when that call
+        is over, under its deadline: a kernel that never ends is killed).
+        Called from the event loop: it sends nothing."""
         with self._lock:
-            # called again (the worker's release): what was made meanwhile
+            # called again (by release): what was made meanwhile
             released = sum(self.sizes.values())
             self.sizes.clear()
+        return released
+
+    def release(self) -> int:
+        released = self.abandon()
+        with self._lock:
             first, self._released = not self._released, True
         if first:
             try:
@@ -442,6 +448,3 @@ class IsolatedContext(DeviceContext):
                 pass                             # the process is gone: nothing to drop
             self.process.context_released()
         return released
-
-    def release(self) -> int:
-        return self.abandon()
