@@ -425,7 +425,8 @@ class Agent:
                 self.channel.host_synced()
                 self.send_host({"type": "sync", "id": request_id, "nonce": message.get("nonce")},
                                resync=True)
-                self.send_host(self.hello())
+                for line in self.hello_messages():
+                    self.send_host(line)
             elif kind == "ping":
                 self.send_host(ch.result(request_id, result={"pong": True, "time": time.time()}))
             elif kind == "status":
@@ -449,10 +450,25 @@ class Agent:
             self.send_host(ch.result(request_id, ok=False, error=exc.to_wire()))
 
     def hello(self) -> dict:
-        return {"type": "hello", "id": next(self._ids), "agent_version": AGENT_VERSION,
-                "protocol": ch.CHANNEL_PROTOCOL, "guest": self.guest_identity(),
-                "sessions": self.sessions(),
-                "identity": self.identity.to_wire() if self.identity else None}
+        return self.hello_messages()[0]
+
+    #: the sessions a hello lists, in bytes: past it, the rest follow one
+    #: session_opened each (local users may register many sessions with long
+    #: fields; one line over the host's MAX_LINE would be dropped whole, and
+    #: the host's sync with this guest would time out)
+    HELLO_SESSIONS_BUDGET = ch.MAX_LINE // 2
+
+    def hello_messages(self) -> list[dict]:
+        """The hello, then a session_opened for each session it had no room for."""
+        listed, rest, size = [], [], 0
+        for session in self.sessions():
+            size += len(json.dumps(session)) + 2
+            (listed if size <= self.HELLO_SESSIONS_BUDGET else rest).append(session)
+        hello = {"type": "hello", "id": next(self._ids), "agent_version": AGENT_VERSION,
+                 "protocol": ch.CHANNEL_PROTOCOL, "guest": self.guest_identity(),
+                 "sessions": listed,
+                 "identity": self.identity.to_wire() if self.identity else None}
+        return [hello] + [{"type": "session_opened", "id": next(self._ids), **session} for session in rest]
 
     def _rehome_and_answer(self, message: dict) -> None:
         try:

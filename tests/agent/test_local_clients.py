@@ -194,3 +194,28 @@ def test_a_rehome_local_whose_document_is_no_object_is_refused_at_once(agent):
     assert got[1]["error"]["code"] == "BAD_REQUEST" and "not a list" in got[1]["error"]["message"], got[1]
     assert got[2]["error"]["code"] == "BAD_REQUEST" and "not null" in got[2]["error"]["message"], got[2]
     assert got[3]["ok"] is True
+
+
+def test_a_hello_too_big_for_one_line_is_split_and_the_host_still_syncs(agent_on_thread):
+    """256 sessions with 1 KiB names and endpoints make a hello of ~600 KiB,
+    past the host's 256 KiB line limit: the host dropped it and its sync
+    with that guest timed out. Now the hello lists what fits and the rest
+    follow as session_opened, one each: the host learns every session."""
+    agent = agent_on_thread()
+    long_name, long_endpoint = "n" * 1000, "10.0.0.1:7070"
+    sids = [f"s-{i:04d}-" + "x" * 200 for i in range(Agent.MAX_SESSIONS_PER_LINK)]
+    with ch.connect_unix(agent.socket_path, 30) as sock:
+        sock.sendall(b"".join(ch.encode({"type": "register", "id": i + 1, "sid": sid, "endpoint": long_endpoint,
+                                         "name": long_name}) for i, sid in enumerate(sids)))
+        got = _answers(sock, range(1, len(sids) + 1))
+        assert all(answer["ok"] for answer in got.values())
+        assert len(ch.encode({"sessions": agent.sessions()})) > ch.MAX_LINE, "the test proves nothing"
+        with GuestChannel(agent.port_path) as host:
+            hello = host.connect(sync_timeout=30)
+            told = {s["sid"] for s in hello["sessions"]}
+            assert 0 < len(told) < len(sids)
+            while len(told) < len(sids):
+                event = host.events.get(timeout=30)
+                if event.get("type") == "session_opened":
+                    told.add(event["sid"])
+            assert told == set(sids)
