@@ -70,8 +70,8 @@ class TenantProcess:
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
-        env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"),
-                   POCL_KERNEL_CACHE="1")
+        # the pool's environment (POCL_KERNEL_CACHE=0 turns the cache off), its own cache directory
+        env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"))
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "accelmig.pool.devices.worker", "--fd", str(theirs.fileno()),
