@@ -199,7 +199,11 @@ def test_rehome_through_guest_exec_resumes_the_session(nova_lab):
     # the application goes on, on the new connection
     after = wait_for("the session to make progress after the rehome",
                      lambda: (s := session_state(dom))["calls"] > before["calls"] + 2 and s, 20)
-    assert after["error"] is None and after["epoch"] == session["epoch"] and after["sid"] == sid
+    # (one CI run saw epoch 1 here after the driver reported epoch 2: say everything if it recurs)
+    seen = (f"before {before}, rehome {session}, after {after}, "
+            f"agent {qga.agent_status(dom).get('sessions')}")
+    assert after["sid"] == sid, seen
+    assert after["error"] is None and after["epoch"] == session["epoch"], seen
     # the agent keeps the identity; libvirt marked the domain tainted, as the module warns
     status = qga.agent_status(dom)
     assert status["identity"]["host_id"] == "hostA" and [s["sid"] for s in status["sessions"]] == [sid]
