@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from bench.common import Table, report
-from bench.remoting import driver_figures, start_pool
+from bench.remoting import add_driver_rows, driver_figures, start_pool
 
 
 
@@ -37,17 +37,10 @@ def main(argv=None) -> None:
             proc.wait(20)
             shutil.rmtree(workdir, ignore_errors=True)
     base, iso = results["none"], results["process"]
-    gib = args.bulk_mib / 1024
     table = Table("device isolation: a process per tenant vs all in the pool's process",
                   "in the pool", "per tenant")
     table.add("first session: open + build", base["first"] * 1e3, iso["first"] * 1e3, "ms")
-    table.add("small round trip (finish)", base["finish"] * 1e6, iso["finish"] * 1e6, "us")
-    table.add("small round trip (64 B read)", base["read"] * 1e6, iso["read"] * 1e6, "us")
-    table.add(f"upload {args.bulk_mib} MiB", gib / base["upload"], gib / iso["upload"], "GiB/s", "higher")
-    table.add(f"download {args.bulk_mib} MiB", gib / base["download"], gib / iso["download"], "GiB/s",
-              "higher")
-    table.add(f"pipelined launches ({args.pipelined})", args.pipelined / base["pipelined"],
-              args.pipelined / iso["pipelined"], "ops/s", "higher")
+    add_driver_rows(table, base, iso, args, "pipelined launches")
     report(table, "isolation", {"args": vars(args)})
 
 

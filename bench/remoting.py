@@ -263,16 +263,21 @@ def tls_cost(args, workdir: str, plain: dict) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
-    gib = args.bulk_mib / 1024
     table = Table("TLS cost: the driver and the pool over TLS vs plain TCP (loopback)", "plain TCP", "TLS")
-    table.add("small round trip (finish)", plain["finish"] * 1e6, got["finish"] * 1e6, "us")
-    table.add("small round trip (64 B read)", plain["read"] * 1e6, got["read"] * 1e6, "us")
-    table.add(f"upload {args.bulk_mib} MiB", gib / plain["upload"], gib / got["upload"], "GiB/s", "higher")
-    table.add(f"download {args.bulk_mib} MiB", gib / plain["download"], gib / got["download"], "GiB/s",
-              "higher")
-    table.add(f"pipelined small commands ({args.pipelined})", args.pipelined / plain["pipelined"],
-              args.pipelined / got["pipelined"], "ops/s", "higher")
+    add_driver_rows(table, plain, got, args, "pipelined small commands")
     report(table, "remoting-tls", {"args": vars(args)})
+
+
+def add_driver_rows(table: Table, base: dict, subject: dict, args, pipelined_label: str) -> None:
+    """The rows of two ``driver_figures`` results, side by side."""
+    gib = args.bulk_mib / 1024
+    table.add("small round trip (finish)", base["finish"] * 1e6, subject["finish"] * 1e6, "us")
+    table.add("small round trip (64 B read)", base["read"] * 1e6, subject["read"] * 1e6, "us")
+    table.add(f"upload {args.bulk_mib} MiB", gib / base["upload"], gib / subject["upload"], "GiB/s", "higher")
+    table.add(f"download {args.bulk_mib} MiB", gib / base["download"], gib / subject["download"], "GiB/s",
+              "higher")
+    table.add(f"{pipelined_label} ({args.pipelined})", args.pipelined / base["pipelined"],
+              args.pipelined / subject["pipelined"], "ops/s", "higher")
 
 
 if __name__ == "__main__":
