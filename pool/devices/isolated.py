@@ -36,9 +36,9 @@ import threading
 import time
 
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
-from accelmig.pool.devices.worker import PIPE_LIMITS, encode_args
+from accelmig.pool.devices.worker import PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
-from accelmig.wire.frames import FrameReader, encode_prefix_and_header
+from accelmig.wire.frames import FrameReader
 
 LOG = logging.getLogger("accelmig.pool.devices")
 
@@ -66,7 +66,6 @@ class TenantProcess:
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
-        self._send_lock = threading.Lock()
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
@@ -82,6 +81,7 @@ class TenantProcess:
         finally:
             theirs.close()
         self.sock = ours
+        self._frames = FrameWriter(ours)       # whole frames, one writer at a time (as the process's)
         self.reader = FrameReader(PIPE_LIMITS, payload_sink=self._payload_sink)
         # Not waiting for its "ready" here (this runs on the pool's event
         # loop): calls queue in the socket meanwhile, under their deadlines.
@@ -143,11 +143,7 @@ class TenantProcess:
                 self._lock.notify_all()
 
     def _send(self, header: dict, payload=b"") -> None:
-        head = encode_prefix_and_header(header, len(payload))
-        with self._send_lock:
-            self.sock.sendall(head)
-            if payload:
-                self.sock.sendall(memoryview(payload).cast("B"))
+        self._frames.send(header, payload)
 
     # -- answers -----------------------------------------------------------------------
     def _payload_sink(self, header: dict, nbytes: int):

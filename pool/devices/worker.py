@@ -65,8 +65,9 @@ def decode_args(args: list) -> list:
     return out
 
 
-class Answers:
-    """The socket towards the pool: whole frames, one writer at a time."""
+class FrameWriter:
+    """Whole frames onto a socket of the pair, one writer at a time (both
+    ends: the process's answers, the pool's calls)."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -89,7 +90,7 @@ class Answers:
 class ContextThread:
     """One session's context and the thread that runs its calls in order."""
 
-    def __init__(self, ctx_id: int, context, answers: Answers, builds: threading.Semaphore):
+    def __init__(self, ctx_id: int, context, answers: FrameWriter, builds: threading.Semaphore):
         self.ctx_id = ctx_id
         self.context = context
         self.answers = answers
@@ -166,7 +167,7 @@ class ContextThread:
 
 
 def serve(sock: socket.socket, backend, max_builds: int) -> None:
-    answers = Answers(sock)
+    answers = FrameWriter(sock)
     answers.send({"op": "ready", "info": backend.info(), "pid": os.getpid()})
     builds = threading.Semaphore(max_builds)
     contexts: dict[int, ContextThread] = {}
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         backend = open_backend(args.device)
     except AccelmigError as exc:
-        Answers(sock).send({"op": "failed", "error": exc.to_wire()})
+        FrameWriter(sock).send({"op": "failed", "error": exc.to_wire()})
         return 1
     try:
         serve(sock, backend, args.max_builds)
