@@ -106,6 +106,15 @@ class JacobiSolver:
         return hashlib.sha256(self.result()).hexdigest()
 
 
+def emit(out, prefix: str, record: dict) -> None:
+    """One progress line in one write: the guest runs Python unbuffered
+    (PYTHONUNBUFFERED=1), where print() writes the text and its newline in two
+    system calls, and another process sharing the console (the agent's log)
+    can land between them."""
+    out.write(prefix + json.dumps(record) + "\n")
+    out.flush()
+
+
 def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, pause: float = 0.0,
         on_step=None, prefix: str = "") -> dict:
     solver = JacobiSolver(device, n)
@@ -115,7 +124,7 @@ def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, paus
         residual = solver.measure()
         line = {"step": solver.step, "residual": residual, "t": round(time.monotonic() - started, 3)}
         if out is not None:
-            print(prefix + json.dumps(line), file=out, flush=True)
+            emit(out, prefix, line)
         if on_step is not None:
             on_step(solver)
         if pause:
@@ -124,7 +133,7 @@ def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, paus
               "residual": solver.residual, "seconds": round(time.monotonic() - started, 3),
               "sid": device.sid, "epoch": device.epoch, "resumes": device.stats["resumes"]}
     if out is not None:
-        print(prefix + json.dumps(result), file=out, flush=True)
+        emit(out, prefix, result)
     return result
 
 
@@ -164,7 +173,7 @@ def main(argv=None) -> int:
                      insecure=args.insecure) as device:
             run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix)
     except AccelmigError as exc:
-        print(args.prefix + json.dumps({"done": False, "error": exc.to_wire()}), flush=True)
+        emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire()})
         print(f"accelmig-demoapp: {exc}", file=sys.stderr)
         return 1
     return 0
