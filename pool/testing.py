@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import shutil
 import tempfile
 import threading
 
@@ -49,6 +50,7 @@ class PoolThread:
         from accelmig.pool.devices import backend_for
         from accelmig.pool.listeners import PoolServer
         from accelmig.pool.state import Pool
+        os.makedirs(self._tmp, exist_ok=True)      # again after a stop (restart)
         self._own_backend = self._backend is None
         if self._own_backend:
             self._backend = backend_for(self.config)
@@ -96,6 +98,7 @@ class PoolThread:
         if self._own_backend:            # its device processes too
             self._backend.close()
             self._backend = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def restart(self) -> "PoolThread":
         """Stop and start on the same addresses: a new pool instance, no sessions."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import hypothesis  # noqa: F401  (imported first: see below)
 import pytest
@@ -25,6 +26,14 @@ pytest_plugins = ["tests.support.fixtures"]
 # driver's ACCELMIG_INSECURE; PoolThread and tests.support's pools pass
 # insecure themselves).  TLS tests pass cafile= (tests/pool/test_tls.py).
 os.environ["ACCELMIG_INSECURE"] = "1"
+
+# Every temporary file of the run, its own or its subprocesses' (a pool
+# killed with SIGKILL cannot remove its device directory), goes under one
+# directory of the run's own, removed when the session ends.  pytest's own
+# tmp_path stays where it was (kept for a look after a failure).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+RUN_TMP = tempfile.mkdtemp(prefix="accelmig-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = RUN_TMP
 
 
 def pytest_report_header(config):
@@ -66,6 +75,7 @@ def no_system_state_written():
     session as before, else the run fails naming each path."""
     before = system_state.snapshot()
     yield
+    shutil.rmtree(RUN_TMP, ignore_errors=True)
     changed = system_state.changes(before, system_state.snapshot())
     if changed:
         pytest.fail("the test session wrote real system state (a test must use its tmp_path):\n  "
