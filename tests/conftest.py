@@ -33,6 +33,7 @@ os.environ["ACCELMIG_INSECURE"] = "1"
 # tmp_path stays where it was (kept for a look after a failure).
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 RUN_TMP = tempfile.mkdtemp(prefix="accelmig-tests-")
+os.chmod(RUN_TMP, 0o1777)      # like /tmp: tests run some processes as another user
 os.environ["TMPDIR"] = tempfile.tempdir = RUN_TMP
 
 
