@@ -190,6 +190,26 @@ class HostdConfig:
         "type": "string (HOST:PORT)", "example": "127.0.0.1:9471"})
     libvirt_uri: str = dataclasses.field(default="qemu:///system", metadata={
         "doc": "The libvirt daemon hostd follows (and `accelmig migrate` starts from)."})
+    guest_exec_command: tuple[str, ...] = dataclasses.field(
+        default=("/usr/bin/python3", "-m", "accelmig.agent"), metadata={
+            "doc": "How qemu-guest-agent's `guest-exec` runs the accelmig agent in a guest without "
+                   "the accelmig channel (a Nova instance): an absolute program and its first "
+                   "arguments; `rehome --stdin` or `status` follow. A guest bundle: "
+                   "`[\"/usr/bin/python3\", \"/opt/accelmig/accelmig-guest.pyz\"]`.",
+            "type": "array of strings (absolute program first)",
+            "example": ["/usr/bin/python3", "/opt/accelmig/accelmig-guest.pyz"]})
+    accel_domains_interval: float = dataclasses.field(default=2.0, metadata={
+        "doc": "Seconds between hostd's looks at which domains hold accelerator sessions (the "
+               "pool's `accel_domains`): how soon a VM that nobody marked (Nova's) is attested "
+               "after its first session opens, and how soon the hook's cache of such domains "
+               "(`accel-domains.json` in `state_dir`) learns it (0.1-600).",
+        "type": "number (seconds)"})
+
+    @property
+    def accel_domains_file(self) -> str:
+        """The cache of domains that hold sessions: the hook is strict for
+        them when it cannot ask hostd."""
+        return os.path.join(self.state_dir, "accel-domains.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,6 +514,17 @@ def _hostd(t: _Table) -> HostdConfig:
     uri = t.string("libvirt_uri", defaults.libvirt_uri)
     if not uri or "://" not in uri:
         raise t.error("libvirt_uri", f"{uri!r} is not a libvirt URI (e.g. qemu:///system)")
+    command = t.strings("guest_exec_command")
+    if command is None:
+        command = defaults.guest_exec_command
+    elif not command or not os.path.isabs(command[0]) or not all(command):
+        raise t.error("guest_exec_command", f"{command!r} must start with an absolute program "
+                                            f"(qemu-ga's PATH is its service manager's) and hold no "
+                                            f"empty argument")
+    interval = t.number("accel_domains_interval", defaults.accel_domains_interval)
+    if interval is None or not 0.1 <= interval <= 600:
+        raise t.error("accel_domains_interval", f"{interval!r} must be seconds, from 0.1 to 600")
     t.done()
     return HostdConfig(socket=sock, state_dir=state_dir, strict=strict,
-                       hook_timeout=float(timeout), metrics_listen=metrics, libvirt_uri=uri)
+                       hook_timeout=float(timeout), metrics_listen=metrics, libvirt_uri=uri,
+                       guest_exec_command=tuple(command), accel_domains_interval=float(interval))

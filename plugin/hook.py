@@ -5,7 +5,9 @@ domain XML on stdin, for every domain and every lifecycle step (libvirt >=
 6.5 runs every executable in qemu.d, in order, chaining their XML output).
 
 Rules it lives by (docs/lab-notes.md measured why):
-- it acts only on accelmig domains (its metadata or its agent channel) and
+- it acts only on accelmig domains (its metadata or its agent channel, or,
+  for a domain nobody marked such as a Nova instance, its UUID in hostd's
+  ``accel-domains.json``: its guest holds sessions) and
   only at ``migrate begin`` and ``restore begin``: for every other domain
   and every other step it exits 0 at once, silently (the installed script
   does not even start Python for the other steps);
@@ -19,6 +21,7 @@ Rules it lives by (docs/lab-notes.md measured why):
 - at ``migrate begin``/``restore begin`` it prints the domain XML rewritten
   for this host, on a model, only where a host-bound part (the fabric NIC's
   bridge or macvtap device) differs; printing nothing keeps libvirt's XML.
+  A domain nobody marked is never rewritten: its answer is its XML as given.
 
 It imports little (no libvirt, no click): libvirt waits for it.
 """
@@ -90,16 +93,42 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     domain, operation, sub = argv[0], argv[1], argv[2]
     # Cheap filters first: hostd follows every other step through libvirt's
     # events, and most domains on a host are not ours.
-    if (operation, sub) not in GATED_HOOK_STEPS or b"accelmig" not in xml:
+    if (operation, sub) not in GATED_HOOK_STEPS:
+        return 0
+    unmarked = b"accelmig" not in xml
+    if unmarked and not _holds_sessions(xml):
         return 0
     try:
-        return _run(domain, operation, sub, xml, started, stdout)
+        return _run(domain, operation, sub, xml, started, stdout, unmarked=unmarked)
     except Exception as exc:
         _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
         return 1
 
 
-def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout) -> int:
+def _holds_sessions(xml: bytes) -> bool:
+    """A domain with nothing of accelmig in its XML (Nova's) whose guest
+    holds accelerator sessions: hostd keeps their UUIDs, learned from the
+    pool, in ``accel-domains.json``, so this holds while hostd is down.
+    A domain not listed, or no list to read, is not ours: it passes."""
+    import json
+    import re
+    from accelmig.plugin.config import HostConfig
+    from accelmig.wire.errors import AccelmigError
+
+    found = re.search(rb"<uuid>\s*([0-9a-fA-F-]{36})\s*</uuid>", xml)
+    if found is None:
+        return False
+    try:
+        path = HostConfig.load(os.environ.get("ACCELMIG_CONFIG")).hostd.accel_domains_file
+        with open(path, "rb") as handle:
+            listed = json.loads(handle.read(64 << 20)).get("domains") or []
+    except (AccelmigError, OSError, ValueError, AttributeError):
+        return False
+    return found.group(1).decode().lower() in listed
+
+
+def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout, *,
+         unmarked: bool = False) -> int:
     from accelmig.plugin.config import HostConfig
     from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
     from accelmig.wire.localapi import LocalClient
@@ -110,7 +139,7 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
     except AccelmigError as exc:
         _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
         return 1
-    if not model.is_accelmig():
+    if not model.is_accelmig() and not unmarked:
         return 0
     try:
         config = HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))
@@ -124,7 +153,8 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
 
     rewritten, changes = None, []
     try:
-        rewritten, changes = rewrite_for_host(xml.decode("utf-8"), config.fabric)
+        if not unmarked:      # what another system wrote (Nova's XML) is never rewritten
+            rewritten, changes = rewrite_for_host(xml.decode("utf-8"), config.fabric)
     except AccelmigError as exc:
         if config.hostd.strict:
             _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc}")
@@ -144,6 +174,15 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
     if rewritten is not None:
         stdout.write(rewritten)
         stdout.flush()
+    elif unmarked and operation == "migrate":
+        # The answer is the caller's XML (Nova's destination XML), byte for byte.
+        out = getattr(stdout, "buffer", None)
+        if out is not None:
+            out.write(xml)
+            out.flush()
+        else:
+            stdout.write(xml.decode("utf-8", "surrogateescape"))
+            stdout.flush()
     return 0
 
 

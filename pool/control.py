@@ -7,6 +7,7 @@ them and carries out each method on the pool.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import inspect
 import logging
@@ -42,7 +43,7 @@ MAX_ADDRESSES = 256
 #: waits once per ``accelmig migrate`` under way on its host).
 MAX_WAITS = 1024
 
-_NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", "source_host"}
+_NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", "source_host", "since"}
 _FLAG_ARGS = {"postcopy", "open_only"}
 
 ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
@@ -556,6 +557,18 @@ class ControlServer:
         if record is None:
             return {"record": None, "reached": False}
         return {"record": record.describe(), "reached": reached(record)}
+
+    def do_accel_domains(self, caller, since=None):
+        """Which domains hold sessions, marked or not (hosts cache it so their
+        hook can be strict for a Nova instance while hostd is down), and
+        their sids (what each host attests for the domains running on it).
+        ``since``: the version the caller has; an unchanged set answers in a
+        few bytes, however many sessions there are."""
+        domains = self.pool.accel_domains()
+        version = hashlib.sha256(wc.canonical({k: sorted(v) for k, v in domains.items()})).hexdigest()[:32]
+        if since == version:
+            return {"version": version, "unchanged": True}
+        return {"version": version, "domains": domains}
 
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}

@@ -121,6 +121,10 @@ class Session:
         # placement, owned by the control plane
         self.bound_host: str | None = None
         self.domain_uuid: str | None = None
+        # The domain the guest says it is (its SMBIOS system UUID, told at
+        # open): only a hint for hosts to find the sessions of domains that
+        # nobody marked (Nova's); bindings come from hosts' attestation alone.
+        self.claimed_domain: str | None = None
         self.pending_move: tuple[str, str] | None = None   # (domain, migration id) awaiting a ticket
         self.paused_by: set[str] = set()                    # record keys pausing this session
         self.detached_at: float | None = None
@@ -294,6 +298,7 @@ class Session:
         return {
             "sid": self.sid, "tenant": self.tenant.name, "state": self.state.value,
             "epoch": self.epoch, "bound_host": self.bound_host, "domain_uuid": self.domain_uuid,
+            "claimed_domain": self.claimed_domain,
             "paused": sorted(self.paused_by), "pending_move": list(self.pending_move or ()),
             "parked": self.park_retention is not None,
             "deadline_in": None if self.deadline is None else round(self.deadline - time.time(), 3),

@@ -202,6 +202,7 @@ class Pool:
             secret = b""
         if len(secret) < 16:
             raise BadRequest(reason="open: 'secret' must be 16+ random bytes in hex")
+        claimed = dp.domain_claim(header.get("domain"))
         # Before anything is made: each session costs a worker thread and a
         # device context, whatever its quota.
         limit = tenant.max_sessions or self.config.max_sessions_per_tenant
@@ -218,6 +219,7 @@ class Pool:
                           max_objects=self.config.max_objects_per_session,
                           max_source_bytes=self.config.max_source_bytes)
         session.bound_host = conn.peer_host
+        session.claimed_domain = claimed
         session.attach(conn)
         session.on_reply = self._deliver
         session.on_flow = self._flow
@@ -344,6 +346,18 @@ class Pool:
     # -- migration records (the control plane calls these) -----------------------
     def domain_sessions(self, domain_uuid: str) -> list[Session]:
         return [s for s in self.sessions.values() if s.live and s.domain_uuid == domain_uuid]
+
+    def accel_domains(self) -> dict[str, list[str]]:
+        """Every domain that holds live sessions, by its attested UUID or,
+        not attested yet, the UUID its guest claimed: domain -> its sids.
+        Hosts learn from it which of their domains are accelerator VMs,
+        marked or not (a Nova instance carries nothing of accelmig)."""
+        out: dict[str, list[str]] = {}
+        for session in self.sessions.values():
+            domain = session.domain_uuid or session.claimed_domain
+            if session.live and domain is not None:
+                out.setdefault(domain, []).append(session.sid)
+        return out
 
     def find_record(self, domain_uuid: str, migration_id: str | None = None, *,
                     source: str | None = None, dest: str | None = None,

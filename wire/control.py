@@ -64,6 +64,7 @@ METHODS = {
     "list_sessions": "any",       # args: domain_uuid?
     "list_records": "any",        # args: open_only?, domain_uuid?
     "list_hosts": "any",
+    "accel_domains": "host",      # args: since? -> version, domains {uuid: [sid]} (or unchanged)
     "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}
     "ping": "any",

@@ -298,6 +298,23 @@ def check_ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, p
     return hmac.compare_digest(ownership_proof(secret, challenge, sid, epoch, binding), proof)
 
 
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def domain_claim(value) -> str | None:
+    """``open``'s optional ``domain``: the domain the guest says it is, its
+    SMBIOS system UUID (``/sys/class/dmi/id/product_uuid``; libvirt and Nova
+    set it to the domain's UUID).  Lower-case canonical form, or None."""
+    if value is None:
+        return None
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text is None or not _UUID.fullmatch(text):
+        raise BadRequest(reason=f"open: domain must be a UUID (the guest's SMBIOS system UUID) or "
+                                f"absent, not {str(value)[:40]!r}" if isinstance(value, str)
+                         else f"open: domain must be a UUID string or absent, not {type(value).__name__}")
+    return text
+
+
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")
 
 

@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 
+from accelmig.agent import dmi
 from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.ports import PortClosed, open_port
@@ -215,6 +216,8 @@ class Agent:
         self.state_dir = state_dir
         self.rehome_timeout = rehome_timeout
         self.network = network or NetworkConfigurator()
+        # read once, as root: the drivers of other users may not read it (dmi)
+        self.domain = dmi.system_uuid()
         self.port = None
         self.listener: socket.socket | None = None
         self.channel = ChannelStateMachine()
@@ -702,7 +705,8 @@ class Agent:
             identity = self.identity
             link.send(ch.result(request_id, result={
                 "endpoint": identity.pool_endpoint if identity else None,
-                "identity": identity.to_wire() if identity else None}))
+                "identity": identity.to_wire() if identity else None,
+                "domain": self.domain}))
         elif kind == "result":
             if not _is_int(request_id):
                 # an answer to nothing the agent asked: nothing to answer either

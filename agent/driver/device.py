@@ -14,7 +14,7 @@ import logging
 import os
 
 from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg
-from accelmig.agent.driver.registry import AgentRegistration, endpoint_from_agent
+from accelmig.agent.driver.registry import AgentRegistration, domain_of_this_guest, endpoint_from_agent
 from accelmig.agent.driver.session import LinkState, Session
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
@@ -83,7 +83,11 @@ class Device:
     endpoint with backoff when the connection drops (accepted by the pool
     only at the current epoch, from the host the session is bound to);
     ``agent`` registers the session with the guest agent so it can be
-    rehomed after a migration (``None``: the default socket if it exists).
+    rehomed after a migration (``None``: the default socket if it exists);
+    ``domain`` is the domain this guest says it is at open (``None``: its
+    SMBIOS system UUID, from ``/sys`` or, not root, from the agent;
+    ``False``: say nothing), so that hosts find the sessions of VMs nobody
+    marked for accelmig (Nova's).
 
     TLS: the pool's certificate is verified against ``cafile`` (else
     ``$ACCELMIG_CAFILE``, else the system's trust store) and must name the
@@ -96,10 +100,13 @@ class Device:
                  window_commands: int = 4096, window_bytes: int = 512 << 20,
                  auto_reconnect: bool = True, agent: str | bool | None = None,
                  name: str | None = None, connect_timeout: float = 10.0,
-                 cafile: str | None = None, insecure: bool | None = None):
+                 cafile: str | None = None, insecure: bool | None = None,
+                 domain: str | bool | None = None):
+        if domain is None:
+            domain = domain_of_this_guest(agent if agent is not False else None)
         self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
                                 window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
-                                connect_timeout=connect_timeout,
+                                connect_timeout=connect_timeout, domain=domain or None,
                                 tls_context=tls_context(endpoint, cafile, insecure))
         self._agent = None
         if agent is not False:

@@ -16,7 +16,9 @@ import logging
 import os
 import threading
 
+from accelmig.agent import dmi
 from accelmig.wire import channel as ch
+from accelmig.wire.dataplane import domain_claim
 from accelmig.wire.errors import AccelmigError
 
 LOG = logging.getLogger(__name__)
@@ -45,6 +47,23 @@ def endpoint_from_agent(agent=None) -> str | None:
         LOG.info("guest agent at %s does not answer: %s", path, exc)
         return None
     return (answer or {}).get("endpoint")
+
+
+def domain_of_this_guest(agent=None) -> str | None:
+    """This guest's SMBIOS system UUID: read from ``/sys`` (root), else as
+    the guest agent read it (root only may read the file)."""
+    uuid = dmi.system_uuid()
+    if uuid is not None:
+        return uuid
+    path = agent_socket_path(agent)
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with agent_connection(path) as conn:
+            answer = conn.call("where")
+        return domain_claim((answer or {}).get("domain"))
+    except AccelmigError:
+        return None
 
 
 def agent_connection(path: str, timeout: float | None = 5.0) -> ch.LineClient:

@@ -99,8 +99,9 @@ class Session:
 
     def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
                  window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float,
-                 tls_context=None):
+                 tls_context=None, domain: str | None = None):
         dp.parse_endpoint(endpoint)
+        self.domain = dp.domain_claim(domain)  # checked here: a bad one is the caller's error, not the pool's
         self.endpoint = endpoint
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -148,7 +149,8 @@ class Session:
         sock, reader = self._dial(self.endpoint, self.connect_timeout)
         try:
             handshake_send(sock, {"op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
-                                  "client": {"name": self.name, "pid": os.getpid()}})
+                                  "client": {"name": self.name, "pid": os.getpid()},
+                                  **({"domain": self.domain} if self.domain else {})})
             answer, leftovers = read_answer(sock, reader)
         except BaseException:
             sock.close()

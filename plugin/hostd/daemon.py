@@ -21,8 +21,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import hashlib
+import json
 import logging
+import os
 import time
+
+import libvirt
 
 from accelmig.plugin.config import HostConfig
 from accelmig.plugin.domain.model import DomainXML
@@ -70,6 +74,12 @@ class HostDaemon:
             from accelmig.plugin.addresses import GuestAddressAllocator
             self.allocator = GuestAddressAllocator.for_config(config)
         self.watches = WatchTable()
+        # Domains that hold sessions at the pool, marked or not (Nova's are
+        # not): uuid -> sids, as the pool last said (accel_domains).
+        self.accel_domains: dict[str, frozenset[str]] = {}
+        self._accel_version: str | None = None
+        self._absent: set[str] = set()       # of those, the ones not defined here (looked up once)
+        self._refused: set[str] = set()      # sids the pool would not bind for us
         # one domain's events, in libvirt's order: handled one after another
         # by a single task per domain (concurrent handlers would reorder them,
         # and each would read a foreign domain's XML before any marked it)
@@ -120,6 +130,7 @@ class HostDaemon:
         self.spawn(self.libvirt.run(), "libvirt")
         self.spawn(self.reconciler.renew_loop(), "renew")
         self.spawn(self._attest_loop(), "attest")
+        self.spawn(self._accel_domains_loop(), "accel-domains")
         await self._stop.wait()
         await self.shutdown()
 
@@ -284,6 +295,7 @@ class HostDaemon:
 
     async def _on_event(self, dom, event: DomainEvent) -> None:
         uuid = dom.UUIDString()
+        self._absent.discard(uuid)
         if event.kind in (EventKind.DEFINED, EventKind.UNDEFINED):
             self.watches.forget_foreign(uuid)        # its XML changed: look again
         trigger = TRIGGERS.get(event)
@@ -330,7 +342,7 @@ class HostDaemon:
         model = await self._live_xml(dom)
         if model is None:
             return None
-        if not model.is_accelmig():
+        if not model.is_accelmig() and uuid not in self.accel_domains:
             self.watches.mark_foreign(uuid)
             return None
         watch = self.watches.add(uuid, dom.name())
@@ -359,9 +371,8 @@ class HostDaemon:
                 watch.delivery = ChannelDelivery(inspect=self.inspect, on_event=self._on_guest_event,
                                                  timeout=self.rehome_timeout)
             elif kind == "guest-exec":
-                from accelmig.plugin.qga import DEFAULT_COMMAND
                 watch.delivery = GuestExecDelivery(executor=self._guest_exec, timeout=self.rehome_timeout,
-                                                   command=DEFAULT_COMMAND)
+                                                   command=self.config.hostd.guest_exec_command)
             else:
                 watch.delivery = NoDelivery()
         nic = model.fabric_interface()
@@ -435,6 +446,73 @@ class HostDaemon:
         async with watch.lock:
             if watch.phase is Phase.RUNNING:
                 await self.first_contact(dom, watch)
+
+    # -- domains nobody marked: learned from the pool ------------------------------------
+    async def _accel_domains_loop(self) -> None:
+        while True:
+            try:
+                await self.follow_accel_domains()
+            except AccelmigError as exc:      # the pool is down: the registration loop says so
+                LOG.debug("accel_domains: %s", exc)
+            await asyncio.sleep(self.config.hostd.accel_domains_interval)
+
+    async def follow_accel_domains(self) -> None:
+        """Which domains hold sessions, from the pool: kept for the hook
+        (``accel-domains.json``, so it is strict for them even without
+        hostd), and each one running here attested with its sessions.  A
+        Nova instance carries nothing of accelmig in its XML; its guest's
+        driver told the pool its SMBIOS UUID, and this is how its hosts learn
+        it.  Domains without sessions are never looked at."""
+        answer = await self.pool_call("accel_domains", since=self._accel_version)
+        if not answer.get("unchanged"):
+            domains = answer.get("domains") or {}
+            fresh = {u: frozenset(s for s in sids if isinstance(s, str))
+                     for u, sids in domains.items() if isinstance(u, str) and isinstance(sids, list)}
+            if fresh.keys() != self.accel_domains.keys():
+                await asyncio.get_running_loop().run_in_executor(None, self._write_accel_cache, sorted(fresh))
+            for uuid in fresh.keys() - self.accel_domains.keys():
+                self.watches.forget_foreign(uuid)   # looked at before it held sessions: look again
+            self._absent &= fresh.keys()
+            self._refused.clear()                   # a new picture: worth one more try each
+            self.accel_domains = fresh
+            self._accel_version = answer.get("version")
+        for uuid, sids in self.accel_domains.items():
+            watch = self.watches.get(uuid)
+            if watch is None:
+                if uuid in self._absent or self.libvirt.conn is None:
+                    continue
+                try:
+                    dom = await self.libvirt.call(self.libvirt.conn.lookupByUUIDString, uuid)
+                    state, _reason = await self.libvirt.call(dom.state, 0)
+                except LibvirtFailure as exc:
+                    if exc.kind == "no-domain":
+                        self._absent.add(uuid)      # runs elsewhere: an event tells us if it comes
+                    continue
+                watch = await self.watch_of(dom)
+                if watch is None:
+                    continue
+                if state == libvirt.VIR_DOMAIN_RUNNING:
+                    async with watch.lock:
+                        await self.take(dom, watch, Trigger.FOUND_RUNNING)
+            if watch.phase is Phase.RUNNING:
+                for sid in sorted(sids - watch.sessions - self._refused):
+                    try:
+                        await self.attest(watch, sid)
+                    except AccelmigError as exc:
+                        self._refused.add(sid)      # said once; tried again when the picture changes
+                        LOG.warning("domain %s: session %s (the guest says it is this domain's) not "
+                                    "attested: %s", watch.name, sid, exc, extra={"domain": watch.name})
+
+    def _write_accel_cache(self, uuids: list[str]) -> None:
+        """Atomically, readable by the hook (root) and ``accelmig doctor``."""
+        path = self.config.hostd.accel_domains_file
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as handle:
+            json.dump({"host": self.host, "written": time.time(), "domains": uuids}, handle)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        LOG.info("%d domain(s) hold accelerator sessions (cached in %s)", len(uuids), path)
 
     async def _release_lease(self, uuid: str, name: str) -> None:
         if self.allocator is None:

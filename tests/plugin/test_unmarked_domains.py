@@ -1,0 +1,210 @@
+"""Accelerator VMs that nobody marked (a Nova instance: Nova's XML, Nova's
+qemu-guest-agent channel, nothing of accelmig's): the guest's driver tells
+the pool its SMBIOS UUID at open, the pool lists the domains that hold
+sessions (``accel_domains``), every hostd learns them, attests the ones
+running on its host and caches the list for the hook, which is then strict
+for them even with hostd down — and answers Nova's XML unchanged, byte for
+byte.  A real pool, a real hostd against libvirt's test:///default driver,
+the hook as libvirt runs it (a process)."""
+
+from __future__ import annotations
+
+import json
+import uuid as uuid_module
+
+import libvirt
+import pytest
+
+from accelmig.agent.driver import connect
+from accelmig.pool.testing import PoolThread
+from accelmig.wire.control import ControlClient
+from accelmig.wire.dataplane import domain_claim
+from accelmig.wire.errors import BadRequest
+from tests.conftest import ALICE, TENANTS
+from tests.plugin.test_hook import run_hook
+from tests.support.hostd import SECRET, HostdThread, write_config
+from tests.support.wait import wait_for
+
+#: Nova's shape, as far as this test driver can hold it: Nova's metadata
+#: namespace, its SMBIOS sysinfo, qemu-guest-agent's channel, no accelmig
+NOVA_XML = """<domain type='test'>
+  <name>{name}</name>
+  <uuid>{uuid}</uuid>
+  <metadata>
+    <nova:instance xmlns:nova="http://openstack.org/xmlns/libvirt/nova/1.1">
+      <nova:name>{name}</nova:name>
+    </nova:instance>
+  </metadata>
+  <memory>65536</memory><vcpu>1</vcpu>
+  <sysinfo type='smbios'><system><entry name='uuid'>{uuid}</entry></system></sysinfo>
+  <os><type arch='x86_64'>hvm</type><smbios mode='sysinfo'/></os>
+  <devices>
+    <channel type='unix'><source mode='bind'/><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
+  </devices>
+</domain>
+"""
+
+
+@pytest.fixture
+def neutron_pool():
+    """A pool whose host knows no guest networks: on a Neutron tenant network
+    a guest's address says nothing about its host (bindings come from hostd)."""
+    with PoolThread(TENANTS, {"hostA": (SECRET, [])}) as pool:
+        yield pool
+
+
+def accel_domains(pool, since=None) -> dict:
+    with ControlClient(pool.control_endpoint, "hostA", SECRET.encode()) as client:
+        return client.call("accel_domains", since=since)
+
+
+def with_interval(config: str, seconds: float) -> str:
+    with open(config, "a") as handle:
+        handle.write(f"accel_domains_interval = {seconds}\n")      # [hostd] is the file's last table
+    return config
+
+
+def test_a_session_tells_the_pool_which_domain_it_is_and_the_pool_lists_it(neutron_pool):
+    domain = str(uuid_module.uuid4())
+    assert accel_domains(neutron_pool)["domains"] == {}
+    with connect(neutron_pool.endpoint, ALICE, agent=False, domain=domain.upper()) as dev:
+        answer = accel_domains(neutron_pool)
+        assert answer["domains"] == {domain: [dev.sid]}           # canonical: lower case
+        assert accel_domains(neutron_pool, since=answer["version"]) == {"version": answer["version"],
+                                                                       "unchanged": True}
+        described = neutron_pool.session(dev.sid)
+        assert described["claimed_domain"] == domain
+        assert described["domain_uuid"] is None and described["bound_host"] is None   # a claim binds nothing
+        with connect(neutron_pool.endpoint, ALICE, agent=False, domain=False) as silent:
+            assert accel_domains(neutron_pool, since=answer["version"])["unchanged"] is True
+            assert neutron_pool.session(silent.sid)["claimed_domain"] is None
+    wait_for(lambda: accel_domains(neutron_pool)["domains"] == {}, what="the closed session's domain gone")
+
+
+@pytest.mark.parametrize("bad", ["not-a-uuid", "7c2f6a4e-1d3b-4c8e-9a5f-0b1c2d3e4f5", 12, ["x"]])
+def test_a_domain_that_is_no_uuid_is_refused(neutron_pool, bad):
+    with pytest.raises(BadRequest, match="domain must be a UUID"):
+        domain_claim(bad)
+    with pytest.raises(BadRequest, match="domain must be a UUID"):
+        connect(neutron_pool.endpoint, ALICE, agent=False, domain=bad)
+
+
+def test_hostd_attests_the_sessions_of_a_domain_nobody_marked_and_caches_it_for_the_hook(
+        neutron_pool, tmp_path):
+    conn = libvirt.open("test:///default")
+    domain = str(uuid_module.uuid4())
+    dom = conn.defineXML(NOVA_XML.format(name="instance-0000002a", uuid=domain))
+    dom.create()
+    config = with_interval(write_config(tmp_path, neutron_pool), 0.1)
+    hostd = HostdThread(config).start()
+    try:
+        daemon = hostd.daemon
+        wait_for(lambda: daemon.watches.is_foreign(domain), what="the instance seen, foreign (no sessions)")
+        with connect(neutron_pool.endpoint, ALICE, agent=False, domain=domain) as dev:
+            wait_for(lambda: neutron_pool.session(dev.sid)["domain_uuid"] == domain, what="the session attested")
+            assert neutron_pool.session(dev.sid)["bound_host"] == "hostA"
+            watch = daemon.watches.get(domain)
+            assert watch is not None and watch.delivery.name == "guest-exec"
+            assert dev.sid in watch.sessions
+            cache = json.loads((tmp_path / "state" / "accel-domains.json").read_text())
+            assert cache["domains"] == [domain] and cache["host"] == "hostA"
+            assert (tmp_path / "state" / "accel-domains.json").stat().st_mode & 0o777 == 0o644
+            # the guest-exec command comes from host.toml
+            assert watch.delivery.command == ("/usr/bin/python3", "-m", "accelmig.agent")
+    finally:
+        hostd.stop()
+        dom.destroy()
+        dom.undefine()
+        conn.close()
+
+
+def test_hostd_asks_libvirt_nothing_more_for_domains_without_sessions(neutron_pool, tmp_path):
+    """50 foreign domains and a pool that lists sessions of domains elsewhere:
+    hostd's libvirt calls stay where they were, poll after poll."""
+    conn = libvirt.open("test:///default")
+    created = [conn.defineXML(NOVA_XML.format(name=f"instance-{n:08x}", uuid=uuid_module.uuid4()))
+               for n in range(50)]
+    for dom in created:
+        dom.create()
+    config = with_interval(write_config(tmp_path, neutron_pool), 0.1)
+    hostd = HostdThread(config).start()
+    elsewhere = str(uuid_module.uuid4())      # a domain on another host holds a session
+    try:
+        daemon = hostd.daemon
+        wait_for(lambda: all(daemon.watches.is_foreign(d.UUIDString()) for d in created),
+                 what="the 50 instances seen")
+        with connect(neutron_pool.endpoint, ALICE, agent=False, domain=elsewhere):
+            wait_for(lambda: elsewhere in daemon.accel_domains, what="hostd learned the other domain")
+            polls = daemon.metrics.record_steps.labels("accel_domains")._value.get()
+            before = dict(daemon.libvirt.calls)
+            wait_for(lambda: daemon.metrics.record_steps.labels("accel_domains")._value.get() >= polls + 10,
+                     what="ten more polls")
+            assert dict(daemon.libvirt.calls) == before
+            assert len(daemon.watches) == 0
+            assert daemon._absent == {elsewhere}       # looked up once: not here
+    finally:
+        hostd.stop()
+        for dom in created:
+            dom.destroy()
+            dom.undefine()
+        conn.close()
+
+
+def write_cache(tmp_path, *domains: str) -> None:
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    (state / "accel-domains.json").write_text(json.dumps({"host": "hostA", "domains": list(domains)}))
+
+
+def test_the_hook_is_strict_for_a_listed_domain_with_hostd_down(neutron_pool, tmp_path):
+    domain = str(uuid_module.uuid4())
+    xml = NOVA_XML.format(name="instance-0000002b", uuid=domain).encode()
+    config = write_config(tmp_path, neutron_pool, strict=True)
+    # not listed: somebody else's domain, passed silently, XML untouched
+    write_cache(tmp_path, str(uuid_module.uuid4()))
+    assert run_hook(config, "instance-0000002b", "migrate", "begin", "-", xml=xml)[:3] == (0, "", "")
+    # listed (its guest holds sessions) and hostd down: refused
+    write_cache(tmp_path, domain)
+    code, out, err, _ = run_hook(config, "instance-0000002b", "migrate", "begin", "-", xml=xml)
+    assert code == 1 and out == ""
+    assert "refusing migrate of instance-0000002b to host hostA" in err and "strict mode" in err
+    # lenient: it goes ahead, Nova's XML answered as it came
+    lenient = write_config(tmp_path, neutron_pool, strict=False)
+    code, out, err, _ = run_hook(lenient, "instance-0000002b", "migrate", "begin", "-", xml=xml)
+    assert code == 0 and out.encode() == xml and "lenient mode" in err
+
+
+def test_the_hook_answers_novas_xml_byte_for_byte_and_hostd_opens_the_record(neutron_pool, tmp_path):
+    domain = str(uuid_module.uuid4())
+    # Nova's destination XML as it comes: attribute order, quotes, blank
+    # lines and a comment a model round trip would not keep
+    xml = ("<!-- nova -->\n" + NOVA_XML.format(name="instance-0000002c", uuid=domain)
+           .replace("<vcpu>1</vcpu>", "<vcpu  placement=\"static\">1</vcpu>\n\n")).encode()
+    config = write_config(tmp_path, neutron_pool, strict=True)
+    write_cache(tmp_path, domain)
+    hostd = HostdThread(config).start()
+    try:
+        code, out, err, _ = run_hook(config, "instance-0000002c", "migrate", "begin", "-", xml=xml)
+        assert code == 0, err
+        assert out.encode() == xml
+        records = ControlClient(neutron_pool.control_endpoint, "hostA", SECRET.encode()).call(
+            "list_records", domain_uuid=domain)["records"]
+        assert [(r["dest_host"], r["state"]) for r in records] == [("hostA", "open")]
+    finally:
+        hostd.stop()
+
+
+def test_guest_exec_command_is_read_from_host_toml(tmp_path, neutron_pool):
+    from accelmig.plugin.config import HostConfig
+    from accelmig.wire.errors import ConfigInvalid
+    config = write_config(tmp_path, neutron_pool)
+    with open(config, "a") as handle:
+        handle.write('guest_exec_command = ["/usr/bin/python3", "/opt/accelmig/accelmig-guest.pyz"]\n')
+    assert HostConfig.load(config).hostd.guest_exec_command == ("/usr/bin/python3",
+                                                                "/opt/accelmig/accelmig-guest.pyz")
+    for bad in ('["python3", "-m", "accelmig.agent"]', "[]", '["/usr/bin/python3", ""]', '"/usr/bin/python3"'):
+        text = write_config(tmp_path, neutron_pool)
+        with open(text, "a") as handle:
+            handle.write(f"guest_exec_command = {bad}\n")
+        with pytest.raises(ConfigInvalid, match="guest_exec_command"):
+            HostConfig.load(text)
