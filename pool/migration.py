@@ -211,12 +211,15 @@ class TicketAuthority:
         return ticket
 
     def check(self, ticket, sid: str, peer_host: str | None, now: float,
-              retry_of: str | None = None) -> dict:
+              retry_of: str | None = None, by_address: bool = True) -> dict:
         """Claims of a valid ticket, or TicketInvalid.  Does not use it up.
 
         ``retry_of``: the nonce of the ticket the session's last resume used;
         presenting it again is the same driver retrying that resume (its
-        answer was lost), not a replay."""
+        answer was lost), not a replay.  ``by_address`` False: the session's
+        addresses name no host (a Neutron tenant network: the same address on
+        every host), so a resume from such an address is not checked against
+        the ticket's host; one from a host's network still is."""
         if not isinstance(ticket, str) or ticket.count(".") != 2:
             raise TicketInvalid(reason="not an accelmig ticket")
         version, body, mac = ticket.split(".")
@@ -241,7 +244,7 @@ class TicketAuthority:
             raise TicketInvalid(reason=self._dead.get(nonce, "ticket revoked (its pool record is gone)"))
         if now > float(claims.get("exp", 0)):
             raise TicketInvalid(reason=f"ticket expired {now - float(claims['exp']):.1f} s ago")
-        if claims.get("dst") != peer_host:
+        if claims.get("dst") != peer_host and (by_address or peer_host is not None):
             raise TicketInvalid(reason=f"ticket is for host {claims.get('dst')}, the resume "
                                        f"comes from host {peer_host}")
         return claims

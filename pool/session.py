@@ -125,6 +125,11 @@ class Session:
         # open): only a hint for hosts to find the sessions of domains that
         # nobody marked (Nova's); bindings come from hosts' attestation alone.
         self.claimed_domain: str | None = None
+        # The driver opened from an address of a host's network (a host-bound
+        # fabric): its host is checked by address at every resume.  False on
+        # a Neutron tenant network, where an address is the same on every
+        # host: the binding is what hosts attest, and tickets what moves it.
+        self.by_address = True
         self.pending_move: tuple[str, str] | None = None   # (domain, migration id) awaiting a ticket
         self.paused_by: set[str] = set()                    # record keys pausing this session
         self.detached_at: float | None = None

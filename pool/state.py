@@ -219,6 +219,7 @@ class Pool:
                           max_objects=self.config.max_objects_per_session,
                           max_source_bytes=self.config.max_source_bytes)
         session.bound_host = conn.peer_host
+        session.by_address = conn.peer_host is not None
         session.claimed_domain = claimed
         session.attach(conn)
         session.on_reply = self._deliver
@@ -259,12 +260,14 @@ class Pool:
             claims = None
             if ticket:
                 claims = self.tickets.check(ticket, sid, conn.peer_host, now,
-                                            retry_of=session.last_resume.get("ticket") if retry else None)
+                                            retry_of=session.last_resume.get("ticket") if retry else None,
+                                            by_address=session.by_address)
             elif session.pending_move is not None:
                 record = self.records.get("/".join(session.pending_move))
                 raise TicketRequired(sid=sid, host=record.dest_host if record else "?",
                                      migration=session.pending_move[1])
-            elif session.bound_host is not None and conn.peer_host != session.bound_host:
+            elif session.bound_host is not None and conn.peer_host != session.bound_host and \
+                    (session.by_address or conn.peer_host is not None):
                 raise WrongHost(sid=sid, bound=session.bound_host, peer=conn.peer[0], host=conn.peer_host)
             next_seq = header.get("next_seq")
             if next_seq is not None and (not isinstance(next_seq, int) or isinstance(next_seq, bool)):
@@ -291,7 +294,9 @@ class Pool:
             self.tickets.use(claims["n"], now)
             self.session_tickets.pop(sid, None)
             session.pending_move = None
-            session.bound_host = conn.peer_host
+            # where the address names no host, the ticket's host (whose hostd
+            # delivered it into the guest) is where the session now is
+            session.bound_host = conn.peer_host or (None if session.by_address else claims.get("dst"))
             record = self.records.get(f"{claims['dom']}/{claims['mid']}")
             if record is not None:
                 start = (session.pause_started or record.times.get("switchover")

@@ -19,7 +19,7 @@ from accelmig.agent.driver import connect
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.dataplane import domain_claim
-from accelmig.wire.errors import BadRequest
+from accelmig.wire.errors import BadRequest, TicketRequired, WrongHost
 from tests.conftest import ALICE, TENANTS
 from tests.plugin.test_hook import run_hook
 from tests.support.hostd import SECRET, HostdThread, write_config
@@ -208,3 +208,36 @@ def test_guest_exec_command_is_read_from_host_toml(tmp_path, neutron_pool):
             handle.write(f"guest_exec_command = {bad}\n")
         with pytest.raises(ConfigInvalid, match="guest_exec_command"):
             HostConfig.load(text)
+
+
+def test_a_session_on_a_tenant_network_moves_by_attestation_and_ticket_not_by_address():
+    """Neutron: the guest's address is the same on every host and names none
+    (here 127.0.0.1, in no host's networks), so the pool cannot tell the
+    host from it.  The binding is what hostA attested, the ticket that hostB's
+    hostd delivered moves it; a reconnect from that address needs no ticket
+    outside a move.  A session opened from a host's network (a host-bound
+    fabric) is still checked by address."""
+    from tests.support.twohosts import SECRETS
+    hosts = {"hostA": (SECRETS["hostA"], []), "hostB": (SECRETS["hostB"], ["::1/128"])}
+    domain = str(uuid_module.uuid4())
+    with PoolThread(TENANTS, hosts, listen="127.0.0.1:0,[::1]:0") as pool:
+        port = pool.endpoint.rsplit(":", 1)[1]
+        tenant_net, host_b_net = f"127.0.0.1:{port}", f"[::1]:{port}"
+        a = ControlClient(pool.control_endpoint, "hostA", SECRETS["hostA"].encode())
+        b = ControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode())
+        with a, b, connect(tenant_net, ALICE, agent=False, domain=domain, timeout=10) as dev:
+            a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+            assert pool.session(dev.sid)["bound_host"] == "hostA"
+            dev.resume(tenant_net)                        # a blip: same address, no move, no ticket
+            record = b.call("open_migration", domain_uuid=domain)
+            a.call("switchover", domain_uuid=domain)
+            tickets = b.call("complete", domain_uuid=domain, migration_id=record["migration_id"])["tickets"]
+            with pytest.raises(TicketRequired):
+                dev.resume(tenant_net)                    # moving: the ticket is needed
+            assert dev.resume(tenant_net, tickets[dev.sid])["ticket"]
+            assert pool.session(dev.sid)["bound_host"] == "hostB"
+            assert dev.info()["name"]
+            with connect(host_b_net, ALICE, agent=False, timeout=10) as pinned:
+                assert pool.session(pinned.sid)["bound_host"] == "hostB"
+                with pytest.raises(WrongHost, match="bound to host hostB"):
+                    pinned.resume(tenant_net)
