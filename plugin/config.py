@@ -195,9 +195,9 @@ class HostdConfig:
             "doc": "How qemu-guest-agent's `guest-exec` runs the accelmig agent in a guest without "
                    "the accelmig channel (a Nova instance): an absolute program and its first "
                    "arguments; `rehome --stdin` or `status` follow. A guest bundle: "
-                   "`[\"/usr/bin/python3\", \"/opt/accelmig/accelmig-guest.pyz\"]`.",
+                   "`[\"/usr/bin/python3\", \"/opt/accelmig/accelmig-agent.pyz\"]`.",
             "type": "array of strings (absolute program first)",
-            "example": ["/usr/bin/python3", "/opt/accelmig/accelmig-guest.pyz"]})
+            "example": ["/usr/bin/python3", "/opt/accelmig/accelmig-agent.pyz"]})
     accel_domains_interval: float = dataclasses.field(default=2.0, metadata={
         "doc": "Seconds between hostd's looks at which domains hold accelerator sessions (the "
                "pool's `accel_domains`): how soon a VM that nobody marked (Nova's) is attested "

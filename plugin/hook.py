@@ -21,7 +21,8 @@ Rules it lives by (docs/lab-notes.md measured why):
 - at ``migrate begin``/``restore begin`` it prints the domain XML rewritten
   for this host, on a model, only where a host-bound part (the fabric NIC's
   bridge or macvtap device) differs; printing nothing keeps libvirt's XML.
-  A domain nobody marked is never rewritten: its answer is its XML as given.
+  A domain nobody marked is never rewritten and gets no answer: libvirt keeps
+  its XML as given, byte for byte (an answer would taint it "hook-script").
 
 It imports little (no libvirt, no click): libvirt waits for it.
 """
@@ -174,15 +175,10 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
     if rewritten is not None:
         stdout.write(rewritten)
         stdout.flush()
-    elif unmarked and operation == "migrate":
-        # The answer is the caller's XML (Nova's destination XML), byte for byte.
-        out = getattr(stdout, "buffer", None)
-        if out is not None:
-            out.write(xml)
-            out.flush()
-        else:
-            stdout.write(xml.decode("utf-8", "surrogateescape"))
-            stdout.flush()
+    # A domain nobody marked gets no answer at all: libvirt then keeps the
+    # caller's XML (Nova's destination XML) byte for byte, whereas any answer,
+    # even the same bytes, is parsed again and taints the domain "hook-script"
+    # (libvirt's qemu_migration.c, prepare).
     return 0
 
 

@@ -223,9 +223,10 @@ class HostDaemon:
 
     async def identity_for(self, watch: DomainWatch) -> HostIdentity:
         """What the guest of ``watch`` is told: this host's identity, with
-        its fabric NIC's address on a host-bound fabric."""
+        its fabric NIC's address on a host-bound fabric (never for a domain
+        nobody marked: Neutron owns its NICs and their addresses)."""
         identity = self.identity or await self.refresh_identity()
-        if self.allocator is None:
+        if self.allocator is None or not watch.marked:
             return identity
         from accelmig.plugin.addresses import guest_nic
         address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.allocate, watch.uuid)
@@ -375,7 +376,8 @@ class HostDaemon:
                                                    command=self.config.hostd.guest_exec_command)
             else:
                 watch.delivery = NoDelivery()
-        nic = model.fabric_interface()
+        watch.marked = model.is_accelmig()
+        nic = model.fabric_interface() if watch.marked else None
         watch.fabric_mac = nic.mac if nic is not None else None
 
     async def lookup(self, watch: DomainWatch):

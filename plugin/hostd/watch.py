@@ -150,6 +150,9 @@ class DomainWatch:
         self.channel_path: str | None = None
         self.sessions: set[str] = set()
         self.fabric_mac: str | None = None
+        # False for a domain nobody marked (a Nova instance, found by its
+        # sessions): its NICs are another system's, never re-addressed
+        self.marked = True
         self.last_rehome: dict | None = None
         self.rehome_retry: dict | None = None    # a rehome waiting to be tried again, and why
         self.retry_task: asyncio.Task | None = None
@@ -173,7 +176,7 @@ class DomainWatch:
     def describe(self) -> dict:
         channel = getattr(self.delivery, "channel", None)
         return {"uuid": self.uuid, "name": self.name, "phase": self.phase.value,
-                "delivery": getattr(self.delivery, "name", None),
+                "delivery": getattr(self.delivery, "name", None), "marked": self.marked,
                 "channel": {"path": self.channel_path, "connected": channel is not None,
                             "synced": bool(channel is not None and channel.hello)},
                 "sessions": sorted(self.sessions),

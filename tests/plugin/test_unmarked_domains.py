@@ -39,6 +39,7 @@ NOVA_XML = """<domain type='test'>
   <sysinfo type='smbios'><system><entry name='uuid'>{uuid}</entry></system></sysinfo>
   <os><type arch='x86_64'>hvm</type><smbios mode='sysinfo'/></os>
   <devices>
+    <interface type='bridge'><mac address='fa:16:3e:2a:00:01'/><source bridge='br-int'/></interface>
     <channel type='unix'><source mode='bind'/><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
   </devices>
 </domain>
@@ -95,7 +96,9 @@ def test_hostd_attests_the_sessions_of_a_domain_nobody_marked_and_caches_it_for_
     domain = str(uuid_module.uuid4())
     dom = conn.defineXML(NOVA_XML.format(name="instance-0000002a", uuid=domain))
     dom.create()
-    config = with_interval(write_config(tmp_path, neutron_pool), 0.1)
+    # a host-bound fabric here: its addresses are for accelmig's own NICs, never Neutron's
+    fabric = '[fabric]\nmode = "bridge"\nbridge = "fab0"\nguest_subnet = "10.89.1.0/24"\n'
+    config = with_interval(write_config(tmp_path, neutron_pool, fabric=fabric), 0.1)
     hostd = HostdThread(config).start()
     try:
         daemon = hostd.daemon
@@ -111,6 +114,10 @@ def test_hostd_attests_the_sessions_of_a_domain_nobody_marked_and_caches_it_for_
             assert (tmp_path / "state" / "accel-domains.json").stat().st_mode & 0o777 == 0o644
             # the guest-exec command comes from host.toml
             assert watch.delivery.command == ("/usr/bin/python3", "-m", "accelmig.agent")
+            # what a rehome tells its guest: where the pool is, no NIC to re-address
+            assert watch.marked is False and watch.fabric_mac is None
+            identity = hostd.call(lambda: daemon.identity_for(watch))
+            assert identity.guest_nic is None and identity.pool_endpoint
     finally:
         hostd.stop()
         dom.destroy()
@@ -171,10 +178,13 @@ def test_the_hook_is_strict_for_a_listed_domain_with_hostd_down(neutron_pool, tm
     # lenient: it goes ahead, Nova's XML answered as it came
     lenient = write_config(tmp_path, neutron_pool, strict=False)
     code, out, err, _ = run_hook(lenient, "instance-0000002b", "migrate", "begin", "-", xml=xml)
-    assert code == 0 and out.encode() == xml and "lenient mode" in err
+    assert code == 0 and out == "" and "lenient mode" in err
 
 
-def test_the_hook_answers_novas_xml_byte_for_byte_and_hostd_opens_the_record(neutron_pool, tmp_path):
+def test_the_hook_leaves_novas_xml_to_libvirt_as_it_came_and_hostd_opens_the_record(neutron_pool, tmp_path):
+    """No answer on stdout: libvirt keeps Nova's destination XML byte for byte
+    (an answer, even the same bytes, would be re-parsed and taint the domain
+    "hook-script"); tests/e2e/test_nova.py checks the arrived domain."""
     domain = str(uuid_module.uuid4())
     # Nova's destination XML as it comes: attribute order, quotes, blank
     # lines and a comment a model round trip would not keep
@@ -186,7 +196,7 @@ def test_the_hook_answers_novas_xml_byte_for_byte_and_hostd_opens_the_record(neu
     try:
         code, out, err, _ = run_hook(config, "instance-0000002c", "migrate", "begin", "-", xml=xml)
         assert code == 0, err
-        assert out.encode() == xml
+        assert out == ""
         records = ControlClient(neutron_pool.control_endpoint, "hostA", SECRET.encode()).call(
             "list_records", domain_uuid=domain)["records"]
         assert [(r["dest_host"], r["state"]) for r in records] == [("hostA", "open")]
@@ -199,9 +209,9 @@ def test_guest_exec_command_is_read_from_host_toml(tmp_path, neutron_pool):
     from accelmig.wire.errors import ConfigInvalid
     config = write_config(tmp_path, neutron_pool)
     with open(config, "a") as handle:
-        handle.write('guest_exec_command = ["/usr/bin/python3", "/opt/accelmig/accelmig-guest.pyz"]\n')
+        handle.write('guest_exec_command = ["/usr/bin/python3", "/opt/accelmig/accelmig-agent.pyz"]\n')
     assert HostConfig.load(config).hostd.guest_exec_command == ("/usr/bin/python3",
-                                                                "/opt/accelmig/accelmig-guest.pyz")
+                                                                "/opt/accelmig/accelmig-agent.pyz")
     for bad in ('["python3", "-m", "accelmig.agent"]', "[]", '["/usr/bin/python3", ""]', '"/usr/bin/python3"'):
         text = write_config(tmp_path, neutron_pool)
         with open(text, "a") as handle:
