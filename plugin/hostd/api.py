@@ -133,6 +133,8 @@ class LocalApi:
                          "instance": d.pool.instance, "registration_failures": d.registration.failures},
                 "identity": d.identity.to_wire() if d.identity else None,
                 "domains": [w.describe() for w in watches], "foreign_domains": d.watches.foreign_count,
+                # every domain holding sessions anywhere (the hook's cache), not only here
+                "accel_domains": sorted(d.accel_domains),
                 "records": records, "counters": dict(d.counters)}
 
     async def hook(self, message: dict) -> dict:
