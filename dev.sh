@@ -52,7 +52,7 @@ install_venv() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing accelmig, accelmig-lab (the local lab: lab/) and their dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
-    "$VENV/bin/pip" install -q -e ".[pool,host,dev]" -e ./lab
+    "$VENV/bin/pip" install -q -e ".[pool,host,dev,nova-test]" -e ./lab
     echo "$want" > "$stamp"
   fi
 }

@@ -362,7 +362,9 @@ libvirt_uri = "qemu:///system"
                  f"HOSTA_CONFIG={self.config_path('hostA')}", f"HOSTB_CONFIG={self.config_path('hostB')}",
                  f"POOL_DATA={env['pool']['data']}", f"POOL_CONTROL={env['pool']['control']}",
                  f"POOL_ADMIN_SOCKET={env['pool'].get('admin_socket', '')}",
-                 f"POOL_TLS={'yes' if env['pool']['tls'] else 'no'}"]
+                 f"POOL_TLS={'yes' if env['pool']['tls'] else 'no'}",
+                 f"TENANT_BRIDGE={env['tenant']['bridge']}", f"TENANT_SUBNET={env['tenant']['subnet']}",
+                 f"TENANT_GATEWAY={env['tenant']['gateway']}"]
         if env["pool"]["tls"]:
             lines.append(f"ACCELMIG_CAFILE={env['pool']['ca']}")
         if domain:

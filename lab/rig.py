@@ -42,7 +42,8 @@ from . import certs, netns
 from .guest import ResponderChannel, channel_source
 from .image import DEFAULT_CACHE, GuestImage
 from .libvirtd import LibvirtNode, proc_starttime, same_process, stop_process
-from .topology import BRIDGE, POOL_ADDRESS, Topology
+from .topology import (BRIDGE, POOL_ADDRESS, TENANT_BRIDGE, TENANT_GATEWAY, TENANT_GATEWAY_HOST, TENANT_SUBNET,
+                       Topology)
 
 LOG = logging.getLogger("accelmig.lab.rig")
 
@@ -628,7 +629,9 @@ class Lab:
         ``virsh migrate --live --p2p DOM <p2p_uri> --migrateuri
         <migrate_uri>`` to move a domain *to* that host), ``hooks_dir``,
         the guest subnet and gateway, and the host's control-plane secret
-        when a pool runs."""
+        when a pool runs.  ``tenant``: the tenant network (one subnet on
+        both hosts' ``ten0``, its gateway on hostA: a Neutron tenant
+        network's stand-in, lab/topology.py)."""
         hosts = {}
         for host in self.HOSTS:
             plan = self.topology.host(host)
@@ -645,6 +648,7 @@ class Lab:
                 "log": str(node.log_file) if node else None,
                 "guest_subnet": plan.guest_subnet, "gateway": plan.gateway,
                 "bridge": BRIDGE, "bridge_mac": plan.bridge_mac,
+                "tenant_bridge": TENANT_BRIDGE, "tenant_bridge_mac": plan.tenant_bridge_mac,
                 "uplink": plan.uplink, "secret": self.state.get("host_secrets", {}).get(host),
             }
         pool = {"netns": self.topology.pool_ns, "address": POOL_ADDRESS,
@@ -663,6 +667,8 @@ class Lab:
             "name": self.name, "dir": str(self.dir), "state_file": str(self.state_file),
             "status": self.state.get("status", "down"), "virt_type": self._virt_type,
             "hosts": hosts, "pool": pool,
+            "tenant": {"bridge": TENANT_BRIDGE, "subnet": TENANT_SUBNET, "gateway": TENANT_GATEWAY,
+                       "gateway_host": TENANT_GATEWAY_HOST},
             "examples": [
                 f"virsh -c '{a['uri']}' list --all",
                 f"virsh -c '{a['uri']}' migrate --live --p2p DOMAIN {b['p2p_uri']} --migrateuri {b['migrate_uri']}",

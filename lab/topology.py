@@ -4,8 +4,8 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
 ::
 
                       pool  (10.88.0.1/32 on lo: the pool's service address)
-               to-hostA /  \\ to-hostB
-          10.88.1.1/30 /    \\ 10.88.2.1/30
+               to-hostA /  \\ to-hostB            routes: 10.89.1.0/24, 10.90.0.0/24 via 10.88.1.2
+          10.88.1.1/30 /    \\ 10.88.2.1/30               10.89.2.0/24 via 10.88.2.2
                       /      \\
           10.88.1.2/30         10.88.2.2/30
              to-pool            to-pool
@@ -13,6 +13,8 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
                   10.88.3.1/30   10.88.3.2/30       (migration link)
              fab0 10.89.1.1/24       fab0 10.89.2.1/24
              (guests on A)           (guests on B)
+             ten0 10.90.0.1/24 --ten-hostB----ten-hostA-- ten0 (no address)
+             (the tenant network's gateway: one L2 stretched over both hosts)
 
 - Every address exists only inside the lab's namespaces: nothing touches the
   machine's own network, and several labs (distinct prefixes) can run at once
@@ -22,7 +24,16 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
   the guest's own source address (10.89.1.x from A, 10.89.2.x from B), which
   is what accelmig's host identity and the pool's per-host address checks
   are about.
-- Each bridge ``fab0`` gets an **explicit MAC**: a bridge with a random MAC
+- The **tenant network** is what a Neutron tenant network is to a VM: one
+  subnet (10.90.0.0/24) on every host, so a guest's address never changes
+  when it migrates.  A bridge ``ten0`` in each host, the two joined by a veth
+  pair (each end a port of its host's ``ten0``): one L2 segment.  Its
+  gateway 10.90.0.1 lives on hostA's ``ten0`` only (the "network node"):
+  a guest on B reaches the pool through the L2 to A, and A routes it (IP
+  forwarding is on in the hosts); the pool routes 10.90.0.0/24 back via A.
+  Guests attach with ``<interface type='bridge'><source bridge='ten0'/>``
+  and ``accelmig.net=10.90.0.N/24,10.90.0.1`` (:func:`tenant_net`).
+- Each bridge (``fab0``, ``ten0``) gets an **explicit MAC**: a bridge with a random MAC
   takes its first port's MAC, which libvirt derives from the guest MAC, so
   both hosts' bridges ended up with the same MAC and a migrated guest's
   cached gateway entry still "worked" on B with its old address (docs/lab-notes.md).
@@ -50,6 +61,38 @@ LOG = logging.getLogger("accelmig.lab.topology")
 POOL_ADDRESS = "10.88.0.1"
 BRIDGE = "fab0"
 
+#: The tenant network (a Neutron tenant network's stand-in): one L2 segment
+#: over both hosts, the same subnet everywhere, its gateway on hostA.
+TENANT_BRIDGE = "ten0"
+TENANT_SUBNET = "10.90.0.0/24"
+TENANT_GATEWAY = "10.90.0.1"
+TENANT_GATEWAY_HOST = "hostA"
+
+
+def tenant_link(host: str, other: str) -> str:
+    """The name, in ``host``, of its end of the veth that joins both hosts'
+    ``ten0`` (``ten-hostB`` in hostA, ``ten-hostA`` in hostB)."""
+    return f"ten-{other}"
+
+
+def tenant_address(n: int = 10) -> str:
+    """The n-th address of the tenant subnet, CIDR (10.90.0.10/24): the same
+    on every host."""
+    net = ipaddress.ip_network(TENANT_SUBNET)
+    if not 1 < n < net.num_addresses - 1:
+        raise ValueError(f"tenant address {n}: 2..{net.num_addresses - 2} (1 is the gateway)")
+    return f"{net.network_address + n}/{net.prefixlen}"
+
+
+def tenant_net(n: int = 10) -> str:
+    """The guest kernel's ``accelmig.net=`` value on the tenant network
+    (``10.90.0.10/24,10.90.0.1``)."""
+    return f"{tenant_address(n)},{TENANT_GATEWAY}"
+
+
+def tenant_gateway_cidr() -> str:
+    return f"{TENANT_GATEWAY}/{ipaddress.ip_network(TENANT_SUBNET).prefixlen}"
+
 
 @dataclasses.dataclass(frozen=True)
 class HostPlan:
@@ -62,6 +105,7 @@ class HostPlan:
     migration: str                # this host's end of the host<->host link, CIDR
     guest_subnet: str             # the subnet of this host's guests (fab0)
     bridge_mac: str
+    tenant_bridge_mac: str        # this host's ten0 (the tenant network's bridge)
 
     @property
     def address(self) -> str:
@@ -94,9 +138,11 @@ class HostPlan:
 
 HOSTS = (
     HostPlan("hostA", 1, uplink="10.88.1.2/30", pool_side="10.88.1.1/30", migration="10.88.3.1/30",
-             guest_subnet="10.89.1.0/24", bridge_mac="02:ac:4d:00:01:01"),
+             guest_subnet="10.89.1.0/24", bridge_mac="02:ac:4d:00:01:01",
+             tenant_bridge_mac="02:ac:4d:00:01:90"),
     HostPlan("hostB", 2, uplink="10.88.2.2/30", pool_side="10.88.2.1/30", migration="10.88.3.2/30",
-             guest_subnet="10.89.2.0/24", bridge_mac="02:ac:4d:00:02:01"),
+             guest_subnet="10.89.2.0/24", bridge_mac="02:ac:4d:00:02:01",
+             tenant_bridge_mac="02:ac:4d:00:02:90"),
 )
 
 
@@ -111,6 +157,10 @@ class Topology:
         self.pool_ns = f"{prefix}-pool"
         self.hosts = {h.name: h for h in HOSTS}
         self.host_ns = {h.name: f"{prefix}-{h.name}" for h in HOSTS}
+
+    #: Every interface the topology makes (inside its namespaces only).
+    LINKS = ("to-pool", "to-hostA", "to-hostB", BRIDGE, TENANT_BRIDGE,
+             tenant_link("hostA", "hostB"), tenant_link("hostB", "hostA"))
 
     @property
     def namespaces(self) -> list[str]:
@@ -135,20 +185,28 @@ class Topology:
         netns.veth(self.pool_ns, "to-hostA", self.host_ns["hostA"], "to-pool")
         netns.veth(self.pool_ns, "to-hostB", self.host_ns["hostB"], "to-pool")
         netns.veth(self.host_ns["hostA"], "to-hostB", self.host_ns["hostB"], "to-hostA")
+        netns.veth(self.host_ns["hostA"], tenant_link("hostA", "hostB"),
+                   self.host_ns["hostB"], tenant_link("hostB", "hostA"))
+        gateway_host = self.hosts[TENANT_GATEWAY_HOST]
         with netns.ipr(self.pool_ns) as ipr:
             netns.address(ipr, "lo", f"{POOL_ADDRESS}/32")
             for host in (a, b):
                 netns.address(ipr, f"to-{host.name}", host.pool_side)
                 netns.set_link(ipr, f"to-{host.name}")
                 netns.route(ipr, host.guest_subnet, host.uplink_address)
+            netns.route(ipr, TENANT_SUBNET, gateway_host.uplink_address)
         for host in (a, b):
             other = b if host is a else a
+            tenant_port = tenant_link(host.name, other.name)
             with netns.ipr(self.host_ns[host.name]) as ipr:
                 netns.bridge(ipr, BRIDGE, mac=host.bridge_mac)
+                netns.bridge(ipr, TENANT_BRIDGE, mac=host.tenant_bridge_mac, ports=[tenant_port])
                 netns.address(ipr, "to-pool", host.uplink)
                 netns.address(ipr, f"to-{other.name}", host.migration)
                 netns.address(ipr, BRIDGE, host.gateway_cidr)
-                for link in ("to-pool", f"to-{other.name}", BRIDGE):
+                if host is gateway_host:
+                    netns.address(ipr, TENANT_BRIDGE, tenant_gateway_cidr())
+                for link in ("to-pool", f"to-{other.name}", BRIDGE, tenant_port, TENANT_BRIDGE):
                     netns.set_link(ipr, link)
                 netns.route(ipr, f"{POOL_ADDRESS}/32", host.pool_side.split("/")[0])
         LOG.info("topology %s up in %.2f s", self.prefix, time.monotonic() - t0)

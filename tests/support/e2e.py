@@ -10,9 +10,10 @@ from pathlib import Path
 from accelmig.lab import netns
 from accelmig.lab.libvirtd import same_process
 from accelmig.lab.rig import Lab
+from accelmig.lab.topology import Topology
 
 #: Interface names the lab uses (inside its namespaces only).
-LAB_LINKS = {"to-pool", "to-hostA", "to-hostB", "fab0"}
+LAB_LINKS = set(Topology.LINKS)
 
 
 def snapshot() -> dict:
