@@ -96,11 +96,15 @@ def main(argv=None, stdin=None, stdout=None) -> int:
     # events, and most domains on a host are not ours.
     if (operation, sub) not in GATED_HOOK_STEPS:
         return 0
-    unmarked = b"accelmig" not in xml
-    if unmarked and not _holds_sessions(xml):
-        return 0
+    # (a path or a kernel word may name accelmig in a domain nobody marked:
+    # the model decides; this only skips the parse for most foreign domains)
+    holds = None
+    if b"accelmig" not in xml:
+        holds = _holds_sessions(xml)
+        if not holds:
+            return 0
     try:
-        return _run(domain, operation, sub, xml, started, stdout, unmarked=unmarked)
+        return _run(domain, operation, sub, xml, started, stdout, holds_sessions=holds)
     except Exception as exc:
         _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
         return 1
@@ -129,7 +133,7 @@ def _holds_sessions(xml: bytes) -> bool:
 
 
 def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout, *,
-         unmarked: bool = False) -> int:
+         holds_sessions: bool | None = None) -> int:
     from accelmig.plugin.config import HostConfig
     from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
     from accelmig.wire.localapi import LocalClient
@@ -140,7 +144,8 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
     except AccelmigError as exc:
         _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
         return 1
-    if not model.is_accelmig() and not unmarked:
+    unmarked = not model.is_accelmig()
+    if unmarked and not (holds_sessions if holds_sessions is not None else _holds_sessions(xml)):
         return 0
     try:
         config = HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))

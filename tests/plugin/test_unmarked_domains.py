@@ -175,6 +175,10 @@ def test_the_hook_is_strict_for_a_listed_domain_with_hostd_down(neutron_pool, tm
     code, out, err, _ = run_hook(config, "instance-0000002b", "migrate", "begin", "-", xml=xml)
     assert code == 1 and out == ""
     assert "refusing migrate of instance-0000002b to host hostA" in err and "strict mode" in err
+    # the word in a path or a description is no mark: still Nova's, still refused
+    named = xml.replace(b"<memory>", b"<description>from /var/cache/accelmig-lab/vmlinux</description><memory>")
+    code, out, err, _ = run_hook(config, "instance-0000002b", "migrate", "begin", "-", xml=named)
+    assert code == 1 and "refusing migrate of instance-0000002b" in err, err
     # lenient: it goes ahead, Nova's XML answered as it came
     lenient = write_config(tmp_path, neutron_pool, strict=False)
     code, out, err, _ = run_hook(lenient, "instance-0000002b", "migrate", "begin", "-", xml=xml)
