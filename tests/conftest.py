@@ -37,6 +37,11 @@ os.chmod(RUN_TMP, 0o1777)      # like /tmp: tests run some processes as another 
 os.environ["TMPDIR"] = tempfile.tempdir = RUN_TMP
 
 
+def pytest_unconfigure(config):
+    # (here, not in a fixture: a run that collects nothing, or stops early, cleans up too)
+    shutil.rmtree(RUN_TMP, ignore_errors=True)
+
+
 def pytest_report_header(config):
     lines = []
     if os.geteuid() != 0:
@@ -76,7 +81,6 @@ def no_system_state_written():
     session as before, else the run fails naming each path."""
     before = system_state.snapshot()
     yield
-    shutil.rmtree(RUN_TMP, ignore_errors=True)
     changed = system_state.changes(before, system_state.snapshot())
     if changed:
         pytest.fail("the test session wrote real system state (a test must use its tmp_path):\n  "
