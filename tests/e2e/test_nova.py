@@ -280,3 +280,42 @@ def test_an_instance_without_sessions_is_never_touched(accel, instances, image):
         assert set(grown) <= {"XMLDesc"} and grown.get("XMLDesc", 0) <= 3, (host, grown)
     assert accel.records(uuid) == []
     assert "hook-script" not in qemu_log(accel, "hostB", name)
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+
+
+def _polls(accel, host) -> float:
+    from accelmig.wire.localapi import LocalClient
+    text = LocalClient(str(accel.hostd_socket(host)), timeout=20).call("metrics")["text"]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('accelmig_host_record_steps_total{step="accel_domains"}'))
+
+
+def test_a_compute_host_with_50_foreign_nova_instances_keeps_hostd_flat(accel, instances, image):
+    """50 instances Nova defines on hostB, none holding a session, and their
+    configs rewritten three times (define events): hostd makes no libvirt
+    call for any of them, watches none, and its memory stays where it was,
+    poll after poll of the pool."""
+    conn = accel.lab.connect("hostB")
+    pid = accel.hostd_pid("hostB")
+    status = hostd_status(accel, "hostB")
+    calls, rss, polls = dict(status["libvirt"]["calls"]), _rss_kib(pid), _polls(accel, "hostB")
+    names = []
+    for n in range(50):
+        name = f"instance-{0x100 + n:08x}"
+        instances.append(name)
+        names.append(name)
+        conn.defineXML(nova_domain_xml(name, str(uuid_module.uuid4()), image, accel.lab, tenant_index=100 + n))
+    for _ in range(3):                        # Nova rewrites an instance's config: define events
+        for name in names:
+            conn.lookupByName(name).setMetadata(libvirt.VIR_DOMAIN_METADATA_DESCRIPTION, "resized",
+                                                None, None, libvirt.VIR_DOMAIN_AFFECT_CONFIG)
+    until(lambda: _polls(accel, "hostB") >= polls + 5, 60, "five more polls of the pool")
+    status = hostd_status(accel, "hostB")
+    grown = {k: v - calls.get(k, 0) for k, v in status["libvirt"]["calls"].items() if v != calls.get(k, 0)}
+    assert grown == {}, grown
+    assert not [d for d in status["domains"] if d["name"] in names]
+    assert _rss_kib(pid) - rss < 2048, f"hostd grew from {rss} to {_rss_kib(pid)} KiB"
