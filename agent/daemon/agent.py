@@ -208,7 +208,8 @@ class Agent:
     def __init__(self, port_path: str, socket_path: str = ch.DEFAULT_AGENT_SOCKET, *,
                  state_dir: str = "/run/accelmig", identity: HostIdentity | None = None,
                  rehome_timeout: float = 30.0, network: NetworkConfigurator | None = None,
-                 max_sessions_per_link: int = MAX_SESSIONS_PER_LINK, max_sessions: int = MAX_SESSIONS):
+                 max_sessions_per_link: int = MAX_SESSIONS_PER_LINK, max_sessions: int = MAX_SESSIONS,
+                 dmi_path: str = dmi.PRODUCT_UUID):
         self.port_path = port_path
         self.max_sessions_per_link = max_sessions_per_link
         self.max_sessions = max_sessions
@@ -217,7 +218,7 @@ class Agent:
         self.rehome_timeout = rehome_timeout
         self.network = network or NetworkConfigurator()
         # read once, as root: the drivers of other users may not read it (dmi)
-        self.domain = dmi.system_uuid()
+        self.domain = dmi.system_uuid(dmi_path)
         self.port = None
         self.listener: socket.socket | None = None
         self.channel = ChannelStateMachine()

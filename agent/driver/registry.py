@@ -34,19 +34,24 @@ def agent_socket_path(agent) -> str | None:
     return os.environ.get("ACCELMIG_AGENT_SOCKET", DEFAULT_AGENT_SOCKET)
 
 
-def endpoint_from_agent(agent=None) -> str | None:
-    """Where the pool is, as the host told this guest's agent (None: no agent
-    or no identity yet)."""
+def _where(agent=None) -> dict:
+    """The guest agent's ``where`` answer ({} without an agent that answers)."""
     path = agent_socket_path(agent)
     if path is None or not os.path.exists(path):
-        return None
+        return {}
     try:
         with agent_connection(path) as conn:
             answer = conn.call("where")
+        return answer if isinstance(answer, dict) else {}
     except AccelmigError as exc:
         LOG.info("guest agent at %s does not answer: %s", path, exc)
-        return None
-    return (answer or {}).get("endpoint")
+        return {}
+
+
+def endpoint_from_agent(agent=None) -> str | None:
+    """Where the pool is, as the host told this guest's agent (None: no agent
+    or no identity yet)."""
+    return _where(agent).get("endpoint")
 
 
 def domain_of_this_guest(agent=None) -> str | None:
@@ -55,14 +60,9 @@ def domain_of_this_guest(agent=None) -> str | None:
     uuid = dmi.system_uuid()
     if uuid is not None:
         return uuid
-    path = agent_socket_path(agent)
-    if path is None or not os.path.exists(path):
-        return None
     try:
-        with agent_connection(path) as conn:
-            answer = conn.call("where")
-        return domain_claim((answer or {}).get("domain"))
-    except AccelmigError:
+        return domain_claim(_where(agent).get("domain"))
+    except AccelmigError:                # an agent's odd answer: claim nothing
         return None
 
 

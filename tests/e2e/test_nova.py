@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import threading
-import time
 import uuid as uuid_module
 
 import pytest
@@ -43,6 +42,7 @@ from accelmig.lab.nova import (nova_define_and_start, nova_destination_xml, nova
 from accelmig.lab.rig import POOL_DATA_PORT  # noqa: E402
 from accelmig.lab.topology import POOL_ADDRESS  # noqa: E402
 from accelmig.plugin.domain.model import DomainXML  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
 
 STEPS = 1000
 PAUSE = 0.3
@@ -106,16 +106,6 @@ def spawn(accel, instances, image, index: int, *, app: bool = True) -> tuple[str
     return name, instance_uuid
 
 
-def until(predicate, timeout: float, what: str, diagnose=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout} s\n{diagnose()}")
-
-
 def hostd_status(accel, host):
     from accelmig.wire.localapi import LocalClient
     return LocalClient(str(accel.hostd_socket(host)), timeout=20).call("status")
@@ -131,11 +121,11 @@ def diagnosis(accel, *names) -> str:
 def attested(accel, name, uuid):
     """The instance's session, once hostA attested it and hostB knows the
     instance holds sessions (B's hook is strict for it from then on)."""
-    until(lambda: [l for l in accel.demo_lines(name) if "step" in l], 120, f"{name}'s solver started",
-          lambda: diagnosis(accel, name))
-    sessions = until(lambda: [s for s in accel.sessions(uuid) if s["bound_host"] == "hostA"], 30,
-                     f"{name}'s session attested by hostA", lambda: diagnosis(accel, name))
-    until(lambda: uuid in hostd_status(accel, "hostB")["accel_domains"], 30, "hostB knows the instance")
+    wait_for(lambda: [l for l in accel.demo_lines(name) if "step" in l], 120, f"{name}'s solver started", 0.2,
+             explain=lambda: diagnosis(accel, name))
+    sessions = wait_for(lambda: [s for s in accel.sessions(uuid) if s["bound_host"] == "hostA"], 30,
+                        f"{name}'s session attested by hostA", 0.2, explain=lambda: diagnosis(accel, name))
+    wait_for(lambda: uuid in hostd_status(accel, "hostB")["accel_domains"], 30, "hostB knows the instance", 0.2)
     assert len(sessions) == 1 and sessions[0]["claimed_domain"] == uuid
     return sessions[0]
 
@@ -145,7 +135,8 @@ def record_of(accel, uuid, predicate, timeout=60, what="record"):
         records = accel.records(uuid)
         record = max(records, key=lambda r: r["times"]["opened"]) if records else None
         return record if record is not None and predicate(record) else None
-    return until(latest, timeout, f"{what}: {accel.records(uuid)}", lambda: diagnosis(accel))
+    return wait_for(latest, timeout, what, 0.2,
+                    explain=lambda: json.dumps(accel.records(uuid)) + "\n" + diagnosis(accel))
 
 
 def qemu_log(accel, host, name) -> str:
@@ -173,14 +164,9 @@ def start_nova_migration(accel, name, src, dst, *, postcopy=False, bandwidth=2):
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30          # QEMU's stream really flowing
-    while time.monotonic() < deadline:
-        with contextlib.suppress(libvirt.libvirtError):
-            if dom.jobStats().get("memory_processed"):
-                break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"{name}: Nova's migration never started transferring ({outcome})")
+    # QEMU's stream really flowing (the job exists before that)
+    wait_for(lambda: dom.jobStats().get("memory_processed"), 30, f"{name}'s migration transferring", 0.05,
+             errors=(libvirt.libvirtError,), explain=lambda: str(outcome))
     return Guest(dom), thread, outcome
 
 
@@ -264,7 +250,7 @@ def test_a_migration_nova_aborts_leaves_the_instance_running_at_the_source(accel
 def test_an_instance_without_sessions_is_never_touched(accel, instances, image):
     foreign = hostd_status(accel, "hostA")["foreign_domains"]
     name, uuid = spawn(accel, instances, image, 24, app=False)
-    until(lambda: hostd_status(accel, "hostA")["foreign_domains"] > foreign, 30, "hostA saw the instance")
+    wait_for(lambda: hostd_status(accel, "hostA")["foreign_domains"] > foreign, 30, "hostA saw the instance", 0.2)
     calls = {h: dict(hostd_status(accel, h)["libvirt"]["calls"]) for h in accel.lab.HOSTS}
     nova_migrate(accel.lab, name, "hostA", "hostB")
     assert accel.where(name) == "hostB"
@@ -313,7 +299,7 @@ def test_a_compute_host_with_50_foreign_nova_instances_keeps_hostd_flat(accel, i
         for name in names:
             conn.lookupByName(name).setMetadata(libvirt.VIR_DOMAIN_METADATA_DESCRIPTION, "resized",
                                                 None, None, libvirt.VIR_DOMAIN_AFFECT_CONFIG)
-    until(lambda: _polls(accel, "hostB") >= polls + 5, 60, "five more polls of the pool")
+    wait_for(lambda: _polls(accel, "hostB") >= polls + 5, 60, "five more polls of the pool", 0.2)
     status = hostd_status(accel, "hostB")
     grown = {k: v - calls.get(k, 0) for k, v in status["libvirt"]["calls"].items() if v != calls.get(k, 0)}
     assert grown == {}, grown

@@ -41,6 +41,7 @@ from accelmig.wire.control import ControlClient  # noqa: E402
 from accelmig.wire.errors import ErrorCode  # noqa: E402
 from accelmig.wire.identity import GuestNic, HostIdentity  # noqa: E402
 from tests.support.e2e import assert_clean, diagnostics, snapshot  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
 
 TOOLS = ["ip", "unshare", "/usr/sbin/libvirtd", "qemu-system-x86_64", "busybox", "apt-get", "dpkg-deb"]
 MISSING = [t for t in TOOLS if shutil.which(t) is None and not os.path.exists(t)]
@@ -84,21 +85,6 @@ load_settings
 
 def name(tag: str) -> str:
     return f"e2e{RUN_ID}-{tag}"
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.2):
-    """``check()`` until it returns something true (exceptions count as not yet)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - remembered for the message
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"{what} within {timeout:.0f} s (last: {last!r})")
 
 
 def session_state(dom) -> dict:
@@ -158,9 +144,10 @@ def nova_lab(image):
         t0 = time.monotonic()
         dom = lab.connect("hostA").createXML(xml, 0)
         try:
-            wait_for("qemu-ga answering guest-ping", lambda: qga.guest_ping(dom, 2) or True, 90, 0.25)
+            wait_for(lambda: qga.guest_ping(dom, 2) or True, 90, "qemu-ga answering guest-ping", 0.25,
+                     errors=(Exception,))
             boot = time.monotonic() - t0
-            state = wait_for("the guest's session", lambda: session_state(dom), 60, 0.3)
+            state = wait_for(lambda: session_state(dom), 60, "the guest's session", 0.3, errors=(Exception,))
         except BaseException:
             print(diagnostics(lab, vm))
             raise
@@ -197,8 +184,8 @@ def test_rehome_through_guest_exec_resumes_the_session(nova_lab):
     print(f"\nrehome through guest-exec: {wall * 1000:.0f} ms wall, agent {result['seconds'] * 1000:.0f} ms, "
           f"session resumed in {session['seconds'] * 1000:.0f} ms")
     # the application goes on, on the new connection
-    after = wait_for("the session to make progress after the rehome",
-                     lambda: (s := session_state(dom))["calls"] > before["calls"] + 2 and s, 20)
+    after = wait_for(lambda: (s := session_state(dom))["calls"] > before["calls"] + 2 and s, 20,
+                     "the session to make progress after the rehome", 0.2, errors=(Exception,))
     # (one CI run saw epoch 1 here after the driver reported epoch 2: say everything if it recurs)
     seen = (f"before {before}, rehome {session}, after {after}, "
             f"agent {qga.agent_status(dom).get('sessions')}")
@@ -248,10 +235,12 @@ def side_vms(nova_lab, image):
     t0 = time.monotonic()
     doms = {key: conn.createXML(xml, 0) for key, xml in xmls.items()}
     try:
-        wait_for("the blocked guest's qemu-ga", lambda: qga.guest_ping(doms["blocked"], 2) or True, 90, 0.25)
+        wait_for(lambda: qga.guest_ping(doms["blocked"], 2) or True, 90, "the blocked guest's qemu-ga", 0.25,
+                 errors=(Exception,))
         # the other guest is up when its init.d has said that qemu-ga stays off
-        wait_for("the guest without qemu-ga to boot", lambda: "qemu-ga disabled" in lab.console_log(
-            "hostA", names["noqga"]).read_text(errors="replace"), 90)
+        wait_for(lambda: "qemu-ga disabled" in lab.console_log(
+            "hostA", names["noqga"]).read_text(errors="replace"), 90, "the guest without qemu-ga to boot", 0.2,
+            errors=(Exception,))
         print(f"\ntwo side guests booted in {time.monotonic() - t0:.2f} s")
         yield lab, doms
     except BaseException:
@@ -333,7 +322,7 @@ def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
         tickets = ctl_b.call("complete", domain_uuid=domain_uuid, migration_id=record["migration_id"])["tickets"]
         assert set(tickets) == {sid}
         dom_b = lab.connect("hostB").lookupByName(vm)
-        ping = wait_for("qemu-ga on B", lambda: qga.guest_ping(dom_b, 2) or True, 20, 0.05)
+        ping = wait_for(lambda: qga.guest_ping(dom_b, 2) or True, 20, "qemu-ga on B", 0.05, errors=(Exception,))
         t_ping = time.monotonic()
         document = {"migration_id": record["migration_id"],
                     "identity": host_identity(lab, "hostB", with_nic=True).to_wire(), "tickets": tickets}
@@ -343,8 +332,8 @@ def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
         session = result["sessions"][sid]
         assert session["ok"] and session["ticket"] is True and session["epoch"] == before["epoch"] + 1
         assert any("10.89.2.10/24" in step for step in result["network"]), result["network"]
-        after = wait_for("the session to make progress on B",
-                         lambda: (s := session_state(dom_b))["calls"] > before["calls"] + 2 and s, 20)
+        after = wait_for(lambda: (s := session_state(dom_b))["calls"] > before["calls"] + 2 and s, 20,
+                         "the session to make progress on B", 0.2, errors=(Exception,))
         assert after["error"] is None and after["epoch"] == session["epoch"]
         ctl_a.call("close", domain_uuid=domain_uuid, migration_id=record["migration_id"])
         pool_view = {s["sid"]: s for s in ctl_b.call("list_sessions", domain_uuid=domain_uuid)["sessions"]}

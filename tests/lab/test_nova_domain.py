@@ -34,6 +34,7 @@ from accelmig.lab.image import GuestImage  # noqa: E402
 from accelmig.lab.topology import TENANT_BRIDGE, TENANT_GATEWAY, tenant_address  # noqa: E402
 from accelmig.plugin.domain import QEMU_GA_CHANNEL_NAME  # noqa: E402
 from accelmig.plugin.domain.model import DomainXML  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
 
 try:
     import nova.virt.libvirt.config  # noqa: F401
@@ -205,21 +206,6 @@ CONNECT = ("import json, socket, sys\n"
            "print(json.dumps({'source': s.getsockname()[0], 'peer': s.getpeername()[0]}))\n")
 
 
-def wait_for(what: str, check, timeout: float, interval: float = 0.2):
-    """``check()`` until it returns something true (exceptions count as not yet)."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - remembered for the message
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"{what} within {timeout:.0f} s (last: {last!r})")
-
-
 def guest_run(dom, argv, timeout: float = 20.0) -> str:
     from accelmig.plugin import qga
     _pid, status = qga.guest_exec(dom, argv, timeout=timeout)
@@ -263,7 +249,8 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
         dom = labnova.nova_define_and_start(lab, "hostA", xml)      # defined persistent, then started
         assert dom.isPersistent() and dom.isActive() and dom.UUIDString() == instance_uuid
         try:
-            wait_for("qemu-ga answering on hostA", lambda: qga.guest_ping(dom, 2) or True, 90, 0.25)
+            wait_for(lambda: qga.guest_ping(dom, 2) or True, 90, "qemu-ga answering on hostA", 0.25,
+                     errors=(Exception,))
         except BaseException:
             print(diagnostics(lab, name))
             raise
@@ -276,7 +263,7 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
         assert product_uuid.lower() == instance_uuid
         # the pool's data port, from the tenant address
         t = time.monotonic()
-        seen = wait_for("the guest to reach the pool", lambda: pool_connect(dom), 30, 0.5)
+        seen = wait_for(lambda: pool_connect(dom), 30, "the guest to reach the pool", 0.5, errors=(Exception,))
         timings["pool connect on A"] = time.monotonic() - t
         assert seen == {"source": "10.90.0.10", "peer": "10.88.0.1"}
 
@@ -289,8 +276,9 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
         with pytest.raises(libvirt.libvirtError):                        # UNDEFINE_SOURCE
             lab.connect("hostA").lookupByName(name)
         t = time.monotonic()
-        wait_for("qemu-ga answering on hostB", lambda: qga.guest_ping(dom_b, 2) or True, 30, 0.1)
-        seen_b = wait_for("the guest to reach the pool from B", lambda: pool_connect(dom_b), 30, 0.2)
+        wait_for(lambda: qga.guest_ping(dom_b, 2) or True, 30, "qemu-ga answering on hostB", 0.1, errors=(Exception,))
+        seen_b = wait_for(lambda: pool_connect(dom_b), 30, "the guest to reach the pool from B", 0.2,
+                          errors=(Exception,))
         timings["pool connect on B after migration"] = time.monotonic() - t
         assert seen_b == seen                                            # the same address: a tenant network
         assert guest_run(dom_b, ["/bin/cat", "/sys/class/dmi/id/product_uuid"]).strip().lower() == instance_uuid
