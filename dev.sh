@@ -17,7 +17,7 @@ VENV="$ROOT/.venv"
 APT_PACKAGES=(
   python3 python3-venv python3-dev gcc pkg-config
   pocl-opencl-icd ocl-icd-libopencl1 ocl-icd-opencl-dev
-  iproute2 procps util-linux openssl libxml2-utils
+  iproute2 procps util-linux openssl libxml2-utils openssh-server openssh-client
   libvirt-dev
   qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients busybox-static
 )

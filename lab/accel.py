@@ -290,30 +290,33 @@ libvirt_uri = "qemu:///system"
         return subprocess.run(["virsh", "-c", self.lab.uri(host), *args], capture_output=True, text=True,
                               timeout=timeout)
 
-    def migrate_virsh(self, name: str, src: str, dst: str, *extra) -> dict:
-        """``virsh migrate --live --p2p`` — no accelmig command involved."""
+    def migrate_virsh(self, name: str, src: str, dst: str, *extra, transport: str = "tcp") -> dict:
+        """``virsh migrate --live --p2p`` — no accelmig command involved
+        (``transport="ssh"``: to ``qemu+ssh://root@DST/system``)."""
         uuid = self.lab.connect(src).lookupByName(name).UUIDString()
         before = self.counters()
-        dest_uri, migrate_uri = self.lab.migration_uris(dst)
+        dest_uri, migrate_uri = self.lab.migration_uris(dst, transport)
         started = time.monotonic()
         out = self.virsh(src, "migrate", "--live", "--p2p", *extra, name, dest_uri, "--migrateuri", migrate_uri)
         wall = time.monotonic() - started
+        via = "virsh" if transport == "tcp" else f"virsh qemu+{transport}"
         if out.returncode != 0:
-            return {"ok": False, "error": out.stderr.strip(), "wall_s": wall, "via": "virsh"}
-        return self._measure(name, uuid, dst, before, wall, "virsh")
+            return {"ok": False, "error": out.stderr.strip(), "wall_s": wall, "via": via}
+        return self._measure(name, uuid, dst, before, wall, via)
 
-    def migrate_accelmig(self, name: str, src: str, dst: str, *extra) -> dict:
+    def migrate_accelmig(self, name: str, src: str, dst: str, *extra, transport: str = "tcp") -> dict:
         uuid = self.lab.connect(src).lookupByName(name).UUIDString()
         before = self.counters()
-        dest_uri, migrate_uri = self.lab.migration_uris(dst)
+        dest_uri, migrate_uri = self.lab.migration_uris(dst, transport)
         started = time.monotonic()
         out = subprocess.run([venv_bin("accelmig"), "migrate", name, dest_uri, "--migrate-uri", migrate_uri,
                               "--connect", self.lab.uri(src), "--config", str(self.config_path(src)),
                               "--json", *extra], capture_output=True, text=True, timeout=300)
         wall = time.monotonic() - started
+        via = "accelmig migrate" if transport == "tcp" else f"accelmig qemu+{transport}"
         if out.returncode not in (0, 1) or not out.stdout.strip():
-            return {"ok": False, "error": out.stderr.strip(), "wall_s": wall, "via": "accelmig"}
-        result = self._measure(name, uuid, dst, before, wall, "accelmig migrate")
+            return {"ok": False, "error": out.stderr.strip(), "wall_s": wall, "via": via}
+        result = self._measure(name, uuid, dst, before, wall, via)
         result["cli"] = json.loads(out.stdout)
         return result
 
@@ -365,6 +368,8 @@ libvirt_uri = "qemu:///system"
                  f"POOL_TLS={'yes' if env['pool']['tls'] else 'no'}",
                  f"TENANT_BRIDGE={env['tenant']['bridge']}", f"TENANT_SUBNET={env['tenant']['subnet']}",
                  f"TENANT_GATEWAY={env['tenant']['gateway']}"]
+        if a["ssh_uri"]:
+            lines += [f"HOSTA_SSH_URI={a['ssh_uri']}", f"HOSTB_SSH_URI={b['ssh_uri']}"]
         if env["pool"]["tls"]:
             lines.append(f"ACCELMIG_CAFILE={env['pool']['ca']}")
         if domain:

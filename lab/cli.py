@@ -109,6 +109,7 @@ def env(name, domain, as_json):
       eval "$(accelmig lab env)"
       virsh -c "$HOSTA_URI" list
       virsh -c "$HOSTA_URI" migrate --live --p2p $DOMAIN $HOSTB_P2P_URI --migrateuri $HOSTB_MIGRATE_URI
+      virsh -c "$HOSTA_URI" migrate --live --p2p $DOMAIN $HOSTB_SSH_URI --migrateuri $HOSTB_MIGRATE_URI
     """
     _need_root()
     accel = _lab(name)
@@ -142,8 +143,11 @@ def boot(name, host, domain, steps):
 @click.option("--domain", default=VM, show_default=True)
 @click.option("--to", "dest", type=click.Choice(["hostA", "hostB"]), help="Default: the other host.")
 @click.option("--via", type=click.Choice(["virsh", "accelmig"]), default="virsh", show_default=True)
+@click.option("--transport", type=click.Choice(["tcp", "ssh"]), default="tcp", show_default=True,
+              help="How the source's libvirtd reaches the destination's: qemu+tcp, or qemu+ssh "
+                   "through the destination host's sshd.")
 @click.option("--json", "as_json", is_flag=True)
-def migrate(name, domain, dest, via, as_json):
+def migrate(name, domain, dest, via, transport, as_json):
     """Live-migrate the VM and measure what it cost."""
     _need_root()
     accel = _lab(name)
@@ -152,7 +156,8 @@ def migrate(name, domain, dest, via, as_json):
         click.echo(f"accelmig lab: {domain} runs nowhere (accelmig lab boot)", err=True)
         sys.exit(1)
     dest = dest or ("hostB" if src == "hostA" else "hostA")
-    result = (accel.migrate_virsh if via == "virsh" else accel.migrate_accelmig)(domain, src, dest)
+    result = (accel.migrate_virsh if via == "virsh" else accel.migrate_accelmig)(domain, src, dest,
+                                                                                  transport=transport)
     result.pop("record", None)
     click.echo(json.dumps(result, indent=2) if as_json else _row(f"{src}->{dest}", result))
     sys.exit(0 if result.get("ok") else 1)
@@ -180,8 +185,9 @@ def demo(name, keep, steps, insecure):
     """The main job: a VM computes on the pool while it live-migrates.
 
     Boots the VM on hostA with the demo solver running on the pool,
-    migrates it A->B and B->A with plain 'virsh migrate --live' and once more
-    with 'accelmig migrate', checks the final result against a run that
+    migrates it A->B and B->A with plain 'virsh migrate --live', once more
+    with 'accelmig migrate', and back with 'virsh migrate' to a qemu+ssh URI
+    (where openssh-server is installed), checks the final result against a run that
     never migrated, and prints a table per migration: VM downtime (libvirt),
     accelerator blackout, bytes of compute logic and fixed data re-sent to
     the pool (must be 0), program rebuilds, sessions resumed, total time.
@@ -220,12 +226,15 @@ def demo(name, keep, steps, insecure):
         follower = threading.Thread(target=follow, daemon=True)
         follower.start()
         click.echo(bold("4. live migrations while it computes"))
-        plan = [("hostA", "hostB", "virsh"), ("hostB", "hostA", "virsh"), ("hostA", "hostB", "accelmig")]
+        plan = [("hostA", "hostB", "virsh", "tcp"), ("hostB", "hostA", "virsh", "tcp"),
+                ("hostA", "hostB", "accelmig", "tcp")]
+        if accel.lab.ssh:         # as operators type it: virsh migrate --live --p2p vm qemu+ssh://hostA/system
+            plan.append(("hostB", "hostA", "virsh", "ssh"))
         results = []
-        for src, dst, via in plan:
+        for src, dst, via, transport in plan:
             time.sleep(1.0)
             fn = accel.migrate_virsh if via == "virsh" else accel.migrate_accelmig
-            result = fn(VM, src, dst)
+            result = fn(VM, src, dst, transport=transport)
             result.pop("record", None)
             results.append((f"{src}->{dst}", result))
             click.echo(f"   {src} -> {dst} ({result['via']}): "

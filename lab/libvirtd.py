@@ -268,7 +268,10 @@ class LibvirtNode:
         for name, gid in ((QEMU_USER, QEMU_UID), ("kvm", QEMU_UID + 1)):
             if name not in names:
                 group += f"{name}:x:{gid}:\n"
-        (self.root / "passwd").write_text(passwd)
+        # root's home is node-private: the ssh client of this node's daemon
+        # (qemu+ssh migrations) keeps its key and known hosts there (lab/ssh.py)
+        from .ssh import with_root_home
+        (self.root / "passwd").write_text(with_root_home(passwd))
         (self.root / "group").write_text(group)
 
     # ------------------------------------------------------------ run

@@ -269,6 +269,7 @@ class Lab:
             self.topology.up()
             self.timings["topology"] = time.monotonic() - t0
             self._start_daemons()
+            self._start_ssh()
             if self.want_pool:
                 self._start_pool()
         except BaseException:
@@ -316,6 +317,25 @@ class Lab:
                 list(pool.map(self._warm_caps, batch))
             self.nodes[batch[0]].save_caps_cache()
             self.timings["daemons " + "+".join(batch)] = time.monotonic() - t0
+
+    def _start_ssh(self):
+        """An sshd per host for qemu+ssh migrations (lab/ssh.py); without
+        openssh-server the lab runs on, migrating over TCP only, and says so."""
+        from .ssh import LabSsh, available
+        missing = available()
+        self.state["ssh"] = missing is None
+        if missing:
+            LOG.warning("lab %s: NO qemu+ssh between the hosts: %s", self.name, missing)
+            return
+        t0 = time.monotonic()
+        LabSsh(self).up()
+        self._write_state()
+        self.timings["sshd"] = time.monotonic() - t0
+
+    @property
+    def ssh(self) -> bool:
+        """Whether the hosts reach each other's libvirtd over ssh (qemu+ssh)."""
+        return bool(self.state.get("ssh"))
 
     def _warm_caps(self, host: str):
         with contextlib.closing(self.nodes[host].connect()) as conn:
@@ -564,9 +584,18 @@ class Lab:
     def migration_address(self, host: str) -> str:
         return self.topology.host(host).address
 
-    def migration_uris(self, dst: str) -> tuple[str, str]:
-        """(peer-to-peer libvirt URI, QEMU migration URI) to migrate *to* ``dst``."""
+    def migration_uris(self, dst: str, transport: str = "tcp") -> tuple[str, str]:
+        """(peer-to-peer libvirt URI, QEMU migration URI) to migrate *to*
+        ``dst``: the source's daemon reaches ``dst``'s over ``qemu+tcp`` or,
+        ``transport="ssh"``, ``qemu+ssh`` (its sshd, lab/ssh.py)."""
         address = self.migration_address(dst)
+        if transport == "ssh":
+            if not self.ssh:
+                raise RuntimeError(f"lab {self.name} runs no sshd (see its log): no qemu+ssh")
+            from .ssh import LabSsh
+            return LabSsh(self).uri(dst), f"tcp://{address}"
+        if transport != "tcp":
+            raise ValueError(f"transport {transport!r}: tcp or ssh")
         return self.nodes[dst].tcp_uri(address), f"tcp://{address}"
 
     def domain_xml(self, name: str, image: GuestImage, host: str = "hostA", *, guest_index: int = 10,
@@ -643,6 +672,8 @@ class Lab:
                 "hostname": node.hostname if node else None,
                 "host_uuid": node.host_uuid if node else None,
                 "p2p_uri": dest_uri, "migrate_uri": migrate_uri,
+                # what operators type: virsh migrate --live --p2p DOM <ssh_uri> --migrateuri <migrate_uri>
+                "ssh_uri": f"qemu+ssh://root@{host}/system" if self.ssh else None,
                 "hooks_dir": str(node.hooks_dir) if node else None,
                 "dir": str(node.root) if node else None,
                 "log": str(node.log_file) if node else None,
@@ -672,6 +703,8 @@ class Lab:
             "examples": [
                 f"virsh -c '{a['uri']}' list --all",
                 f"virsh -c '{a['uri']}' migrate --live --p2p DOMAIN {b['p2p_uri']} --migrateuri {b['migrate_uri']}",
+                *([f"virsh -c '{a['uri']}' migrate --live --p2p DOMAIN {b['ssh_uri']} --migrateuri "
+                   f"{b['migrate_uri']}"] if b["ssh_uri"] else []),
                 f"ip netns exec {a['netns']} ip -br addr",
             ],
         }

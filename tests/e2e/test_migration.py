@@ -188,6 +188,28 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
     # (zero rebuilds and zero re-uploads per move: check_hot, from the pool's counters)
 
 
+def test_migrations_over_qemu_ssh_as_operators_type_them(accel, vms, image, reference):
+    """``virsh migrate --live --p2p vm qemu+ssh://root@hostB/system`` and
+    ``accelmig migrate`` with such a URI: the source's libvirtd reaches the
+    destination's through that host's real sshd (lab/ssh.py), host key
+    checked; the hook, hostd and the rehome are the same as over TCP."""
+    if not accel.lab.ssh:
+        pytest.skip("SKIPPED LOUDLY: the lab runs no sshd (openssh-server missing: ./dev.sh setup installs it)")
+    boot(accel, vms, "vm-ssh", image)
+    there = accel.migrate_virsh("vm-ssh", "hostA", "hostB", transport="ssh")
+    check_hot(there, accel, "vm-ssh")
+    back = accel.migrate_accelmig("vm-ssh", "hostB", "hostA", transport="ssh")
+    check_hot(back, accel, "vm-ssh")
+    assert back["cli"]["rehomed"] and back["cli"]["resumed"] == 1, json.dumps(back["cli"])
+    assert accel.where("vm-ssh") == "hostA"
+    # it really went over ssh: each destination's sshd let the other host's root in
+    for host, peer in (("hostB", "10.88.3.1"), ("hostA", "10.88.3.2")):
+        log = (accel.lab.nodes[host].root / "sshd" / "sshd.log").read_text(errors="replace")
+        assert f"Accepted publickey for root from {peer}" in log, log[-2000:]
+    done = accel.demo_done("vm-ssh")
+    assert done["sha256"] == reference["sha256"] and done["resumes"] == 2, done
+
+
 def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference):
     boot(accel, vms, "vm-post", image)
     uuid = uuid_of(accel, "vm-post")
