@@ -12,10 +12,10 @@ on that host's attestation.  Standard library only.
 
 from __future__ import annotations
 
-import re
+from accelmig.wire.dataplane import domain_claim
+from accelmig.wire.errors import BadRequest
 
 PRODUCT_UUID = "/sys/class/dmi/id/product_uuid"
-_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 #: what firmware without a real UUID writes there
 _NOT_SET = {"00000000-0000-0000-0000-000000000000", "ffffffff-ffff-ffff-ffff-ffffffffffff",
             "03000200-0400-0500-0006-000700080009"}
@@ -26,9 +26,11 @@ def system_uuid(path: str = PRODUCT_UUID) -> str | None:
     none, it is a placeholder, or this process may not read it (not root)."""
     try:
         with open(path, encoding="ascii", errors="replace") as handle:
-            text = handle.read(64).strip().lower()
+            text = handle.read(64)
     except OSError:
         return None
-    if not _UUID.fullmatch(text) or text in _NOT_SET:
+    try:
+        uuid = domain_claim(text)          # what the pool accepts at open, canonical
+    except BadRequest:
         return None
-    return text
+    return None if uuid is None or uuid in _NOT_SET else uuid
