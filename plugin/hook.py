@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 
@@ -98,43 +99,51 @@ def main(argv=None, stdin=None, stdout=None) -> int:
         return 0
     # (a path or a kernel word may name accelmig in a domain nobody marked:
     # the model decides; this only skips the parse for most foreign domains)
-    holds = None
+    config = None
     if b"accelmig" not in xml:
-        holds = _holds_sessions(xml)
-        if not holds:
+        from accelmig.wire.errors import AccelmigError
+        try:
+            config = _load_config()
+        except AccelmigError:
+            return 0              # no config: no list of ours to be on
+        if not _holds_sessions(xml, config):
             return 0
     try:
-        return _run(domain, operation, sub, xml, started, stdout, holds_sessions=holds)
+        return _run(domain, operation, sub, xml, started, stdout, config=config)
     except Exception as exc:
         _log(f"refusing {operation} of {domain}: internal error {type(exc).__name__}: {exc}")
         return 1
 
 
-def _holds_sessions(xml: bytes) -> bool:
+#: a domain's UUID, found without parsing its XML (most domains are not ours)
+_UUID_ELEMENT = re.compile(rb"<uuid>\s*([0-9a-fA-F-]{36})\s*</uuid>")
+
+
+def _load_config():
+    from accelmig.plugin.config import HostConfig
+    return HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))
+
+
+def _holds_sessions(xml: bytes, config) -> bool:
     """A domain with nothing of accelmig in its XML (Nova's) whose guest
     holds accelerator sessions: hostd keeps their UUIDs, learned from the
     pool, in ``accel-domains.json``, so this holds while hostd is down.
     A domain not listed, or no list to read, is not ours: it passes."""
     import json
-    import re
-    from accelmig.plugin.config import HostConfig
-    from accelmig.wire.errors import AccelmigError
-
-    found = re.search(rb"<uuid>\s*([0-9a-fA-F-]{36})\s*</uuid>", xml)
+    found = _UUID_ELEMENT.search(xml)
     if found is None:
         return False
     try:
-        path = HostConfig.load(os.environ.get("ACCELMIG_CONFIG")).hostd.accel_domains_file
-        with open(path, "rb") as handle:
+        with open(config.hostd.accel_domains_file, "rb") as handle:
             listed = json.loads(handle.read(64 << 20)).get("domains") or []
-    except (AccelmigError, OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return False
     return found.group(1).decode().lower() in listed
 
 
-def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout, *,
-         holds_sessions: bool | None = None) -> int:
-    from accelmig.plugin.config import HostConfig
+def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdout, *, config=None) -> int:
+    """``config``: loaded already when the domain was found on the list of
+    those holding sessions (it is then known to be ours)."""
     from accelmig.plugin.domain.model import DomainXML, rewrite_for_host
     from accelmig.wire.localapi import LocalClient
     from accelmig.wire.errors import AccelmigError
@@ -145,15 +154,18 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
         _log(f"refusing {operation} of {domain}: its XML cannot be read: {exc}")
         return 1
     unmarked = not model.is_accelmig()
-    if unmarked and not (holds_sessions if holds_sessions is not None else _holds_sessions(xml)):
-        return 0
-    try:
-        config = HostConfig.load(os.environ.get("ACCELMIG_CONFIG"))
-    except AccelmigError as exc:
-        # Without a config there is no way to know this host's pool or
-        # fabric: strict is the only safe default.
-        _log(f"refusing {operation} of {domain}: {exc}")
-        return 1
+    if config is None:
+        try:
+            config = _load_config()
+        except AccelmigError as exc:
+            if unmarked:
+                return 0          # no config: no list of ours to be on
+            # Without a config there is no way to know this host's pool or
+            # fabric: strict is the only safe default.
+            _log(f"refusing {operation} of {domain}: {exc}")
+            return 1
+        if unmarked and not _holds_sessions(xml, config):
+            return 0
     budget = config.hostd.hook_timeout
     client = LocalClient(config.hostd.socket, timeout=budget)
 
