@@ -88,6 +88,16 @@ class AccelLab:
     def down(self) -> None:
         self.lab.down()
 
+    def __enter__(self) -> "AccelLab":
+        try:
+            return self.up()
+        except BaseException:        # half up (a hostd that did not start): nothing left behind
+            self.down()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
     def host_dir(self, host: str) -> Path:
         path = self.lab.dir / f"accelmig-{host}"
         path.mkdir(parents=True, exist_ok=True)

@@ -35,12 +35,8 @@ LEASE = 6            # the lab pool's record lease, for the tests that wait it o
 
 @pytest.fixture(scope="module")
 def accel():
-    lab = AccelLab(f"e2e{os.getpid() % 10000}", pool_args=["--lease-ttl", str(LEASE)])
-    try:
-        lab.up()
+    with AccelLab(f"e2e{os.getpid() % 10000}", pool_args=["--lease-ttl", str(LEASE)]) as lab:
         yield lab
-    finally:
-        lab.down()
 
 
 @pytest.fixture(scope="module")

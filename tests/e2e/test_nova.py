@@ -58,12 +58,8 @@ def nova_demo_command(token: str, steps: int, size: int = 128, report: int = 20,
 
 @pytest.fixture(scope="module")
 def accel():
-    lab = AccelLab(f"nova{os.getpid() % 10000}")
-    try:
-        lab.up()
+    with AccelLab(f"nova{os.getpid() % 10000}") as lab:
         yield lab
-    finally:
-        lab.down()
 
 
 @pytest.fixture(scope="module")
