@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import select
 import socket
 import ssl
 import threading
@@ -249,20 +250,26 @@ class TlsRelay:
             except OSError:
                 return
             self.socks += [down, up]
-            for a, b in ((down, up), (up, down)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(down, up), daemon=True).start()
 
     @staticmethod
-    def _pump(src, dst):
+    def _pump(down, up):
+        """Both directions on one thread: an SSLSocket read on one thread
+        while another writes to it is not safe (CI once saw the pool's
+        welcome never forwarded)."""
+        peer = {down: up, up: down}
         try:
             while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                dst.sendall(data)
-        except OSError:
+                # bytes already decrypted inside a socket are not seen by select
+                ready = [s for s in peer if s.pending()] or select.select(list(peer), [], [])[0]
+                for src in ready:
+                    data = src.recv(65536)
+                    if not data:
+                        raise EOFError
+                    peer[src].sendall(data)
+        except (OSError, EOFError):
             pass
-        for s in (src, dst):
+        for s in peer:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
