@@ -45,6 +45,7 @@ from pathlib import Path
 
 import libvirt
 
+from . import machine
 from .netns import exec_argv
 
 LOG = logging.getLogger("accelmig.lab.libvirtd")
@@ -166,7 +167,7 @@ class LibvirtNode:
         for fixed, sub in LIBVIRT_DIRS.items():
             if path == fixed or path.startswith(fixed + "/"):
                 return self.root / sub / os.path.relpath(path, fixed)
-        return Path(path)
+        return machine.host_path(self.root, path)
 
     @property
     def socket(self) -> Path:
@@ -241,6 +242,7 @@ class LibvirtNode:
         """Create the node's directories and configuration files."""
         for sub in LIBVIRT_DIRS.values():
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        machine.prepare(self.root)
         (self.dir("/var/log/libvirt") / "qemu").mkdir(exist_ok=True)
         self.hooks_dir.mkdir(parents=True, exist_ok=True)
         etc = self.dir("/etc/libvirt")
@@ -277,13 +279,14 @@ class LibvirtNode:
     # ------------------------------------------------------------ run
 
     def command(self) -> list[str]:
+        # the node's own /etc first (lab/machine.py); libvirt's paths and
+        # the account files on top of it
         binds = [(self.root / sub, fixed) for fixed, sub in LIBVIRT_DIRS.items()]
         binds += [(self.root / "passwd", "/etc/passwd"), (self.root / "group", "/etc/group")]
         if self.etc_hosts is not None:
             binds.append((self.root / "hosts", "/etc/hosts"))
-        inner = [sys.executable, "-I", "-S", str(REAPER), "--hostname", self.hostname]
-        for source, target in binds:
-            inner += ["--bind", f"{source}:{target}"]
+        inner = [sys.executable, "-I", "-S", str(REAPER), "--hostname", self.hostname,
+                 *machine.reaper_args(self.root, binds)]
         inner += ["--", LIBVIRTD, "--listen", "--pid-file", "/run/libvirt/libvirtd.pid"]
         unshare = ["unshare", "--mount", "--uts", "--propagation", "private", *inner]
         return exec_argv(self.netns, unshare) if self.netns else unshare

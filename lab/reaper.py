@@ -1,5 +1,5 @@
 """A tiny init for one lab libvirt daemon: run as ``python3 -I -S reaper.py
-[--hostname NAME] [--bind SRC:DST]... -- COMMAND...`` inside
+[--hostname NAME] [--private-dir DIR]... [--bind SRC:DST]... -- COMMAND...`` inside
 ``ip netns exec NS unshare --mount --uts --propagation private``.
 
 Why it exists:
@@ -62,6 +62,33 @@ def make_mount_point(source, target):
     return True
 
 
+def private_dir(libc, parent):
+    """Make ``parent`` (/run, /var/lib, ...) this namespace's own: a tmpfs
+    over it, and every entry it had bound back from the original (reached
+    through a descriptor opened before, /proc/self/fd/N: no stash
+    directory).  New entries (mount points of the node's own) then land in
+    the tmpfs, never on the machine; entries the machine adds later are not
+    seen here."""
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        mode = os.fstat(fd).st_mode & 0o7777
+        if libc.mount(b"accelmig-node", parent.encode(), b"tmpfs", 0, ("mode=%o" % mode).encode()) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"tmpfs on {parent}: {os.strerror(err)}")
+        for entry in sorted(os.listdir(fd)):
+            source, target = f"/proc/self/fd/{fd}/{entry}", os.path.join(parent, entry)
+            if os.path.islink(source):
+                os.symlink(os.readlink(source), target)
+                continue
+            if os.path.isdir(source):
+                os.mkdir(target)
+            else:
+                open(target, "w").close()
+            bind_mount(libc, source, target)
+    finally:
+        os.close(fd)
+
+
 def bind_mount(libc, source, target):
     if libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
         err = ctypes.get_errno()
@@ -99,12 +126,14 @@ def reap_all():
 
 
 def main(argv):
-    hostname, binds = None, []
+    hostname, binds, private = None, [], []
     args = list(argv)
     while args and args[0] != "--":
         opt = args.pop(0)
         if opt == "--hostname":
             hostname = args.pop(0)
+        elif opt == "--private-dir":
+            private.append(args.pop(0))
         elif opt == "--bind":
             source, _, target = args.pop(0).partition(":")
             binds.append((source, target))
@@ -112,7 +141,7 @@ def main(argv):
             log(f"unknown option {opt}")
             return 2
     if not args or len(args) < 2:
-        log("usage: reaper.py [--hostname NAME] [--bind SRC:DST]... -- COMMAND...")
+        log("usage: reaper.py [--hostname NAME] [--private-dir DIR]... [--bind SRC:DST]... -- COMMAND...")
         return 2
     command = args[1:]
 
@@ -120,6 +149,8 @@ def main(argv):
     if hostname:
         socket.sethostname(hostname)
     try:
+        for parent in private:
+            private_dir(libc, parent)
         for source, target in binds:
             make_mount_point(source, target)
             bind_mount(libc, source, target)

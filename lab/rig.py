@@ -372,6 +372,39 @@ class Lab:
             self._popens.pop(key, None)
             self._write_state()
 
+    def machine_root(self, node: str) -> Path:
+        """Where ``node``'s machine directories are (lab/machine.py)."""
+        from .ssh import LabSsh
+        return LabSsh(self).pool_root if node == "pool" else self.nodes[node].root
+
+    def machine_path(self, node: str, path: str) -> Path:
+        """A path of ``node``'s machine (its /etc, /opt, ...) seen from here."""
+        if node != "pool":
+            return self.nodes[node].host_path(path)
+        from . import machine
+        return machine.host_path(self.machine_root(node), path)
+
+    def start_unit(self, node: str, unit: str, log: Path | None = None) -> subprocess.Popen:
+        """Start the systemd unit ``unit`` installed on ``node``
+        (/etc/systemd/system) the way lab/machine.py's
+        :func:`service_command` can without systemd; recorded, so
+        ``down()`` stops it."""
+        from . import machine
+        from .ssh import LabSsh
+        text = self.machine_path(node, f"/etc/systemd/system/{unit}").read_text()
+        argv, preparations = machine.service_command(text, LabSsh(self).machine_pid(node))
+        for step in preparations:
+            subprocess.run(step, check=True, capture_output=True, timeout=30)
+        key = f"unit-{node}-{unit}"
+        self._record_process(key, None, argv=argv)
+        log = log or self.dir / f"{key}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True)
+        self._popens[key] = proc
+        self._record_process(key, proc.pid, argv=argv)
+        return proc
+
     def _pool_dir(self) -> Path:
         return self.dir / "pool"
 

@@ -16,8 +16,18 @@ works as operators type it.
 - Keys are ed25519, made with ``ssh-keygen`` per lab and removed with it.
 
 ``sshd`` needs its privilege-separation directory ``/run/sshd`` (compiled
-in): created when absent, empty, mode 0755, like libvirt's own absent
-directories (lab/libvirtd.py).
+in): each node has its own, empty (lab/machine.py).
+
+**The operator** (``accelmig fleet``): a key of the lab's own
+(``operator/id_ed25519``) is authorized on every node, the pool node
+included, and ``operator/known_hosts`` has every node's host key under
+its names and addresses.  The pool node gets a sshd too, in a mount
+namespace of its own made by the same reaper the hosts' daemons run under
+(``pool-machine``): like the hosts, it is a machine of its own
+(lab/machine.py), so a deploy onto it stays inside the lab.  The operator
+runs in the pool's network namespace, which reaches every node: the pool
+at its service address, the hosts at their uplinks.  ``AllowTcpForwarding``
+is on, so that a node can be a jump host (``ssh -J``).
 """
 
 from __future__ import annotations
@@ -26,8 +36,13 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+from . import machine
+from .libvirtd import REAPER, proc_starttime
+from .netns import exec_argv
 
 LOG = logging.getLogger("accelmig.lab.ssh")
 
@@ -78,48 +93,78 @@ class LabSsh:
         self.lab = lab
 
     def _dir(self, host: str) -> Path:
-        return self.lab.nodes[host].root / "sshd"
+        return (self.pool_root if host == "pool" else self.lab.nodes[host].root) / "sshd"
 
     def home(self, host: str) -> Path:
         """Root's home inside ``host``, seen from here."""
         return self.lab.nodes[host].host_path(ROOT_HOME)
 
+    @property
+    def operator_dir(self) -> Path:
+        """The operator's key (``id_ed25519``) and ``known_hosts``."""
+        return self.lab.dir / "operator"
+
+    def listen_addresses(self, node: str) -> list[str]:
+        """Where ``node``'s sshd listens (each a name in known_hosts)."""
+        if node == "pool":
+            from .topology import POOL_ADDRESS
+            return [POOL_ADDRESS]
+        plan = self.lab.topology.host(node)
+        return [plan.address, plan.uplink_address]
+
+    def sshd_config(self, node: str) -> str:
+        sshd_dir = self._dir(node)
+        return "\n".join([
+            f"# accelmig lab: {node}'s sshd (lab/ssh.py); keys are the lab's own",
+            *(f"ListenAddress {address}:{PORT}" for address in self.listen_addresses(node)),
+            f"HostKey {sshd_dir / 'ssh_host_ed25519_key'}",
+            f"PidFile {sshd_dir / 'sshd.pid'}",
+            f"AuthorizedKeysFile {sshd_dir / 'authorized_keys'}",
+            "PermitRootLogin prohibit-password",
+            "PubkeyAuthentication yes",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",            # the lab's directories are root's, not mode-checked
+            "PrintMotd no",
+            "X11Forwarding no",
+            "AllowTcpForwarding yes",    # a node may be a jump host
+            "MaxStartups 50",            # the fleet opens one connection per node at once
+            "",
+        ])
+
     def prepare(self) -> None:
         """Keys, sshd configs, and each host's client files (its key
-        authorized on every other host, their host keys known)."""
+        authorized on every other host, their host keys known); the
+        operator's key, authorized everywhere, and its known_hosts."""
         hosts = list(self.lab.HOSTS)
         host_keys, client_keys = {}, {}
-        for host in hosts:
-            sshd_dir = self._dir(host)
+        self.operator_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.operator_dir, 0o700)
+        operator_key = _keygen(self.operator_dir / "id_ed25519", "operator (accelmig lab)")
+        for node in (*hosts, "pool"):
+            sshd_dir = self._dir(node)
             sshd_dir.mkdir(parents=True, exist_ok=True)
-            host_keys[host] = _keygen(sshd_dir / "ssh_host_ed25519_key", f"accelmig-lab {host} host key")
+            host_keys[node] = _keygen(sshd_dir / "ssh_host_ed25519_key", f"accelmig-lab {node} host key")
+        (self._dir("pool") / "authorized_keys").write_text(operator_key + "\n")
+        (self._dir("pool") / "sshd_config").write_text(self.sshd_config("pool"))
+        known = []
+        for node in (*hosts, "pool"):
+            names = [node, *self.listen_addresses(node)]
+            known.append(f"{','.join(names)} {host_keys[node]}\n")
+        (self.operator_dir / "known_hosts").write_text("".join(known))
+        for host in hosts:
             dot_ssh = self.home(host) / ".ssh"
             dot_ssh.mkdir(parents=True, exist_ok=True)
             os.chmod(self.home(host), 0o700)
             os.chmod(dot_ssh, 0o700)
             client_keys[host] = _keygen(dot_ssh / "id_ed25519", f"root@{host} (accelmig lab)")
         for host in hosts:
-            plan = self.lab.topology.host(host)
             sshd_dir = self._dir(host)
             others = [h for h in hosts if h != host]
-            (sshd_dir / "authorized_keys").write_text("".join(client_keys[h] + "\n" for h in others))
-            (sshd_dir / "sshd_config").write_text("\n".join([
-                "# accelmig lab: this host's sshd (lab/ssh.py); keys are the lab's own",
-                f"ListenAddress {plan.address}:{PORT}",
-                f"HostKey {sshd_dir / 'ssh_host_ed25519_key'}",
-                f"PidFile {sshd_dir / 'sshd.pid'}",
-                f"AuthorizedKeysFile {sshd_dir / 'authorized_keys'}",
-                "PermitRootLogin prohibit-password",
-                "PubkeyAuthentication yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",            # the lab's directories are root's, not mode-checked
-                "PrintMotd no",
-                "X11Forwarding no",
-                "AllowTcpForwarding no",
-                "",
-            ]))
+            (sshd_dir / "authorized_keys").write_text(
+                "".join(client_keys[h] + "\n" for h in others) + operator_key + "\n")
+            (sshd_dir / "sshd_config").write_text(self.sshd_config(host))
             dot_ssh = self.home(host) / ".ssh"
             known = []
             for other in others:
@@ -140,16 +185,23 @@ class LabSsh:
             ]))
 
     def start(self, host: str, timeout: float = 15.0) -> int:
-        """sshd in ``host``'s namespaces; returns once it listens."""
-        node = self.lab.nodes[host]
-        if not os.path.isdir(PRIVSEP_DIR):
-            LOG.info("creating sshd's privilege-separation directory %s (mode 0755, empty, left in place)",
-                     PRIVSEP_DIR)
-            os.makedirs(PRIVSEP_DIR, mode=0o755, exist_ok=True)
+        """sshd in ``host``'s namespaces (``pool``: in a mount namespace of
+        the pool node's own, under the lab's reaper); returns once it listens."""
+        # sshd's privilege-separation directory (PRIVSEP_DIR) is the node's
+        # own, empty (lab/machine.py): nothing is created on the machine
         sshd_dir = self._dir(host)
         log = sshd_dir / "sshd.log"
-        argv = ["nsenter", "--target", str(node.pid), "--mount", "--net", "--uts", "--",
-                SSHD, "-D", "-e", "-f", str(sshd_dir / "sshd_config")]
+        sshd = [SSHD, "-D", "-e", "-f", str(sshd_dir / "sshd_config")]
+        if host == "pool":
+            root = self.pool_root
+            machine.prepare(root)
+            inner = [sys.executable, "-I", "-S", str(REAPER), "--hostname", f"{self.lab.name}-pool",
+                     *machine.reaper_args(root, pool=True)]
+            argv = exec_argv(self.lab.topology.pool_ns,
+                             ["unshare", "--mount", "--uts", "--propagation", "private", *inner, "--", *sshd])
+        else:
+            argv = ["nsenter", "--target", str(self.lab.nodes[host].pid), "--mount", "--net", "--uts", "--",
+                    *sshd]
         key = f"sshd-{host}"
         self.lab._record_process(key, None, argv=argv)
         with open(log, "ab") as out:
@@ -164,10 +216,30 @@ class LabSsh:
             time.sleep(0.02)
         return proc.pid
 
+    @property
+    def pool_root(self) -> Path:
+        """The pool node's machine directories (lab/machine.py)."""
+        return self.lab.dir / "pool-machine"
+
+    def machine_pid(self, node: str) -> int:
+        """A process in ``node``'s namespaces (network, mount, UTS): what
+        ``nsenter --target`` takes to run a command as on that machine."""
+        # sshd: the one process every node has (a host's libvirtd may be
+        # stopped by a test while its machine lives on)
+        try:
+            pid = int((self._dir(node) / "sshd.pid").read_text().strip())
+        except (OSError, ValueError):
+            pid = None
+        if pid is not None and proc_starttime(pid) is not None:
+            return pid
+        if node != "pool" and self.lab.nodes[node].pid:
+            return self.lab.nodes[node].pid
+        raise RuntimeError(f"{node}: no process of its machine runs (sshd pid {pid})")
+
     def up(self) -> None:
         self.prepare()
-        for host in self.lab.HOSTS:
-            self.start(host)
+        for node in (*self.lab.HOSTS, "pool"):
+            self.start(node)
 
     def uri(self, host: str) -> str:
         """The libvirt URI another host's daemon uses to reach ``host`` over ssh."""
