@@ -29,6 +29,8 @@ COMMANDS = {
     "doctor": ("accelmig.plugin.commands.doctor", "doctor", "Check hook, hostd, pool and channels."),
     "guest-bundle": ("accelmig.plugin.commands.guest_bundle", "guest_bundle",
                      "Write the guest side as one zipapp (Python 3.9+)."),
+    # run on an operator's machine, not a host: its own extra ('fleet')
+    "fleet": ("accelmig.fleet.cli", "fleet", "Deploy and check every node over SSH (inventory)."),
 }
 
 

@@ -19,6 +19,8 @@ DISTRIBUTION = "accelmig"
 EXTRAS = {
     "host": frozenset({"click", "jinja2", "libvirt", "libvirtmod", "pyroute2", "prometheus_client"}),
     "pool": frozenset({"click", "numpy", "pyopencl", "prometheus_client"}),
+    # 'accelmig fleet', on an operator's machine
+    "fleet": frozenset({"click", "paramiko", "tomli_w"}),
 }
 
 #: what every command's exit status means; commands add their own
@@ -43,11 +45,16 @@ def exit_codes_epilog(extra: dict | None = None, *, click: bool = False) -> str:
     return ("\b\n" if click else "") + "\n".join(lines)
 
 
-def missing_extra(exc: ModuleNotFoundError, extra: str) -> str | None:
-    """The top-level module of ``extra`` that ``exc`` failed to import, or None
-    (a module that is no optional dependency: a real bug, not a missing extra)."""
+def missing_extra(exc: ModuleNotFoundError, extra: str) -> tuple[str, str] | None:
+    """(module, extra): the top-level module that ``exc`` failed to import and
+    the extra that has it (``extra`` first: a command of another extra, such
+    as 'accelmig fleet', names its own), or None (a module that is no
+    optional dependency: a real bug, not a missing extra)."""
     name = (exc.name or "").partition(".")[0]
-    return name if name in EXTRAS[extra] else None
+    for candidate in (extra, *EXTRAS):
+        if name in EXTRAS[candidate]:
+            return name, candidate
+    return None
 
 
 def run(prog: str, target: str, extra: str, argv=None):
@@ -61,8 +68,9 @@ def run(prog: str, target: str, extra: str, argv=None):
         missing = missing_extra(exc, extra)
         if missing is None:
             raise
-        print(f"{prog}: this command needs the '{extra}' extra: pip install '{DISTRIBUTION}[{extra}]' "
-              f"(missing module: {missing})", file=sys.stderr)
+        module, needed = missing
+        print(f"{prog}: this command needs the '{needed}' extra: pip install '{DISTRIBUTION}[{needed}]' "
+              f"(missing module: {module})", file=sys.stderr)
         return 1
 
 
