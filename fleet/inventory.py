@@ -342,6 +342,8 @@ class _Reader:
             raise self.error(where, f"{value}: guests and hosts cannot reach a wildcard address")
 
     def tenants(self, table: dict) -> tuple[Tenant, ...]:
+        if not table:
+            raise self.error("tenants", "no [tenants.NAME] table: the pool refuses to start without a tenant")
         out = []
         for name, spec in table.items():
             where = f"tenants.{name}"

@@ -15,6 +15,7 @@ never the run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,7 +29,7 @@ from pathlib import Path
 import paramiko
 
 from accelmig.fleet.inventory import Inventory, Node
-from accelmig.wire.errors import AccelmigError, ErrorCode, Unavailable
+from accelmig.wire.errors import AccelmigError, ConfigInvalid, ErrorCode, Unavailable
 
 LOG = logging.getLogger("accelmig.fleet")
 
@@ -93,15 +94,26 @@ class Remote:
 
     def _auth(self) -> dict:
         ssh = self.inventory.ssh
-        if ssh.key:
-            return {"key_filename": ssh.key, "allow_agent": False, "look_for_keys": False}
-        return {"allow_agent": True, "look_for_keys": True}
-
-    def connect(self) -> "Remote":
-        ssh, node = self.inventory.ssh, self.node
-        sock = None
+        if not ssh.key:
+            return {"allow_agent": True, "look_for_keys": True}
+        # Loaded here, not by connect(): connect() reports a key it could not
+        # read as whatever its last key type said, and a refused key the same way.
         try:
-            if ssh.jump:
+            pkey = paramiko.PKey.from_path(ssh.key)
+        except (paramiko.PasswordRequiredException, TypeError):
+            # (TypeError: cryptography's word for an encrypted PEM key without a password)
+            raise ConfigInvalid(source=self.inventory.path, reason=f"ssh.key: {ssh.key} is protected by a "
+                                f"passphrase: leave ssh.key out and load it into ssh-agent") from None
+        except (paramiko.SSHException, OSError, ValueError) as exc:
+            raise ConfigInvalid(source=self.inventory.path, reason=f"ssh.key: cannot read {ssh.key}: {exc}") from None
+        return {"pkey": pkey, "allow_agent": False, "look_for_keys": False}
+
+    def connect(self, sock=None) -> "Remote":
+        """``sock``: a socket already connected to the node's SSH server (a
+        test's socket pair); else TCP, through the jump host if any."""
+        ssh, node = self.inventory.ssh, self.node
+        try:
+            if ssh.jump and sock is None:
                 user, host, port = ssh.jump
                 self.jump = self._client()
                 self.jump.connect(host, port=port, username=user, timeout=ssh.connect_timeout,
@@ -179,7 +191,8 @@ class Remote:
                     select.select([channel], [], [], 0.05)
             result = Result(channel.recv_exit_status(), bytes(out), bytes(err))
         finally:
-            channel.close()
+            with contextlib.suppress(EOFError, OSError, paramiko.SSHException):
+                channel.close()          # (a node that flooded may have taken the transport down)
         if check and result.status != 0:
             raise RemoteFailed(node=self.node.name, what=check, status=result.status, reason=result.why())
         return result

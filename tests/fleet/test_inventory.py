@@ -1,0 +1,150 @@
+"""The fleet's inventory (fleet/inventory.py) and the files rendered from it
+(fleet/render.py): every mistake found before any node is touched, named by
+its key; relative paths resolved against the inventory's own directory."""
+
+from __future__ import annotations
+
+import pytest
+import tomli_w
+
+from accelmig.fleet import render
+from accelmig.fleet.deploy import Wheelhouse
+from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
+from accelmig.wire.errors import ConfigInvalid
+
+
+def valid() -> dict:
+    return {
+        "ssh": {"key": "keys/id", "known_hosts": "keys/known_hosts"},
+        "install": {"wheelhouse": "dist"},
+        "tls": {"ca": "pki/ca.pem"},
+        "pool": {"address": "10.88.0.10", "listen": "10.88.0.10:7070", "control_listen": "10.88.0.10:7071",
+                 "cert": "pki/pool.pem", "key": "pki/pool.key"},
+        "tenants": {"alice": {"quota": "8GiB"}},
+        "hosts": {"hostA": {"address": "10.88.0.11", "cert": "pki/a.pem", "key": "pki/a.key",
+                            "fabric": {"mode": "bridge", "bridge": "fab0", "guest_subnet": "10.89.1.0/24"}}},
+    }
+
+
+@pytest.fixture
+def write(tmp_path):
+    for name in ("keys/id", "pki/ca.pem", "pki/pool.pem", "pki/pool.key", "pki/a.pem", "pki/a.key"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(f"{name}\n")
+
+    def write(data: dict):
+        path = tmp_path / "fleet.toml"
+        path.write_bytes(tomli_w.dumps(data).encode())
+        return path
+    return write
+
+
+def refused(write, data, *words):
+    with pytest.raises(ConfigInvalid) as caught:
+        Inventory.load(write(data))
+    for word in words:
+        assert word in caught.value.message, caught.value.message
+    return caught.value.message
+
+
+def test_a_valid_inventory_with_its_defaults_and_paths_relative_to_it(write, tmp_path):
+    inventory = Inventory.load(write(valid()))
+    assert inventory.ssh.user == "root" and inventory.ssh.port == 22 and inventory.ssh.jump is None
+    assert inventory.ssh.key == str(tmp_path / "keys/id")
+    assert inventory.ssh.known_hosts == str(tmp_path / "keys/known_hosts")
+    assert inventory.wheelhouse == (str(tmp_path / "dist"),)
+    assert inventory.prefix == DEFAULT_PREFIX and inventory.python == DEFAULT_PYTHON
+    assert inventory.endpoint == "10.88.0.10:7070" and inventory.control == "10.88.0.10:7071"
+    host = inventory.node("hostA")
+    assert host.role == "host" and host.pool_addresses == ("10.89.1.0/24",) and not host.sudo
+    assert [n.name for n in inventory.nodes] == ["pool", "hostA"]
+
+
+def test_a_jump_host_and_a_user_that_needs_sudo(write):
+    data = valid()
+    data["ssh"].update(user="deploy", jump="admin@bastion:2222")
+    inventory = Inventory.load(write(data))
+    assert inventory.ssh.jump == ("admin", "bastion", 2222)
+    assert inventory.node("hostA").sudo
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda d: d.update(extra={}), ["unknown key(s) extra"]),
+    (lambda d: d["hosts"]["hostA"].update(adress="x"), ["hosts.hostA", "unknown key(s) adress"]),
+    (lambda d: d.update(tls={}), ["tls", "insecure = true"]),
+    (lambda d: d["tls"].update(insecure=True), ["insecure = true and a ca"]),
+    (lambda d: d["hosts"]["hostA"].pop("key"), ["hosts.hostA", "needs cert and key"]),
+    (lambda d: d["hosts"]["hostA"].update(cert="pki/none.pem"), ["hosts.hostA.cert", "is not a file"]),
+    (lambda d: d["ssh"].update(jump="a@b@c"), ["ssh.jump"]),
+    (lambda d: d["ssh"].update(port=70000), ["ssh.port"]),
+    (lambda d: d["hosts"].update(admin=d["hosts"]["hostA"]), ["hosts.admin", "not 'admin'"]),
+    (lambda d: d["hosts"]["hostA"].update(address="10.88.0.10"), ["also pool's"]),
+    (lambda d: d["tenants"]["alice"].pop("quota"), ["tenants.alice.quota", "required"]),
+    (lambda d: d["pool"].update(listen="0.0.0.0:7070"), ["pool.listen", "wildcard"]),
+    (lambda d: d["pool"].update(settings={"tls_cert": "x"}), ["pool.settings.tls_cert", "set by the fleet"]),
+    (lambda d: d["install"].update(prefix="opt/x"), ["install.prefix"]),
+    (lambda d: d["install"].update(python="python3"), ["install.python"]),
+    (lambda d: d.pop("hosts"), ["hosts", "missing"]),
+    (lambda d: d.pop("tenants"), ["tenants", "refuses to start without a tenant"]),
+])
+def test_mistakes_are_named_by_their_key(write, change, words):
+    data = valid()
+    change(data)
+    refused(write, data, *words)
+
+
+def test_a_wildcard_listen_is_fine_with_the_endpoint_guests_use(write):
+    data = valid()
+    data["pool"].update(listen="0.0.0.0:7070", endpoint="10.88.0.10:7070")
+    assert Inventory.load(write(data)).endpoint == "10.88.0.10:7070"
+
+
+def test_configurations_are_checked_by_the_sides_own_loaders(write):
+    data = valid()
+    inventory = Inventory.load(write(data))
+    host = render.host_config(inventory, inventory.node("hostA"))
+    assert host.path == render.HOST_CONFIG and host.mode == 0o644
+    config = render.host_config_of(host.data, inventory.node("hostA"))
+    assert config.host_id == "hostA" and config.pool.ca_file == f"{render.TLS_DIR}/ca.pem"
+    assert str(config.fabric.guest_subnet) == "10.89.1.0/24"
+    # a fabric hostd would refuse, refused here, before any node is touched
+    data["hosts"]["hostA"]["fabric"]["mode"] = "wormhole"
+    inventory = Inventory.load(write(data))
+    with pytest.raises(ConfigInvalid, match="hostA.*fabric.mode"):
+        render.host_config(inventory, inventory.node("hostA"))
+    data = valid()
+    data["pool"]["settings"] = {"grace": -1}
+    with pytest.raises(ConfigInvalid, match="grace must be positive"):
+        render.pool_config(Inventory.load(write(data)))
+    data = valid()
+    data["tenants"]["alice"]["quota"] = "lots"
+    inventory = Inventory.load(write(data))
+    with pytest.raises(ConfigInvalid, match=r"\[tenants\]"):
+        render.pool_tokens(inventory, {"alice": "t" * 32}, "root")
+
+
+def test_secret_files_are_private_and_only_ready_hosts_are_served(write):
+    inventory = Inventory.load(write(valid()))
+    hosts = render.pool_hosts(inventory, {"hostA": "s" * 64}, "accelmig-pool")
+    assert hosts.secret and hosts.mode == 0o640 and hosts.group == "accelmig-pool"
+    assert b'secret = "' + b"s" * 64 + b'"' in hosts.data
+    assert render.pool_hosts(inventory, {"hostA": "s" * 64}, "root").mode == 0o600
+    assert b"hostA" not in render.pool_hosts(inventory, {}, "root").data.split(b"\n", 2)[2]
+    key = [f for f in render.tls_files(inventory, inventory.pool, "accelmig-pool") if f.path.endswith(".key")]
+    assert key[0].mode == 0o640 and key[0].secret
+
+
+def test_the_wheelhouse_holds_exactly_one_accelmig_wheel(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "click-8.1.0-py3-none-any.whl").write_bytes(b"x")
+    with pytest.raises(ConfigInvalid, match="exactly one accelmig wheel, found none"):
+        Wheelhouse((str(tmp_path / "a"),), "fleet.toml")
+    (tmp_path / "a" / "accelmig-0.1.0-py3-none-any.whl").write_bytes(b"y")
+    house = Wheelhouse((str(tmp_path / "a"),), "fleet.toml")
+    assert house.version == "0.1.0" and house.tag.startswith("0.1.0-") and len(house.files) == 2
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "accelmig-0.2.0-py3-none-any.whl").write_bytes(b"z")
+    with pytest.raises(ConfigInvalid, match="found accelmig-0.1.0"):
+        Wheelhouse((str(tmp_path / "a"), str(tmp_path / "b")), "fleet.toml")
+    with pytest.raises(ConfigInvalid, match="is not a directory"):
+        Wheelhouse((str(tmp_path / "none"),), "fleet.toml")
