@@ -507,8 +507,8 @@ class Lab:
         it to ``GUEST_CA_PATH`` and exports ``ACCELMIG_CAFILE``) or, for a
         lab run insecure, ``accelmig.insecure=1`` (``ACCELMIG_INSECURE``);
         "" without a pool."""
-        if "pool" not in self.state and not self.want_pool:
-            return ""
+        if "pool" not in self.state and not self.want_pool and "pki" not in self.state:
+            return ""           # (a PKI without the lab's pool: a pool someone deployed, accelmig fleet)
         if self.insecure:
             return "accelmig.insecure=1"
         if "pki" not in self.state:

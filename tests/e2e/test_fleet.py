@@ -14,13 +14,19 @@ In order (one lab for the module; each test builds on the one before):
 4. the services started from the units the deploy installed (as far as a
    machine without systemd can: lab/machine.py ``service_command``), then
    ``fleet doctor`` is green on every node and ``fleet status`` gathers them;
-5. a jump host: hostB reached only through hostA.
+5. a jump host: hostB reached only through hostA;
+6. what the fleet deployed carries a computing VM: booted on hostA, it
+   live-migrates to hostB with plain ``virsh migrate`` and finishes its
+   computation there on the deployed pool (TLS, the lab's CA), and
+   ``fleet status`` shows the migration from the pool and both hosts.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -228,3 +234,40 @@ def test_a_jump_host_reaches_a_host_only_it_can_reach(lab, inventory, tmp_path):
     status, answer = fleet_json(lab, "status", "-i", str(through))
     assert status == 0, answer
     assert by_node(answer)["hostB"]["data"]["hostd"]["status"]["host"] == "hostB"
+
+
+@pytest.mark.vm
+def test_the_deployed_install_carries_a_computing_vm_through_a_live_migration(lab, inventory):
+    from accelmig.lab.accel import AccelLab, demo_command
+    from accelmig.lab.image import ImageSpec, build_image
+    token = tomllib.loads(read_in(lab, "pool", "/etc/accelmig/tokens.toml"))["tenants"]["demo"]["token"]
+    image = build_image(ImageSpec(app_command=demo_command(token, steps=400, size=64, report=10, pause=0.05)),
+                        cache=lab.cache)
+    guest = AccelLab(lab.name)             # its console helpers, on this lab's state
+    name = "fleetvm"
+    xml = lab.domain_xml(name, image, "hostA", guest_index=30)
+    assert "accelmig.pool_ca=" in xml                              # the guest checks the deployed pool's certificate
+    lab.connect("hostA").createXML(xml, 0)
+    first = guest.wait_demo(name, lambda lines: [l for l in lines if "step" in l], timeout=180,
+                            what="the demo computing on the deployed pool")
+    dest_uri, migrate_uri = lab.migration_uris("hostB")
+    moved = subprocess.run(["virsh", "-c", lab.uri("hostA"), "migrate", "--live", "--p2p", name, dest_uri,
+                            "--migrateuri", migrate_uri], capture_output=True, text=True, timeout=300)
+    assert moved.returncode == 0, moved.stderr
+    steps_before = max(l["step"] for l in first)
+    guest.wait_demo(name, lambda lines: any(l.get("step", 0) > steps_before + 20 for l in lines), timeout=180,
+                    what="the demo going on after the migration")
+    done = guest.demo_done(name)
+    assert done["done"] is True, done
+    # the same solver, never migrated, against the same deployed pool: the same bytes
+    from accelmig.lab.topology import POOL_ADDRESS
+    reference = subprocess.run(
+        ["ip", "netns", "exec", lab.ns_of("hostA"), sys.executable, "-m", "accelmig.agent.demoapp",
+         "--endpoint", f"{POOL_ADDRESS}:7070", "--token", token, "--steps", "400", "--size", "64",
+         "--report", "400", "--cafile", lab.pki()["ca"]], capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert json.loads(reference.stdout.strip().splitlines()[-1])["sha256"] == done["sha256"]
+    status, answer = fleet_json(lab, "status", "-i", str(inventory))
+    assert status == 0, answer
+    moves = [m for m in answer["migrations"] if m.get("source_host") == "hostA" and m.get("dest_host") == "hostB"]
+    assert moves and set(moves[-1]["seen_by"]) == {"pool", "hostA", "hostB"}, answer["migrations"]
