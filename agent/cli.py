@@ -138,8 +138,16 @@ def _install(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+#: the most a rehome document on stdin may hold (a thousand sessions' tickets
+#: are ~350 KiB; the agent keeps at most 4096 sessions)
+MAX_DOCUMENT = 16 << 20
+
+
 def _ask_agent(socket_path: str, kind: str, timeout: float = 60.0, **fields) -> dict:
-    """The running agent's answer as ``{"ok", "result"|"error"}``."""
+    """The running agent's answer as ``{"ok", "result"|"error"}``.  A
+    ``rehome_local`` whose document is too big for one line sends its
+    tickets in pieces first (``wire.channel.rehome_pieces``); a ``status``
+    follows its pages (``next``) and answers them all in one."""
     from accelmig.agent.driver.registry import agent_connection
     try:
         conn = agent_connection(socket_path, timeout=timeout)
@@ -148,7 +156,20 @@ def _ask_agent(socket_path: str, kind: str, timeout: float = 60.0, **fields) -> 
               file=sys.stderr)
         sys.exit(3)
     try:
-        return {"ok": True, "result": conn.call(kind, **fields)}
+        if kind == "rehome_local":
+            pieces, document = ch.rehome_pieces(fields.pop("document"))
+            for piece in pieces:
+                conn.call("tickets", **piece)
+            fields["document"] = document
+        result = conn.call(kind, **fields)
+        if kind == "status":
+            pages = 0
+            while isinstance(result, dict) and result.get("next") and pages < 1 << 16:
+                following = conn.call(kind, after=result["next"], **fields)
+                result = dict(result, sessions=result["sessions"] + following.get("sessions", []),
+                              next=following.get("next"))
+                pages += 1
+        return {"ok": True, "result": result}
     except AccelmigError as exc:
         return {"ok": False, "error": exc.to_wire()}
     finally:
@@ -191,7 +212,10 @@ def main(argv=None) -> int:
         agent.run()
         return 0
     if args.command == "rehome":
-        raw = sys.stdin.read()
+        raw = sys.stdin.read(MAX_DOCUMENT + 1)
+        if len(raw) > MAX_DOCUMENT:
+            print(f"accelmig-agent: the rehome document is over {MAX_DOCUMENT} bytes", file=sys.stderr)
+            return 2
         try:
             document = json.loads(raw)
             if not isinstance(document, dict):

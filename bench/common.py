@@ -164,7 +164,7 @@ class TwoHostPool:
     def admin_call(self, method: str, **args):
         from accelmig.wire.control import ControlClient
         with ControlClient("unix:" + self.admin_socket, "admin", None) as client:
-            return client.call(method, **args)
+            return client.call_all(method, **args)
 
     def session(self, sid: str) -> dict:
         return next(s for s in self.admin_call("list_sessions")["sessions"] if s["sid"] == sid)
@@ -203,7 +203,7 @@ def migrate_record(domain: str, src: BenchHost, dst: BenchHost, close: bool = Tr
     ``close=False``: (tickets, a function that closes the record)."""
     record = dst.call("open_migration", domain_uuid=domain)
     src.call("switchover", domain_uuid=domain)
-    done = dst.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
+    done = dst.client.call_all("complete", domain_uuid=domain, migration_id=record["migration_id"])
 
     def close_record():
         src.call("close", domain_uuid=domain, migration_id=record["migration_id"])

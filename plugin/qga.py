@@ -496,9 +496,11 @@ def deliver_rehome(domain, document: dict, *, command=DEFAULT_COMMAND, timeout: 
     outcome["delivery"] = {"via": "guest-exec", "pid": pid, "exit_code": status.exit_code,
                            "seconds": round(seconds, 6)}
     sessions = outcome.get("sessions") or {}
+    # (an agent that lists only some sessions, within its answer's bound, counts them all)
+    resumed = outcome.get("resumed_count", sum(1 for s in sessions.values() if s.get("ok")))
     LOG.info("domain %s: rehome %s through guest-exec: %d/%d session(s) resumed in %.0f ms (exit %s)",
-             label, document.get("migration_id"), sum(1 for s in sessions.values() if s.get("ok")),
-             len(sessions), seconds * 1000, status.exit_code)
+             label, document.get("migration_id"), resumed, outcome.get("session_count", len(sessions)),
+             seconds * 1000, status.exit_code)
     return outcome
 
 

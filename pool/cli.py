@@ -164,7 +164,7 @@ def _admin_call(socket_path: str, method: str, **args):
     from accelmig.wire.control import ControlClient
     try:
         with ControlClient("unix:" + socket_path, "admin", None) as client:
-            return client.call(method, **args)
+            return client.call_all(method, **args)      # every page of a paged listing
     except AccelmigError as exc:
         _fail(exc)
 
@@ -208,7 +208,11 @@ def migrations(admin_socket, open_only, as_json):
     click.echo(f"{len(rows)} record(s)")
     click.echo(f"{'DOMAIN/MIGRATION':52} {'FROM':8} {'TO':8} {'POLICY':10} {'STATE':13} RESUMED")
     for r in rows:
-        resumed = ", ".join(f"{sid[-6:]}:{t * 1000:.0f}ms" for sid, t in r["resumed"].items()) or "-"
+        if "resumed" in r:
+            resumed = ", ".join(f"{sid[-6:]}:{t * 1000:.0f}ms" for sid, t in r["resumed"].items()) or "-"
+        else:           # too many sessions to list inline: the counts and the longest blackout
+            resumed = (f"{r['resumed_count']}/{r['session_count']}, longest "
+                       f"{(r.get('blackout_max') or 0) * 1000:.0f}ms")
         click.echo(f"{r['domain_uuid'] + '/' + r['migration_id']:52} {str(r['source_host']):8} "
                    f"{r['dest_host']:8} {r['policy']:10} {r['state']:13} {resumed}")
 

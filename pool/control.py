@@ -15,7 +15,8 @@ import secrets
 import time
 
 from accelmig.pool.config import parse_networks
-from accelmig.wire.records import ABORTABLE, IN_FLIGHT, PausePolicy, RecordStateName
+from accelmig.pool.paging import page_limit, take
+from accelmig.wire.records import ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, PausePolicy, RecordStateName
 from accelmig.wire import control as wc
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
                                   Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
@@ -43,11 +44,15 @@ MAX_ADDRESSES = 256
 #: waits once per ``accelmig migrate`` under way on its host).
 MAX_WAITS = 1024
 
-_NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", "source_host", "since"}
+#: records by position in ``list_records``' pages, newest first: this minus the serial
+_NEWEST = 10 ** 11
+
+_NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", "source_host", "since",
+              "cursor"}
 _FLAG_ARGS = {"postcopy", "open_only"}
 
-ADMIN_METHODS = {"list_sessions", "list_records", "list_hosts", "metrics", "ping", "abort",
-                 "park", "unpark", "register_intent", "wait_record"}
+ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "metrics", "ping",
+                 "abort", "park", "unpark", "register_intent", "wait_record"}
 
 
 class _Unauthenticated:
@@ -444,12 +449,31 @@ class ControlServer:
         record.commit(time.time())
         return record.describe()
 
-    def do_complete(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, dest=caller,
-                                       states=IN_FLIGHT | {RecordStateName.COMPLETED})
-        self._require_dest(record, caller, "complete")
-        tickets = self.pool.complete_record(record)
-        return {"record": record.describe(), "tickets": tickets}
+    def do_complete(self, caller, domain_uuid, migration_id=None, cursor=None, limit=None):
+        """Freeze the domain's sessions and mint their tickets (the first
+        call), and hand back a page of the live tickets of the sessions
+        still moving: ``next`` for the following page (``cursor``, bound to
+        this record and this host).  Every page of every repeat hands back
+        the same live tickets."""
+        limit = page_limit("complete", limit)
+        if cursor is not None:
+            # a next page: the record the cursor was made for, as it is now
+            record = self.pool.find_record(domain_uuid, migration_id)
+            start = self.pool.pager.position("complete", record.key, caller, cursor)
+            if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
+                raise RecordState(record=record.key, state=record.state.value, action="page its tickets")
+        else:
+            record = self.pool.find_record(domain_uuid, migration_id, dest=caller,
+                                           states=IN_FLIGHT | {RecordStateName.COMPLETED})
+            self._require_dest(record, caller, "complete")
+            if record.state is not RecordStateName.COMPLETED:
+                self.pool.complete_record(record)
+            start = 0
+        items = ((index, (sid, ticket)) for index, sid, ticket in self.pool.record_tickets(record, start))
+        page, following = take(items, limit, size=lambda item: len(item[0]) + len(item[1]) + 6)
+        return {"record": record.describe(), "tickets": dict(page),
+                "next": None if following is None else
+                self.pool.pager.cursor("complete", record.key, caller, following)}
 
     def do_close(self, caller, domain_uuid, migration_id=None):
         record = self.pool.find_record(domain_uuid, migration_id, source=caller, states=
@@ -503,7 +527,7 @@ class ControlServer:
             parked.append(session.sid)
         LOG.info("domain %s saved: %d session(s) parked for %.0f s", domain_uuid, len(parked),
                  retention, extra={"domain": domain_uuid})
-        return {"parked": parked, "retention": retention}
+        return {**_listed("parked", parked), "retention": retention}
 
     def _retention(self, value) -> float:
         """A saved domain's retention: finite, from 1 s to 30 days (the
@@ -526,15 +550,47 @@ class ControlServer:
         for session in sessions:
             session.unpark(now, self.pool.config.grace)
             unparked.append(session.sid)
-        return {"unparked": unparked}
+        return _listed("unparked", unparked)
 
-    def do_list_sessions(self, caller, domain_uuid=None):
-        return {"instance": self.pool.instance, "sessions": self.pool.describe_sessions(domain_uuid)}
+    def do_list_sessions(self, caller, domain_uuid=None, cursor=None, limit=None):
+        """A page of the pool's sessions (a domain's), in the order they opened."""
+        limit = page_limit("list_sessions", limit)
+        scope = "*" if domain_uuid is None else f"domain {domain_uuid}"
+        start = self.pool.pager.position("list_sessions", scope, caller, cursor)
+        items = ((s.serial, s.describe()) for s in list(self.pool.sessions.values())
+                 if s.serial >= start and (domain_uuid is None or s.domain_uuid == domain_uuid))
+        page, following = take(items, limit)
+        return {"instance": self.pool.instance, "sessions": page,
+                "next": None if following is None else
+                self.pool.pager.cursor("list_sessions", scope, caller, following)}
 
-    def do_list_records(self, caller, open_only=False, domain_uuid=None):
+    def do_list_records(self, caller, open_only=False, domain_uuid=None, cursor=None, limit=None):
+        """A page of the records (each one bounded: ``RecordView``), newest
+        first: a caller after the latest (most are) finds it on the first
+        page, even one that does not follow pages."""
+        limit = page_limit("list_records", limit)
+        scope = f"{bool(open_only)} {domain_uuid}"
+        start = self.pool.pager.position("list_records", scope, caller, cursor)
         records = self.pool.open_records() if open_only else list(self.pool.records.values())
-        return {"records": [r.describe() for r in records
-                            if domain_uuid is None or r.domain_uuid == domain_uuid]}
+        # (a position grows as serials fall: the next page starts one past the last given)
+        items = ((_NEWEST - r.serial, r.describe()) for r in sorted(records, key=lambda r: -r.serial)
+                 if _NEWEST - r.serial >= start and (domain_uuid is None or r.domain_uuid == domain_uuid))
+        page, following = take(items, limit)
+        return {"records": page, "next": None if following is None else
+                self.pool.pager.cursor("list_records", scope, caller, following)}
+
+    def do_record_sessions(self, caller, domain_uuid, migration_id, cursor=None, limit=None):
+        """A page of a record's frozen sessions and their blackouts (None:
+        not resumed yet): what a record view lists inline only while short."""
+        limit = page_limit("record_sessions", limit)
+        record = self.pool.find_record(domain_uuid, migration_id)
+        start = self.pool.pager.position("record_sessions", record.key, caller, cursor)
+        items = ((index, {"sid": sid, "blackout": record.resumed.get(sid)})
+                 for index, sid in enumerate(record.sessions) if index >= start)
+        page, following = take(items, limit)
+        return {"record": record.key, "session_count": len(record.sessions), "sessions": page,
+                "next": None if following is None else
+                self.pool.pager.cursor("record_sessions", record.key, caller, following)}
 
     async def wait_record(self, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
         """The record once it is rehomed (``until="rehomed"``: completed or
@@ -550,25 +606,36 @@ class ControlServer:
                 return record.final
             # closed is not the end of a rehome: the source closes its side
             # as soon as QEMU is gone, the guest's sessions resume after that
-            return record.state is RecordStateName.ABORTED or (record.state in (
-                RecordStateName.COMPLETED, RecordStateName.CLOSED) and set(record.sessions) <= set(record.resumed))
+            return record.state is RecordStateName.ABORTED or record.rehomed
 
         record = await self.pool.wait_record(domain_uuid, migration_id, reached, float(timeout))
         if record is None:
             return {"record": None, "reached": False}
         return {"record": record.describe(), "reached": reached(record)}
 
-    def do_accel_domains(self, caller, since=None):
+    def do_accel_domains(self, caller, since=None, cursor=None, limit=None):
         """Which domains hold sessions, marked or not (hosts cache it so their
         hook can be strict for a Nova instance while hostd is down), and
         their sids (what each host attests for the domains running on it).
         ``since``: the version the caller has; an unchanged set answers in a
-        few bytes, however many sessions there are."""
+        few bytes, however many sessions there are.  Paged by session (a
+        domain's sids may span pages): each page says the version as it is
+        now, and a caller keeps the first page's (whatever changed while it
+        paged shows as a new version at its next look)."""
+        limit = page_limit("accel_domains", limit)
         domains = self.pool.accel_domains()
         version = hashlib.sha256(wc.canonical({k: sorted(v) for k, v in domains.items()})).hexdigest()[:32]
-        if since == version:
+        if cursor is None and since == version:
             return {"version": version, "unchanged": True}
-        return {"version": version, "domains": domains}
+        start = self.pool.pager.position("accel_domains", "*", caller, cursor)
+        items = ((s.serial, (s.domain_uuid or s.claimed_domain, s.sid)) for s in list(self.pool.sessions.values())
+                 if s.serial >= start and s.live and (s.domain_uuid or s.claimed_domain) is not None)
+        page, following = take(items, limit, size=lambda item: len(item[0]) + len(item[1]) + 8)
+        out: dict[str, list[str]] = {}
+        for domain, sid in page:
+            out.setdefault(domain, []).append(sid)
+        return {"version": version, "domains": out, "next": None if following is None else
+                self.pool.pager.cursor("accel_domains", "*", caller, following)}
 
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}
@@ -594,6 +661,15 @@ def check_args(method: str, handler, args: dict) -> None:
         elif key == "reason" and (not isinstance(value, str) or len(value) > MAX_REASON):
             raise BadRequest(reason=f"{method}: reason must be a string of at most {MAX_REASON} "
                                     f"characters, not {_short(value)}")
+
+
+def _listed(key: str, sids: list[str]) -> dict:
+    """``{key: sids}`` while short, else the first RECORD_INLINE_SESSIONS of
+    them and ``more``: how many are not listed (an answer never grows with
+    the number of a domain's sessions)."""
+    if len(sids) <= RECORD_INLINE_SESSIONS:
+        return {key: sids}
+    return {key: sids[:RECORD_INLINE_SESSIONS], "more": len(sids) - RECORD_INLINE_SESSIONS}
 
 
 def _short(value) -> str:

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             sid = dev.sid
             stats = dev.describe()
             with ControlClient(ready["admin"], "admin", None) as admin:
-                counters = next(s for s in admin.call("list_sessions")["sessions"]
+                counters = next(s for s in admin.call_all("list_sessions")["sessions"]
                                 if s["sid"] == sid)["counters"]
         proxy.close()
         same = result["sha256"] == reference["sha256"]

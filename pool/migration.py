@@ -27,7 +27,7 @@ import secrets
 import time
 
 from accelmig.wire.errors import RecordState, TicketInvalid
-from accelmig.wire.records import FINAL, PausePolicy, RecordStateName
+from accelmig.wire.records import FINAL, RECORD_INLINE_SESSIONS, PausePolicy, RecordStateName
 
 S = RecordStateName
 
@@ -55,8 +55,9 @@ class MigrationRecord:
 
     def __init__(self, domain_uuid: str, migration_id: str, source_host: str | None,
                  dest_host: str, policy: PausePolicy, lease_ttl: float, now: float,
-                 domain_name: str | None = None, postcopy: bool = False):
+                 domain_name: str | None = None, postcopy: bool = False, serial: int = 0):
         self.domain_uuid = domain_uuid
+        self.serial = serial                    # the pool's order of records (pages of list_records)
         self.migration_id = migration_id
         self.source_host = source_host
         self.dest_host = dest_host
@@ -67,9 +68,10 @@ class MigrationRecord:
         self.lease_ttl = lease_ttl
         self.lease_expiry = now + lease_ttl
         self.times: dict[str, float] = {"opened": now}
-        self.sessions: list[str] = []          # frozen at complete
+        self.sessions: list[str] = []          # frozen at complete, sorted (pages index it)
         self.tickets: dict[str, str] = {}      # sid -> ticket nonce
         self.resumed: dict[str, float] = {}    # sid -> seconds from switchover/complete to resume
+        self.blackout_max: float | None = None
         self.source_stopped = False
         # the domain's own host (or the admin socket) named this destination
         # before it opened: only a named host may then supersede it
@@ -104,6 +106,7 @@ class MigrationRecord:
     def note_resumed(self, sid: str, blackout: float) -> None:
         """Session ``sid`` resumed at the destination, ``blackout`` s after it stopped."""
         self.resumed[sid] = round(blackout, 6)
+        self.blackout_max = max(self.blackout_max or 0.0, self.resumed[sid])
         self._changed()
 
     def renew(self, now: float) -> None:
@@ -121,7 +124,7 @@ class MigrationRecord:
     def complete(self, now: float, sessions: list[str]) -> bool:
         if not self._step("complete", now, "complete"):
             return False
-        self.sessions = list(sessions)
+        self.sessions = sorted(sessions)
         if self.source_stopped:
             self._step("close", now, "close")
         return True
@@ -141,16 +144,29 @@ class MigrationRecord:
         self.abort_reason = reason
         return True
 
+    @property
+    def rehomed(self) -> bool:
+        """Completed (or closed since), every frozen session resumed
+        (``resumed`` only ever names frozen sessions: their tickets)."""
+        return self.state in (S.COMPLETED, S.CLOSED) and len(self.resumed) >= len(self.sessions)
+
     def describe(self, now: float | None = None) -> dict:
+        """The record as the control plane says it: bounded whatever the
+        number of its sessions (``RECORD_INLINE_SESSIONS``: the lists inline
+        only while they are short; ``record_sessions`` pages them)."""
         now = time.time() if now is None else now
-        return {
+        out = {
             "domain_uuid": self.domain_uuid, "migration_id": self.migration_id,
             "domain_name": self.domain_name, "source_host": self.source_host,
             "dest_host": self.dest_host, "policy": self.policy.value, "state": self.state.value,
-            "sessions": list(self.sessions), "resumed": dict(self.resumed),
+            "session_count": len(self.sessions), "resumed_count": len(self.resumed),
+            "blackout_max": self.blackout_max,
             "times": dict(self.times), "lease_in": round(self.lease_expiry - now, 3),
             "abort_reason": self.abort_reason, "postcopy": self.postcopy, "vouched": self.vouched,
         }
+        if len(self.sessions) <= RECORD_INLINE_SESSIONS:
+            out["sessions"], out["resumed"] = list(self.sessions), dict(self.resumed)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,19 @@ class Tenant:
         self.quota = quota
         self.max_sessions = max_sessions     # None: the pool's max_sessions_per_tenant
         self.used = 0
+        # live sessions (attached, detached or parked), counted as they are
+        # made and released: an open checks its limit without a scan of
+        # every session of the pool
+        self.live_sessions = 0
         self._lock = threading.Lock()
+
+    def session_made(self) -> None:
+        with self._lock:
+            self.live_sessions += 1
+
+    def session_released(self) -> None:
+        with self._lock:
+            self.live_sessions = max(0, self.live_sessions - 1)
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
@@ -99,11 +111,12 @@ class Session:
     """Everything the pool keeps for one driver session."""
 
     def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
-                 post: Callable[[Callable], None], *, metrics=None, buffers=None,
+                 post: Callable[[Callable], None], *, serial: int = 0, metrics=None, buffers=None,
                  max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
                  max_unacked: int = 65536, max_objects: int = 8192,
                  max_source_bytes: int = 1 << 20):
         self.sid = sid
+        self.serial = serial            # the pool's order of sessions (pages of list_sessions)
         self.tenant = tenant
         self.secret = secret
         self.context = context
@@ -152,6 +165,7 @@ class Session:
         self.on_flow: Callable[["Session"], None] | None = None
         self._worker = SessionWorker(self, post)
         self._worker.start()
+        tenant.session_made()
 
     # -- state machine -----------------------------------------------------------
     def attach(self, connection) -> None:
@@ -210,6 +224,7 @@ class Session:
         if self.state is SessionState.RELEASED:
             return
         self.state = SessionState.RELEASED
+        self.tenant.session_released()
         self.released_reason = reason
         self.connection = None
         self.held.clear()
@@ -323,17 +338,32 @@ class SessionWorker:
         self._thread = threading.Thread(target=self._run, name=f"session-{session.sid}", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """The thread starts with the session's first command (or its
+        release, which gives its device objects back on it): an open costs
+        the pool's loop no thread start, and a session that never computes
+        no thread."""
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    def _ensure_started(self) -> None:
+        if not self._started:
+            with self._start_lock:
+                if not self._started:
+                    self._thread.start()
+                    self._started = True
 
     def put(self, command: Command) -> None:
+        self._ensure_started()
         self._queue.put(command)
 
     def stop(self) -> None:
         self._stopping = True
         self._queue.put(None)
+        self._ensure_started()
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        if self._started:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         session = self.session

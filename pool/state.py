@@ -22,6 +22,7 @@ from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
 from accelmig.pool.hosts import HostState, host_for_address
 from accelmig.pool.metrics import PoolMetrics
 from accelmig.pool.migration import MigrationRecord, TicketAuthority
+from accelmig.pool.paging import Pager
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
@@ -47,6 +48,9 @@ class Pool:
         self.sessions: dict[str, Session] = {}
         self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.records: dict[str, MigrationRecord] = {}
+        self._open: dict[str, MigrationRecord] = {}   # the records not final yet (kept by record_changed)
+        self._record_serial = 0
+        self.pager = Pager()                           # cursors of the control plane's pages
         self.intents: dict[str, dict] = {}
         self.domain_hosts: dict[str, str] = {}
         self.tickets = TicketAuthority(config.ticket_ttl)
@@ -206,14 +210,14 @@ class Pool:
         # Before anything is made: each session costs a worker thread and a
         # device context, whatever its quota.
         limit = tenant.max_sessions or self.config.max_sessions_per_tenant
-        held = sum(1 for s in self.sessions.values() if s.tenant is tenant and s.live)
+        held = tenant.live_sessions
         if held >= limit:         # (the connection's close logs it, once)
             source = "its max_sessions" if tenant.max_sessions else "max_sessions_per_tenant"
             raise LimitExceeded(tenant=tenant.name, reason=(
                 f"{held} live sessions (attached, detached or parked) already, the most it may "
                 f"hold ({source} = {limit}); close or release one first"))
         session = Session(self._new_sid(), tenant, secret, self.backend.new_context(tenant.name), self.post,
-                          metrics=self.metrics, buffers=self.buffers,
+                          serial=self._counter, metrics=self.metrics, buffers=self.buffers,
                           max_reply_bytes=self.config.max_reply_bytes,
                           max_queued_bytes=self.config.max_reply_bytes,
                           max_objects=self.config.max_objects_per_session,
@@ -405,12 +409,14 @@ class Pool:
                     RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
                 # A domain migrates once at a time: an older unfinished record is stale.
                 self._abort_record(record, now, f"superseded by migration {mid}")
-        record = MigrationRecord(domain_uuid, mid, source, dest, policy, self.config.lease_ttl, now,
-                                 domain_name=domain_name, postcopy=postcopy)
         if f"{domain_uuid}/{mid}" in self.records:
             raise Conflict(reason=f"migration id {mid} was used for this domain already")
+        self._record_serial += 1
+        record = MigrationRecord(domain_uuid, mid, source, dest, policy, self.config.lease_ttl, now,
+                                 domain_name=domain_name, postcopy=postcopy, serial=self._record_serial)
         record.on_change = self.record_changed
         self.records[record.key] = record
+        self._open[record.key] = record
         self.record_changed(record)
         self.hold_if_paused(record, self.domain_sessions(domain_uuid), now)
         LOG.info("record %s opened: %s -> %s, policy %s", record.key, source, dest, policy.value,
@@ -459,12 +465,19 @@ class Pool:
         now = time.time() if now is None else now
         if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
             return self._complete_record(record, now)
-        tickets = {}
-        for sid in record.sessions:
+        return {sid: ticket for _, sid, ticket in self.record_tickets(record, 0, now)}
+
+    def record_tickets(self, record: MigrationRecord, start: int, now: float | None = None):
+        """``(index, sid, ticket)`` of the sessions of a completed ``record``
+        still moving, from index ``start`` of its frozen, sorted sessions:
+        the same live tickets at every call (``complete``'s pages)."""
+        now = time.time() if now is None else now
+        key = (record.domain_uuid, record.migration_id)
+        for index in range(max(0, start), len(record.sessions)):
+            sid = record.sessions[index]
             session = self.sessions.get(sid)
-            if session is not None and session.pending_move == (record.domain_uuid, record.migration_id):
-                tickets[sid] = self._ticket_for(sid, record, now)
-        return tickets
+            if session is not None and session.pending_move == key:
+                yield index, sid, self._ticket_for(sid, record, now)
 
     def _ticket_for(self, sid: str, record: MigrationRecord, now: float) -> str:
         """The session's one live ticket for ``record``: the one it has, or a
@@ -501,6 +514,8 @@ class Pool:
 
     def record_changed(self, record: MigrationRecord) -> None:
         """Wake whoever waits on records (``wait_record``)."""
+        if record.final:
+            self._open.pop(record.key, None)
         waiters, self._record_waiters = self._record_waiters, []
         for waiter in waiters:
             if not waiter.done():
@@ -529,10 +544,5 @@ class Pool:
                 pass
 
     def open_records(self) -> list[MigrationRecord]:
-        return [r for r in self.records.values() if r.state not in FINAL]
-
-    # -- reading ---------------------------------------------------------------------
-    def describe_sessions(self, domain_uuid: str | None = None) -> list[dict]:
-        return [s.describe() for s in self.sessions.values()
-                if domain_uuid is None or s.domain_uuid == domain_uuid]
+        return [r for r in self._open.values() if r.state not in FINAL]
 

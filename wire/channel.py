@@ -12,10 +12,22 @@ with the same nonce, preceded by a sentinel of its own, then a ``hello``.
 Everything the host reads before that answer is stale and dropped.
 
 host -> guest: ``sync``, ``identity`` (where the pool is from this host),
-``rehome`` (identity + a ticket per session + migration id; idempotent per
-migration id), ``status``, ``ping``.  Each is answered by a ``result`` with
-the request's ``id``.  guest -> host, unsolicited: ``hello`` (versions, guest
-identity, registered sessions), ``session_opened``, ``session_closed``.
+``tickets`` (a piece of a rehome's tickets, staged), ``rehome`` (identity +
+a ticket per session + migration id; idempotent per migration id),
+``status``, ``ping``.  Each is answered by a ``result`` with the request's
+``id``.  guest -> host, unsolicited: ``hello`` (versions, guest identity,
+registered sessions), ``session_opened``, ``session_closed``.
+
+No line grows with the number of sessions (a line is at most MAX_LINE,
+256 KiB, and a guest may hold thousands of sessions): a rehome whose
+tickets do not fit in REHOME_LINE_BUDGET goes as ``tickets`` pieces of at
+most TICKET_PIECE_BYTES, then the ``rehome`` with the last piece and
+``ticket_count`` (``rehome_pieces``; the agent refuses a rehome that does
+not add up, and the host sends it all again); the agent's answers list
+sessions within ANSWER_BUDGET (``bounded_outcome``: the failed ones first,
+then counts for the rest) and its ``status`` lists them a page at a time
+(``after``: the last sid of the page before; ``next``); the hello lists
+what fits in half a line, and the rest follow one ``session_opened`` each.
 
 **Local socket** (``/run/accelmig/agent.sock``), the same line format:
 drivers send ``register``/``unregister``/``where``; the agent sends
@@ -52,12 +64,26 @@ LOG = logging.getLogger(__name__)
 CHANNEL_NAME = "org.accelmig.agent.0"
 CHANNEL_PROTOCOL = 1
 SENTINEL = b"\xff"
-MAX_LINE = 256 * 1024      # a rehome of many sessions stays far below this
+MAX_LINE = 256 * 1024      # no message grows past it with the number of sessions (see above)
 DEFAULT_AGENT_SOCKET = "/run/accelmig/agent.sock"
 
-HOST_TYPES = frozenset({"sync", "identity", "rehome", "status", "ping"})
+#: what one ``rehome`` line may carry before its tickets go in pieces
+REHOME_LINE_BUDGET = 64 * 1024
+#: the tickets of one ``tickets`` piece, in bytes of JSON (a pool ticket is
+#: ~350 bytes: ~140 a piece)
+TICKET_PIECE_BYTES = 48 * 1024
+#: the longest ticket a rehome may carry (a pool's is ~350 characters; its
+#: claims are bounded identifiers)
+MAX_TICKET = 4096
+#: the sessions an answer of the agent lists (a rehome's outcome, a page of
+#: its status), in bytes: half a line, so the rest of the answer always fits
+ANSWER_BUDGET = MAX_LINE // 2
+#: the most tickets one rehome may announce (the agent keeps at most 4096 sessions)
+MAX_REHOME_TICKETS = 65536
+
+HOST_TYPES = frozenset({"sync", "identity", "tickets", "rehome", "status", "ping"})
 GUEST_EVENTS = frozenset({"hello", "session_opened", "session_closed"})
-DRIVER_TYPES = frozenset({"register", "unregister", "where", "result", "rehome_local", "status"})
+DRIVER_TYPES = frozenset({"register", "unregister", "where", "result", "tickets", "rehome_local", "status"})
 
 
 def encode(message: dict) -> bytes:
@@ -157,19 +183,94 @@ def result(request_id, ok: bool = True, result=None, error=None) -> dict:
     return out
 
 
-def parse_rehome(message: dict) -> tuple[str, HostIdentity, dict]:
-    """(migration id, identity, {sid: ticket}) of a rehome, or BadRequest."""
+def _migration_id(message, kind: str) -> str:
     if not isinstance(message, dict):
-        raise BadRequest(reason="rehome: the document must be a JSON object")
+        raise BadRequest(reason=f"{kind}: the document must be a JSON object")
     migration_id = message.get("migration_id")
-    if not isinstance(migration_id, str) or not migration_id:
-        raise BadRequest(reason="rehome: migration_id must be a non-empty string")
-    identity = HostIdentity.from_wire(message.get("identity"))
+    if not isinstance(migration_id, str) or not 0 < len(migration_id) <= 256:
+        raise BadRequest(reason=f"{kind}: migration_id must be a non-empty string of at most 256 characters")
+    return migration_id
+
+
+def _tickets(message: dict, kind: str) -> dict:
     tickets = message.get("tickets") or {}
     if not isinstance(tickets, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in tickets.items()):
-        raise BadRequest(reason="rehome: tickets must map session ids to ticket strings")
-    return migration_id, identity, tickets
+            isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= 256 and len(v) <= MAX_TICKET
+            for k, v in tickets.items()):
+        raise BadRequest(reason=f"{kind}: tickets must map session ids (at most 256 characters) to "
+                                f"ticket strings (at most {MAX_TICKET})")
+    return tickets
+
+
+def parse_rehome(message: dict) -> tuple[str, HostIdentity, dict]:
+    """(migration id, identity, {sid: ticket}) of a rehome, or BadRequest.
+    The tickets are those of this message (``parse_rehome_count`` says how
+    many the whole rehome has, with its staged pieces)."""
+    migration_id = _migration_id(message, "rehome")
+    identity = HostIdentity.from_wire(message.get("identity"))
+    return migration_id, identity, _tickets(message, "rehome")
+
+
+def parse_rehome_count(message: dict) -> int | None:
+    """``ticket_count`` of a rehome whose tickets came in pieces (None: all
+    of them are in the message)."""
+    count = message.get("ticket_count")
+    if count is None:
+        return None
+    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_REHOME_TICKETS:
+        raise BadRequest(reason=f"rehome: ticket_count must be an integer from 0 to {MAX_REHOME_TICKETS}")
+    return count
+
+
+def parse_tickets(message: dict) -> tuple[str, dict]:
+    """(migration id, {sid: ticket}) of a ``tickets`` piece, or BadRequest."""
+    return _migration_id(message, "tickets"), _tickets(message, "tickets")
+
+
+def rehome_pieces(document: dict, *, line_budget: int = REHOME_LINE_BUDGET,
+                  piece_bytes: int = TICKET_PIECE_BYTES) -> tuple[list[dict], dict]:
+    """A rehome document as the lines that carry it: (the ``tickets``
+    pieces to send first, each ``{"migration_id", "tickets"}``; the
+    ``rehome`` itself).  A document that fits in ``line_budget`` goes
+    whole; else its tickets go in pieces of at most ``piece_bytes`` and the
+    rehome carries the last one and ``ticket_count``."""
+    if len(json.dumps(document, separators=(",", ":"))) + 40 <= line_budget:    # (+ type, id)
+        return [], document
+    tickets = document.get("tickets") or {}
+    pieces, piece, size = [], {}, 0
+    for sid in sorted(tickets):
+        cost = len(sid) + len(tickets[sid]) + 6
+        if piece and size + cost > piece_bytes:
+            pieces.append(piece)
+            piece, size = {}, 0
+        piece[sid] = tickets[sid]
+        size += cost
+    mid = document.get("migration_id")
+    return ([{"migration_id": mid, "tickets": p} for p in pieces],
+            dict(document, tickets=piece, ticket_count=len(tickets)))
+
+
+def bounded_outcome(result: dict, budget: int = ANSWER_BUDGET) -> dict:
+    """A rehome's outcome as an answer may carry it: every session's
+    outcome while they fit in ``budget`` bytes, else the failed ones first,
+    then as many that resumed as fit, and ``sessions_omitted``;
+    ``session_count`` and ``resumed_count`` always (``ok`` is the whole
+    rehome's, whatever is listed)."""
+    sessions = result.get("sessions") or {}
+    out = dict(result, session_count=len(sessions),
+               resumed_count=sum(1 for o in sessions.values() if o.get("ok")))
+    sizes = {sid: len(json.dumps(o, separators=(",", ":"))) + len(sid) + 6 for sid, o in sessions.items()}
+    if sum(sizes.values()) <= budget:
+        return out
+    kept, used = {}, 0
+    for sid in sorted(sessions, key=lambda sid: bool(sessions[sid].get("ok"))):
+        if used + sizes[sid] > budget:
+            continue
+        kept[sid] = sessions[sid]
+        used += sizes[sid]
+    out["sessions"] = kept
+    out["sessions_omitted"] = len(sessions) - len(kept)
+    return out
 
 
 def answer_of(message: dict):

@@ -53,7 +53,7 @@ METHODS = {
     "open_migration": "host",     # args: domain_uuid, migration_id?, domain_name?, policy?
     "switchover": "host",         # args: domain_uuid, migration_id?
     "commit": "host",             # args: domain_uuid, migration_id
-    "complete": "host",           # args: domain_uuid, migration_id -> tickets
+    "complete": "host",           # args: domain_uuid, migration_id, cursor?, limit? -> record, tickets (a page), next
     "close": "host",              # args: domain_uuid, migration_id?
     "abort": "host",              # args: domain_uuid, migration_id?, reason
     "renew": "host",              # args: records [[domain_uuid, migration_id]]
@@ -61,10 +61,11 @@ METHODS = {
     "park": "host",               # args: domain_uuid, retention?
     "unpark": "host",             # args: domain_uuid
     # reading
-    "list_sessions": "any",       # args: domain_uuid?
-    "list_records": "any",        # args: open_only?, domain_uuid?
+    "list_sessions": "any",       # args: domain_uuid?, cursor?, limit? -> sessions (a page), next
+    "list_records": "any",        # args: open_only?, domain_uuid?, cursor?, limit? -> records (a page), next
+    "record_sessions": "any",     # args: domain_uuid, migration_id, cursor?, limit? -> sessions (a page), next
     "list_hosts": "any",
-    "accel_domains": "host",      # args: since? -> version, domains {uuid: [sid]} (or unchanged)
+    "accel_domains": "host",      # args: since?, cursor?, limit? -> version, domains {uuid: [sid]} (a page), next
     "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}
     "ping": "any",
@@ -73,16 +74,59 @@ METHODS = {
 
 #: The control plane carries no payloads.  What the pool reads from a peer
 #: that has not authenticated is a tiny hello; a call (a renewal of many
-#: records) is bounded; an answer (every ticket of a VM with a thousand
-#: sessions, every session of the pool) may be larger still — it comes from
-#: the pool, the peer hosts chose to trust — but bounded too.
+#: records) is bounded; an answer is bounded too.  What grows with the
+#: number of sessions is paged (``PAGED``: within PAGED_ANSWER_MAX); the
+#: larger ANSWER_LIMITS is for what does not (every host's networks, the
+#: metrics) and for pools from before pages, which answered whole lists.
 HELLO_LIMITS = Limits(max_header=4096, max_payload=0)
 CALL_LIMITS = Limits(max_header=1 << 20, max_payload=0)
 ANSWER_LIMITS = Limits(max_header=32 << 20, max_payload=0)
 
+#: What grows with the number of sessions comes in pages: these methods
+#: answer one page of their list (the key named here) and ``next``, an
+#: opaque cursor (None after the last page) that the same host passes back
+#: as ``cursor`` for the next page.  The pool fills a page up to PAGE_BYTES
+#: of items (and at most ``limit`` items, 1 to MAX_PAGE_ITEMS, when the
+#: caller asks for fewer), so a whole answer stays within PAGED_ANSWER_MAX
+#: however many sessions a domain holds; a cursor names its listing (the
+#: method, its record or filter) and its caller, and the pool refuses it for
+#: any other (``BAD_REQUEST``).  Why pages, not a larger frame: a domain may
+#: hold a thousand sessions and the pool many thousands; an answer that
+#: grows with them would grow past any frame limit chosen today (a tenth of
+#: a megabyte of tickets at 256 sessions), and every answer and call stays
+#: small enough to be read at once.  ``call_all`` follows the pages.
+PAGED = {"complete": "tickets", "list_sessions": "sessions", "list_records": "records",
+         "record_sessions": "sessions", "accel_domains": "domains"}
+PAGE_BYTES = 32 << 10
+PAGED_ANSWER_MAX = 64 << 10
+MAX_PAGE_ITEMS = 1000
+#: pages a client follows before it gives up on a listing (a pool that
+#: never ends one): with PAGE_BYTES, far more than any pool holds
+MAX_PAGES = 4096
+
 #: Methods the pool answers when what they wait for happens (other calls on
 #: the same connection go on meanwhile).
 WAITING_METHODS = frozenset({"wait_record"})
+
+
+def merge_page(method: str, answer: dict, following) -> dict:
+    """``answer`` with the items of the page after it added, and that page's
+    ``next``; a list continues a list, an object's keys are added (a domain
+    whose sessions span two pages of ``accel_domains`` gets both parts)."""
+    key = PAGED.get(method)
+    if key is None or not isinstance(following, dict):
+        raise ProtocolError(reason=f"{method}: a page that is not an object")
+    have, more = answer.get(key), following.get(key)
+    if isinstance(have, list) and isinstance(more, list):
+        merged = have + more
+    elif isinstance(have, dict) and isinstance(more, dict):
+        merged = dict(have)
+        for name, value in more.items():
+            old = merged.get(name)
+            merged[name] = old + value if isinstance(old, list) and isinstance(value, list) else value
+    else:
+        raise ProtocolError(reason=f"{method}: a page's {key!r} does not continue the previous one's")
+    return dict(answer, **{key: merged, "next": following.get("next")})
 
 
 def canonical(obj) -> bytes:
@@ -325,6 +369,16 @@ class ControlClient:
                     self.close()
                     raise
 
+    def call_all(self, method: str, **args):
+        """A paged method's answer with every page's items (``PAGED``) in it."""
+        answer = self.call(method, **args)
+        for _ in range(MAX_PAGES):
+            if not isinstance(answer, dict) or not answer.get("next"):
+                return answer
+            following = self.call(method, **dict(args, cursor=answer["next"]))
+            answer = merge_page(method, answer, following)
+        raise ProtocolError(reason=f"{method}: more than {MAX_PAGES} pages")
+
     def close(self) -> None:
         sock, self._sock, self._session = self._sock, None, None
         if sock is not None:
@@ -452,6 +506,17 @@ class AsyncControlClient:
 
     async def call(self, method: str, **args):
         return await self._call(method, args, self.timeout)
+
+    async def call_all(self, method: str, **args):
+        """A paged method's answer with every page's items (``PAGED``) in it
+        (each page a call of its own: other calls go on between them)."""
+        answer = await self.call(method, **args)
+        for _ in range(MAX_PAGES):
+            if not isinstance(answer, dict) or not answer.get("next"):
+                return answer
+            following = await self.call(method, **dict(args, cursor=answer["next"]))
+            answer = merge_page(method, answer, following)
+        raise ProtocolError(reason=f"{method}: more than {MAX_PAGES} pages")
 
     def rekey(self, secret: bytes) -> None:
         """Use a new secret (hostd's SIGHUP).  The open connection signs with

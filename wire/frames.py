@@ -113,6 +113,8 @@ def _no_constant(name: str):
 
 
 _INF = float("inf")
+#: one decoder for every header (json.loads with these options would build one per call)
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
 #: ``\uD800``-``\uDFFF`` as an escape: the only way a lone surrogate gets into
 #: a decoded string (UTF-8 cannot carry one); only then is every string looked at
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -141,7 +143,7 @@ def decode_header(raw) -> dict:
     hostile header costs its connection an error frame, not a traceback."""
     data = bytes(raw)
     try:
-        header = json.loads(data.decode("utf-8"), parse_float=_finite, parse_constant=_no_constant)
+        header = _DECODER.decode(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise FrameError(reason=f"header is not UTF-8 JSON ({str(exc)[:100]})") from None
     except RecursionError:

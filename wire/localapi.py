@@ -12,12 +12,15 @@ Requests (``accelmig.plugin.hostd.api`` answers them):
                                     a gated libvirt hook step (``GATED_HOOK_STEPS``);
                                     answered once hostd has opened the record at
                                     the pool (or pinged it)
-  ``status``                        domains watched, records, identity
+  ``status``                        domains watched, records, identity (bounded: per domain
+                                    its session count and a few ids; records with counts)
   ``intent`` uuid, policy, dest_host  register an operator's migration intent
   ``wait_rehomed`` uuid, migration_id?, wait
                                     until the pool has every session of that
-                                    migration resumed (or the record was aborted)
-  ``sessions`` uuid                 the pool's sessions of a domain
+                                    migration resumed (or the record was aborted);
+                                    the record lists its sessions inline while short
+  ``sessions`` uuid, cursor?        a page of the pool's sessions of a domain, and
+                                    ``next`` (pass it back as ``cursor``)
   ``metrics``                       Prometheus text
 
 Standard library only: the hook imports it and must start fast.
@@ -49,3 +52,14 @@ class LocalClient:
         timeout = self.timeout if timeout is None else timeout
         with LineClient(self.path, timeout=timeout, what=f"hostd at {self.path}", name="hostd") as conn:
             return conn.call(kind, timeout=timeout, **fields)
+
+    def sessions(self, uuid: str, timeout: float | None = None, max_pages: int = 4096) -> list[dict]:
+        """Every page of ``sessions`` (one connection each, as every call)."""
+        out, cursor = [], None
+        for _ in range(max_pages):
+            page = self.call("sessions", timeout=timeout, uuid=uuid, cursor=cursor)
+            out += page.get("sessions") or []
+            cursor = page.get("next")
+            if not cursor:
+                return out
+        return out

@@ -66,6 +66,17 @@ def pauses(policy: PausePolicy, state: RecordStateName) -> bool:
     return policy is PausePolicy.SWITCHOVER and state is RecordStateName.SWITCHED_OVER
 
 
+#: A record view lists its sessions (``sessions``) and their blackouts
+#: (``resumed``) inline while it has at most this many; past that it carries
+#: only the counts (``session_count``, ``resumed_count``, ``blackout_max``)
+#: and the per-session detail is paged (the control plane's
+#: ``record_sessions``).  Why: a record is in many answers (``open_migration``,
+#: ``switchover``, ``complete``'s every page, ``renew``, ``list_records``,
+#: ``wait_record``, hostd's ``status``): none of them may grow with the
+#: number of sessions of a domain (64 ids and blackouts are ~4 KiB).
+RECORD_INLINE_SESSIONS = 64
+
+
 def _field(data: dict, key: str, types, what: str, default=dataclasses.MISSING):
     if key not in data:
         if default is dataclasses.MISSING:
@@ -89,11 +100,18 @@ class RecordView:
     domain_name: str | None = None
     policy: PausePolicy = PausePolicy.NONE
     postcopy: bool = False
-    sessions: tuple[str, ...] = ()
-    resumed: dict = dataclasses.field(default_factory=dict)     # sid -> blackout seconds
+    sessions: tuple[str, ...] = ()                              # inline only (see below)
+    resumed: dict = dataclasses.field(default_factory=dict)     # sid -> blackout seconds (inline only)
     times: dict = dataclasses.field(default_factory=dict)       # step -> wall-clock time
     lease_in: float | None = None
     abort_reason: str | None = None
+    #: every session frozen by ``complete``, and how many of them resumed;
+    #: ``sessions``/``resumed`` list them only while ``inline`` (at most
+    #: RECORD_INLINE_SESSIONS): the counts are what to decide on
+    session_count: int = 0
+    resumed_count: int = 0
+    blackout_max: float | None = None
+    inline: bool = True
 
     @property
     def key(self) -> str:
@@ -109,13 +127,20 @@ class RecordView:
 
     @property
     def unresumed(self) -> set[str]:
-        """Sessions frozen by ``complete`` that have not resumed at the destination."""
+        """Sessions frozen by ``complete`` that have not resumed at the
+        destination, as far as the view lists them (all of them while
+        ``inline``; else page them with ``record_sessions``)."""
         return set(self.sessions) - set(self.resumed)
+
+    @property
+    def unresumed_count(self) -> int:
+        """How many sessions frozen by ``complete`` have not resumed."""
+        return max(0, self.session_count - self.resumed_count)
 
     @property
     def rehomed(self) -> bool:
         """Completed, with every frozen session resumed."""
-        return self.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED) and not self.unresumed
+        return self.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED) and not self.unresumed_count
 
     def involves(self, host: str) -> bool:
         return host in (self.source_host, self.dest_host)
@@ -130,6 +155,14 @@ class RecordView:
             policy = PausePolicy(_field(data, "policy", str, what, "none"))
         except ValueError as exc:
             raise ProtocolError(reason=f"{what}: {exc}") from None
+        inline = "sessions" in data
+        sessions = tuple(_field(data, "sessions", list, what, []))
+        resumed = dict(_field(data, "resumed", dict, what, {}))
+        session_count = _field(data, "session_count", int, what, len(sessions))
+        resumed_count = _field(data, "resumed_count", int, what, len(resumed))
+        if inline and len(sessions) != session_count:
+            raise ProtocolError(reason=f"{what}: lists {len(sessions)} sessions inline of "
+                                       f"{session_count} (all of them or none)")
         return cls(
             domain_uuid=_field(data, "domain_uuid", str, what),
             migration_id=_field(data, "migration_id", str, what),
@@ -139,16 +172,25 @@ class RecordView:
             domain_name=_field(data, "domain_name", (str, type(None)), what, None),
             policy=policy,
             postcopy=bool(data.get("postcopy", False)),
-            sessions=tuple(_field(data, "sessions", list, what, [])),
-            resumed=dict(_field(data, "resumed", dict, what, {})),
+            sessions=sessions,
+            resumed=resumed,
             times=dict(_field(data, "times", dict, what, {})),
             lease_in=_field(data, "lease_in", (int, float, type(None)), what, None),
             abort_reason=_field(data, "abort_reason", (str, type(None)), what, None),
+            session_count=session_count,
+            resumed_count=resumed_count,
+            blackout_max=_field(data, "blackout_max", (int, float, type(None)), what, None),
+            inline=inline or session_count == 0,
         )
 
-    def to_wire(self) -> dict:
+    def to_wire(self, inline: bool = True) -> dict:
+        """As the pool says it; ``inline`` False leaves the per-session lists
+        out even where the view has them (hostd's ``status``: counts only)."""
         out = dataclasses.asdict(self)
         out["state"], out["policy"], out["sessions"] = self.state.value, self.policy.value, list(self.sessions)
+        del out["inline"]
+        if not (inline and self.inline):
+            del out["sessions"], out["resumed"]
         return out
 
 

@@ -109,6 +109,74 @@ def _driver_reply(message: dict) -> dict:
     return {"ok": False, "error": {"code": "PROTOCOL_ERROR", "message": f"the driver answered garbage: {problem}"}}
 
 
+class _Poller:
+    """The agent's poll set: ``select.epoll`` where there is one (a wait
+    costs the descriptors that are ready, not every one watched: a guest
+    may run a thousand drivers), else ``select.poll``.  Its flags are
+    poll's (epoll's have the same values)."""
+
+    def __init__(self):
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._poll = None if self._epoll is not None else select.poll()
+        self._events: dict[int, int] = {}
+
+    def set(self, fd: int, events: int) -> None:
+        if self._events.get(fd) == events:
+            return
+        if self._epoll is None:
+            self._poll.register(fd, events)
+        else:
+            try:
+                self._epoll.modify(fd, events) if fd in self._events else self._epoll.register(fd, events)
+            except FileNotFoundError:       # closed and reused since: epoll had dropped it
+                self._epoll.register(fd, events)
+            except FileExistsError:
+                self._epoll.modify(fd, events)
+        self._events[fd] = events
+
+    def add(self, fd: int, events: int) -> None:
+        """A descriptor new to the set, whatever it knew by that number: a
+        closed one's number comes back with the next socket (epoll dropped
+        the closed one by itself; what was kept of it is forgotten here)."""
+        self._events.pop(fd, None)
+        if self._epoll is None:
+            self._poll.register(fd, events)
+        else:
+            try:
+                self._epoll.register(fd, events)
+            except FileExistsError:
+                self._epoll.modify(fd, events)
+        self._events[fd] = events
+
+    def remove(self, fd: int) -> None:
+        if self._events.pop(fd, None) is None:
+            return
+        try:
+            (self._epoll or self._poll).unregister(fd)
+        except (OSError, KeyError, ValueError):     # closed already: epoll dropped it by itself
+            pass
+
+    def poll(self, timeout: float) -> list:
+        if self._epoll is not None:
+            return self._epoll.poll(timeout)
+        return self._poll.poll(int(timeout * 1000))
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+
+
+def _settle(slot: dict, reply: dict) -> None:
+    """A resume asked of a driver is over: its answer (or why there is none)."""
+    if slot["event"].is_set():
+        return
+    slot["reply"] = reply
+    slot["done"] = time.monotonic()
+    slot["event"].set()
+    if slot.get("finished") is not None:
+        slot["finished"](slot)
+
+
 class DriverLink:
     """One driver's connection to the agent; its registered sessions.
 
@@ -204,13 +272,16 @@ class Agent:
     MAX_SESSIONS_PER_LINK = 256
     #: sessions all local connections together may register
     MAX_SESSIONS = 4096
+    #: drivers a rehome asks to resume at once (see ``_do_rehome``)
+    RESUME_WINDOW = 16
 
     def __init__(self, port_path: str, socket_path: str = ch.DEFAULT_AGENT_SOCKET, *,
                  state_dir: str = "/run/accelmig", identity: HostIdentity | None = None,
                  rehome_timeout: float = 30.0, network: NetworkConfigurator | None = None,
                  max_sessions_per_link: int = MAX_SESSIONS_PER_LINK, max_sessions: int = MAX_SESSIONS,
-                 dmi_path: str = dmi.PRODUCT_UUID):
+                 dmi_path: str = dmi.PRODUCT_UUID, resume_window: int = RESUME_WINDOW):
         self.port_path = port_path
+        self.resume_window = max(1, resume_window)
         self.max_sessions_per_link = max_sessions_per_link
         self.max_sessions = max_sessions
         self.socket_path = socket_path
@@ -224,7 +295,14 @@ class Agent:
         self.channel = ChannelStateMachine()
         self.parser = ch.LineParser(name="channel")
         self.drivers: dict[int, DriverLink] = {}
+        # sid -> the link that registered it (under _lock): a register is
+        # checked without a look at every other driver
+        self._holders: dict[str, DriverLink] = {}
         self.rehomes: collections.OrderedDict[str, Rehome] = collections.OrderedDict()
+        # The tickets of a rehome too big for one line come first, in pieces
+        # (``tickets``): staged here for that one migration id (a piece of
+        # another migration drops them), at most ``max_sessions`` of them.
+        self._staged: tuple[str, dict[str, str]] | None = None
         self.identity = identity or self._load_identity()
         self.static_identity = identity is not None
         self._ids = itertools.count(1)
@@ -234,6 +312,13 @@ class Agent:
         self._reload = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)     # a wake-up never blocks its sender
+        # the poll set, kept between waits: descriptor -> "port", "listener",
+        # "wake" or the DriverLink (the poll thread alone changes it)
+        self._poller = None
+        self._fd_kind: dict[int, object] = {}
+        self._port_fd: int | None = None
+        self._touched: set = set()               # links whose POLLOUT must be looked at
+        self._touch_lock = threading.Lock()
         self.started = time.time()
         self.stats = collections.Counter()
 
@@ -282,17 +367,39 @@ class Agent:
                 pass
         return out
 
-    def status(self, uid: int | None = None) -> dict:
+    def status(self, uid: int | None = None, after=None) -> dict:
         """All of it for the host and for root (``uid`` None or 0); another
         user of the guest sees only its own sessions, and of the rehomes
-        only that they happened."""
+        only that they happened.  The sessions a page at a time (sorted by
+        sid, those after ``after``; ``next`` names the last one listed when
+        more follow): the answer is a line, and a guest may hold thousands
+        of sessions with kilobytes of fields each; ``session_count`` and
+        ``next`` come with a page that is not all of them.  A rehome's result here
+        is its summary (``bounded_outcome`` with no sessions listed)."""
         everything = uid in (None, 0)
+        if after is not None and (not isinstance(after, str) or len(after) > MAX_SID):
+            raise BadRequest(reason=f"status: after must be a session id (a string of at most {MAX_SID} "
+                                    f"characters), not {_kind(after)}")
+        mine = sorted(self.sessions(None if everything else uid), key=lambda info: info["sid"])
+        listed, used, following = [], 0, None
+        for info in mine:
+            if after is not None and info["sid"] <= after:
+                continue
+            cost = len(json.dumps(info)) + 2
+            if listed and used + cost > ch.ANSWER_BUDGET:
+                following = listed[-1]["sid"]
+                break
+            listed.append(info)
+            used += cost
         return {"agent_version": AGENT_VERSION, "protocol": ch.CHANNEL_PROTOCOL,
                 "channel": self.state.value, "identity": self.identity.to_wire() if self.identity else None,
-                "sessions": self.sessions(None if everything else uid),
+                "sessions": listed,
+                # (only when the page is not all of them: ``next`` for the page after)
+                **({"session_count": len(mine), "next": following} if following or after else {}),
                 "uptime": round(time.time() - self.started, 3),
                 "rehomes": [{"migration_id": r.migration_id, "done": r.done.is_set(),
-                             **({"result": r.result} if everything else {})}
+                             **({"result": ch.bounded_outcome(r.result, 0)}
+                                if everything and r.result is not None else {})}
                             for r in self.rehomes.values()],
                 "stats": dict(self.stats),
                 **({"dropped": self.parser.dropped[-10:]} if everything else {})}
@@ -338,6 +445,11 @@ class Agent:
         for link in list(self.drivers.values()):
             link.sock.close()
         self.drivers.clear()
+        self._holders.clear()
+        if self._poller is not None:
+            self._poller.close()
+        self._poller, self._port_fd = None, None
+        self._fd_kind.clear()
         if self.listener is not None:
             self._owned.close()
             self.listener = None
@@ -354,28 +466,46 @@ class Agent:
             self.close()
 
     def _poll_once(self) -> None:
-        poller = select.poll()
-        fds = {}
+        """One wait for the channel, the listener, the wake-up pipe and every
+        driver.  The poll set is kept from one wait to the next (a driver is
+        added when accepted, removed when dropped; its POLLOUT follows its
+        backlog): a look costs the same with a thousand drivers as with one."""
+        poller = self._poller
+        if poller is None:
+            poller = self._poller = _Poller()
+            for fd, kind in ((self.listener.fileno(), "listener"), (self._wake_r, "wake")):
+                poller.add(fd, select.POLLIN)
+                self._fd_kind[fd] = kind
+        # the channel: its descriptor changes (a unix port's connection) or
+        # is not to be watched for a while (a device with no host end)
         port_fd = self.port.fileno()
-        if port_fd is not None:
-            poller.register(port_fd, self.port.poll_events())
-            fds[port_fd] = "port"
-        poller.register(self.listener.fileno(), select.POLLIN)
-        fds[self.listener.fileno()] = "listener"
-        poller.register(self._wake_r, select.POLLIN)
-        fds[self._wake_r] = "wake"
-        with self._lock:
-            links = dict(self.drivers)
-        for fd, link in list(links.items()):
-            if link.overflowed:           # flagged by a send on any thread
+        events = self.port.poll_events() if port_fd is not None else 0
+        old = self._port_fd
+        if old is not None and (old != port_fd or not events) and self._fd_kind.get(old) == "port":
+            poller.remove(old)
+            del self._fd_kind[old]
+        self._port_fd = None
+        if port_fd is not None and events:
+            if old == port_fd and self._fd_kind.get(port_fd) == "port":
+                poller.set(port_fd, events)
+            else:
+                poller.add(port_fd, events)
+            self._fd_kind[port_fd] = "port"
+            self._port_fd = port_fd
+        with self._touch_lock:
+            touched, self._touched = self._touched, set()
+        for link in touched:                 # a send from any thread left a backlog, or overflowed
+            fd = link.sock.fileno()
+            if fd < 0 or self._fd_kind.get(fd) is not link:
+                continue
+            if link.overflowed:
                 LOG.warning("driver %s dropped: it does not read what the agent sends", link.who)
                 self._drop_driver(link)
-                del links[fd]
                 continue
-            poller.register(fd, select.POLLIN | (select.POLLOUT if link.backlogged else 0))
+            poller.set(fd, select.POLLIN | (select.POLLOUT if link.backlogged else 0))
         wait = self.port.next_look_in()
-        for fd, revents in poller.poll(int((wait if wait is not None else 1.0) * 1000)):
-            kind = fds.get(fd)
+        for fd, revents in poller.poll(wait if wait is not None else 1.0):
+            kind = self._fd_kind.get(fd)
             try:
                 if kind == "port":
                     self._on_port(revents)
@@ -385,10 +515,16 @@ class Agent:
                     os.read(self._wake_r, 64)
                     if self._reload.is_set():
                         self._reloaded()
-                elif fd in links:
-                    self._on_driver(links[fd], revents)
+                elif isinstance(kind, DriverLink):
+                    self._on_driver(kind, revents)
             except Exception:   # the agent must outlive anything one peer does
-                LOG.exception("agent: handling %s failed", kind or "a driver")
+                LOG.exception("agent: handling %s failed", kind if isinstance(kind, str) else "a driver")
+
+    def _touch(self, link: "DriverLink") -> None:
+        """``link`` has a backlog to write (or overflowed): from any thread."""
+        with self._touch_lock:
+            self._touched.add(link)
+        self._wake()
 
     # -- the channel ------------------------------------------------------------------
     def _on_port(self, revents: int) -> None:
@@ -434,7 +570,9 @@ class Agent:
             elif kind == "ping":
                 self.send_host(ch.result(request_id, result={"pong": True, "time": time.time()}))
             elif kind == "status":
-                self.send_host(ch.result(request_id, result=self.status()))
+                self.send_host(ch.result(request_id, result=self.status(after=message.get("after"))))
+            elif kind == "tickets":
+                self.send_host(ch.result(request_id, result=self.stage_tickets(message)))
             elif kind == "identity":
                 identity = HostIdentity.from_wire(message.get("identity"))
                 # The host assigns the fabric NIC's address (host-bound
@@ -476,7 +614,7 @@ class Agent:
 
     def _rehome_and_answer(self, message: dict) -> None:
         try:
-            outcome = ch.result(message.get("id"), result=self.rehome(message))
+            outcome = ch.result(message.get("id"), result=ch.bounded_outcome(self.rehome(message)))
         except AccelmigError as exc:
             outcome = ch.result(message.get("id"), ok=False, error=exc.to_wire())
         except Exception as exc:  # never leave the host without an answer
@@ -486,14 +624,45 @@ class Agent:
         self.send_host(outcome)
 
     # -- rehome ------------------------------------------------------------------------
+    def stage_tickets(self, message: dict) -> dict:
+        """A piece of the tickets of a rehome too big for one line: kept for
+        the ``rehome`` of the same migration id that follows."""
+        migration_id, tickets = ch.parse_tickets(message)
+        with self._lock:
+            staged = self._staged[1] if self._staged and self._staged[0] == migration_id else {}
+            if len(staged) + len(tickets) > self.max_sessions:
+                self._staged = None
+                raise LimitExceeded(f"tickets of rehome {migration_id}: more than {self.max_sessions}, "
+                                    f"the most sessions this agent keeps")
+            staged.update(tickets)
+            self._staged = (migration_id, staged)
+            return {"migration_id": migration_id, "staged": len(staged)}
+
+    def _all_tickets(self, migration_id: str, tickets: dict, count: int | None) -> dict:
+        """The rehome's tickets: its own, and the pieces staged before it
+        when it says it has ``count`` in all; BadRequest when they do not
+        add up (a piece lost: the host sends them all again)."""
+        if count is None:
+            return tickets
+        with self._lock:
+            staged = self._staged[1] if self._staged and self._staged[0] == migration_id else {}
+            self._staged = None
+        merged = dict(staged, **tickets)
+        if len(merged) != count:
+            raise BadRequest(reason=f"rehome {migration_id}: {count} tickets announced, {len(merged)} "
+                                    f"arrived (a piece was lost: send them all again)")
+        return merged
+
     def rehome(self, message: dict) -> dict:
-        """Apply a rehome and return its outcome.
+        """Apply a rehome and return its outcome (every session's: the
+        answers bound it, ``ch.bounded_outcome``).
 
         Once per migration id: delivered again after it succeeded, it gets the
         same answer.  Delivered again after some sessions (or the network)
         failed, it retries just those, with the tickets it brings now, and
         keeps the outcomes that were already good."""
         migration_id, identity, tickets = ch.parse_rehome(message)
+        tickets = self._all_tickets(migration_id, tickets, ch.parse_rehome_count(message))
         with self._lock:
             entry = self.rehomes.get(migration_id)
             if entry is None:
@@ -543,28 +712,68 @@ class Agent:
                 LOG.error("rehome %s: guest network not applied: %s", migration_id, exc)
         network_s = time.monotonic() - started
         self._store_identity(identity)
-        waits = []
         with self._lock:
-            targets = [(link, sid) for link in self.drivers.values() for sid in link.sessions
-                       if sid not in done]
-        for link, sid in targets:
-            request_id = next(self._ids)
-            slot = {"event": threading.Event(), "reply": None, "sent": time.monotonic()}
-            link.pending[request_id] = slot
-            try:
-                link.send({"type": "resume", "id": request_id, "sid": sid,
-                           "endpoint": identity.pool_endpoint, "ticket": tickets.get(sid),
-                           "migration_id": migration_id})
-            except OSError as exc:
-                slot["reply"] = {"ok": False, "error": {"code": "UNAVAILABLE",
-                                                        "message": f"driver unreachable: {exc}"}}
-                slot["done"] = time.monotonic()
-                slot["event"].set()
-            waits.append((sid, slot))
+            by_process: dict = {}
+            for link in self.drivers.values():
+                for sid in link.sessions:
+                    if sid not in done:
+                        by_process.setdefault(link.peer_pid, []).append((link, sid))
+        # one process's drivers after another's, in turn: the processes of the
+        # guest resume side by side (a process resumes its sessions one at a
+        # time at best: they share its one interpreter)
+        targets = collections.deque(item for turn in itertools.zip_longest(*by_process.values())
+                                    for item in turn if item is not None)
+        # At most ``resume_window`` drivers resume at once: a guest's resumes
+        # all come from its one address, and the pool admits only a few
+        # connections per address before they authenticate (32 by default);
+        # a thousand at once would be refused, and retried, by the hundred.
         deadline = time.monotonic() + self.rehome_timeout
+        asked = []
+        window = threading.RLock()
+        all_settled = threading.Event()
+        in_flight, pumping = [0], [False]
+
+        def pump() -> None:
+            # (under ``window``) fill the window; run by whichever thread freed a place
+            pumping[0] = True
+            try:
+                while targets and in_flight[0] < self.resume_window and time.monotonic() < deadline:
+                    link, sid = targets.popleft()
+                    request_id = next(self._ids)
+                    slot = {"event": threading.Event(), "reply": None, "sent": time.monotonic(),
+                            "finished": settled}
+                    asked.append((sid, slot))
+                    in_flight[0] += 1
+                    link.pending[request_id] = slot
+                    try:
+                        link.send({"type": "resume", "id": request_id, "sid": sid,
+                                   "endpoint": identity.pool_endpoint, "ticket": tickets.get(sid),
+                                   "migration_id": migration_id})
+                    except OSError as exc:
+                        link.pending.pop(request_id, None)
+                        _settle(slot, {"ok": False, "error": {"code": "UNAVAILABLE",
+                                                              "message": f"driver unreachable: {exc}"}})
+            finally:
+                pumping[0] = False
+            if not in_flight[0]:
+                all_settled.set()
+
+        def settled(_slot) -> None:
+            # a driver answered (or went away): its place goes to the next one
+            with window:
+                in_flight[0] -= 1
+                if not pumping[0]:           # (else: this thread's pump goes on by itself)
+                    pump()
+
+        with window:
+            pump()
+        all_settled.wait(max(0.0, deadline - time.monotonic()))
+        with window:
+            unasked = list(targets)
+            targets.clear()                 # a late answer asks nobody else
         sessions = dict(done)
-        for sid, slot in waits:
-            if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
+        for sid, slot in asked:
+            if not slot["event"].is_set():
                 sessions[sid] = {"ok": False, "error": {"code": "TIMEOUT", "message":
                                  f"the driver did not resume within {self.rehome_timeout:.0f} s"}}
                 continue
@@ -576,6 +785,9 @@ class Agent:
             else:
                 outcome["error"] = reply.get("error")
             sessions[sid] = outcome
+        for _link, sid in unasked:          # never asked: the rehome's time ran out first
+            sessions[sid] = {"ok": False, "error": {"code": "TIMEOUT", "message":
+                             f"not asked to resume within the rehome's {self.rehome_timeout:.0f} s"}}
         for sid in tickets:
             sessions.setdefault(sid, {"ok": False, "error": {
                 "code": "NO_SUCH_OBJECT", "message": "no driver in this guest holds that session"}})
@@ -595,20 +807,28 @@ class Agent:
         except BlockingIOError:
             return
         sock.setblocking(False)
-        link = DriverLink(sock, wake=self._wake)
+        link = DriverLink(sock)
+        link._wake = lambda: self._touch(link)
         with self._lock:
             self.drivers[sock.fileno()] = link
+        if self._poller is not None:
+            self._poller.add(sock.fileno(), select.POLLIN)
+        self._fd_kind[sock.fileno()] = link
 
     def _drop_driver(self, link: DriverLink) -> None:
         with self._lock:
             if self.drivers.get(link.sock.fileno()) is not link:
                 return                    # dropped already (a closed socket's fileno is -1)
             del self.drivers[link.sock.fileno()]
-        for slot in link.pending.values():
-            slot["reply"] = {"ok": False, "error": {"code": "UNAVAILABLE",
-                                                    "message": "the driver went away"}}
-            slot["done"] = time.monotonic()
-            slot["event"].set()
+            for sid in link.sessions:
+                if self._holders.get(sid) is link:
+                    del self._holders[sid]
+        if self._fd_kind.get(link.sock.fileno()) is link:
+            del self._fd_kind[link.sock.fileno()]
+            if self._poller is not None:
+                self._poller.remove(link.sock.fileno())
+        for slot in list(link.pending.values()):     # (a rehome's thread may add one meanwhile)
+            _settle(slot, {"ok": False, "error": {"code": "UNAVAILABLE", "message": "the driver went away"}})
         for sid in link.sessions:
             LOG.info("session %s closed (its driver, pid %s, went away)", sid, link.peer_pid)
             self.send_host({"type": "session_closed", "id": next(self._ids), "sid": sid,
@@ -622,6 +842,9 @@ class Agent:
             except OSError:
                 self._drop_driver(link)
                 return
+            if not link.backlogged and self._poller is not None:
+                # written out: stop watching POLLOUT (a send that queues again touches it)
+                self._poller.set(link.sock.fileno(), select.POLLIN)
             if not revents & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 return
         try:
@@ -669,7 +892,7 @@ class Agent:
             info["pid"] = link.peer_pid          # the kernel's word, not the message's
             info["uid"] = link.peer_uid
             with self._lock:
-                holder = next((other for other in self.drivers.values() if sid in other.sessions), None)
+                holder = self._holders.get(sid)
                 moves = holder is not None and holder is not link and \
                     (holder.peer_pid, holder.peer_uid) == (link.peer_pid, link.peer_uid)
                 if holder is not None and holder is not link and not moves:
@@ -683,7 +906,7 @@ class Agent:
                             f"register session {sid}: this connection already holds {len(link.sessions)} "
                             f"sessions, the most one connection may ({self.max_sessions_per_link}); "
                             f"unregister one first")
-                    total = sum(len(other.sessions) for other in self.drivers.values())
+                    total = len(self._holders)
                     if not moves and total >= self.max_sessions:
                         raise LimitExceeded(
                             f"register session {sid}: the agent already holds {total} sessions, the most "
@@ -691,6 +914,7 @@ class Agent:
                 if moves:                    # the same process on a new connection
                     holder.sessions.pop(sid, None)
                 link.sessions[sid] = info
+                self._holders[sid] = link
             LOG.info("session %s opened by pid %s (%s)", sid, info["pid"], info.get("name"))
             self.send_host({"type": "session_opened", "id": next(self._ids), "sid": sid, **info})
             link.send(ch.result(request_id, result={"registered": sid}))
@@ -698,6 +922,8 @@ class Agent:
             sid = _sid_of(message, "unregister")
             with self._lock:
                 known = link.sessions.pop(sid, None)
+                if known is not None and self._holders.get(sid) is link:
+                    del self._holders[sid]
             if known is not None:
                 self.send_host({"type": "session_closed", "id": next(self._ids), "sid": sid,
                                 "reason": "closed"})
@@ -716,9 +942,12 @@ class Agent:
                 return
             slot = link.pending.pop(request_id, None)
             if slot is not None:
-                slot["reply"] = _driver_reply(message)
-                slot["done"] = time.monotonic()
-                slot["event"].set()
+                _settle(slot, _driver_reply(message))
+        elif kind == "tickets":
+            # the pieces of a big rehome_local (accelmig-agent rehome --stdin): root only, as it
+            if not link.privileged:
+                raise Forbidden(who=link.who, what="stage the tickets of a rehome (root only)")
+            link.send(ch.result(request_id, result=self.stage_tickets(message)))
         elif kind == "rehome_local":
             # accelmig-agent rehome --stdin, relayed from qemu-guest-agent's
             # guest-exec (which runs as root).  It re-addresses the NIC, moves
@@ -732,13 +961,13 @@ class Agent:
             threading.Thread(target=self._local_rehome, args=(link, message), daemon=True).start()
         elif kind == "status":
             link.send(ch.result(request_id, result=self.status(
-                link.peer_uid if link.peer_uid is not None else -1)))
+                link.peer_uid if link.peer_uid is not None else -1, after=message.get("after"))))
         else:
             raise UnknownOp(op=kind)
 
     def _local_rehome(self, link: DriverLink, message: dict) -> None:
         try:
-            answer = ch.result(message.get("id"), result=self.rehome(message.get("document")))
+            answer = ch.result(message.get("id"), result=ch.bounded_outcome(self.rehome(message.get("document"))))
         except AccelmigError as exc:
             answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
         except Exception as exc:  # never leave the caller without an answer (nor die on stderr)

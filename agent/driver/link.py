@@ -19,6 +19,7 @@ session's ``cond``, which guards ``sock`` and ``gen``.
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import ssl
 import threading
@@ -148,10 +149,17 @@ class Link:
         self._cork: list[bytes] = []               # pipelined frames not yet sent (send lock)
         self._cork_bytes = 0
         self._cork_pending = threading.Event()
+        self._flusher_started = False              # (with the first corked frame; the send lock guards it)
+        self._readers_lock = threading.Lock()
+        self._idle_readers = 0                     # reader threads waiting for a next socket
+        self._reader_jobs: queue.SimpleQueue = queue.SimpleQueue()
 
     # -- opening ------------------------------------------------------------------
-    def dial(self, endpoint: str, timeout: float):
-        """Connect to the pool and agree on the protocol: (sock, reader, welcome)."""
+    def dial(self, endpoint: str, timeout: float, then: dict | None = None):
+        """Connect to the pool and agree on the protocol: (sock, reader,
+        welcome, the frames that came after it).  ``then``: a frame that
+        needs nothing of the welcome (an ``open``; a resume needs its
+        challenge), sent with the hello: one round trip less."""
         host, port = dp.parse_endpoint(endpoint)
         try:
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -172,16 +180,20 @@ class Link:
             sock, binding = self._start_tls(sock, host, endpoint)
         reader = FrameReader(self.limits, payload_sink=self._payload_sink)
         try:
-            handshake_send(sock, {"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
+            hello = encode_frame({"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
+            try:
+                sock.sendall(hello + (encode_frame(then) if then is not None else b""))
+            except OSError as exc:
+                raise Unavailable(what="the pool", reason=str(exc)) from None
             welcome, leftovers = read_answer(sock, reader)
         except BaseException:
             sock.close()
             raise
-        if welcome.get("op") != Op.WELCOME.value or leftovers:
+        if welcome.get("op") != Op.WELCOME.value or (leftovers and then is None):
             sock.close()
             raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
         self.binding = binding
-        return sock, reader, welcome
+        return sock, reader, welcome, leftovers
 
     def _start_tls(self, sock: socket.socket, host: str, endpoint: str):
         """TLS over the connected ``sock``, the pool's certificate verified
@@ -229,8 +241,36 @@ class Link:
             return
         with self._reading_lock:
             self._reading.add(sock)
-        threading.Thread(target=self._read_loop, args=(sock, reader, gen),
-                         name=f"accelmig-{session.sid}-rx{gen}", daemon=True).start()
+        self._start_reader((sock, reader, gen))
+
+    # A socket's reader runs on a thread that, once its socket is done, waits
+    # for the session's next one (a resume's) instead of ending: a resume
+    # costs no thread made and ended (a thousand sessions resuming at once
+    # are a thousand of them).  At most one waits; all go when the session ends.
+    def _start_reader(self, job) -> None:
+        with self._readers_lock:
+            if self._idle_readers:
+                self._idle_readers -= 1
+                self._reader_jobs.put(job)
+                return
+        threading.Thread(target=self._reader, args=(job,), name=f"accelmig-{self.session.sid}-rx",
+                         daemon=True).start()
+
+    def _reader(self, job) -> None:
+        while job is not None:
+            self._read_loop(*job)
+            with self._readers_lock:
+                if self.session.states.ended or self._idle_readers:
+                    return
+                self._idle_readers += 1
+            job = self._reader_jobs.get()
+
+    def end_readers(self) -> None:
+        """The session ended: a reader waiting for a next socket goes."""
+        with self._readers_lock:
+            idle, self._idle_readers = self._idle_readers, 0
+        for _ in range(idle):
+            self._reader_jobs.put(None)
 
     def release(self, sock) -> None:
         """Shut ``sock`` down; close it too unless its reader will."""
@@ -278,6 +318,10 @@ class Link:
                 if self._cork_bytes >= CORK_BYTES:
                     self._flush_cork_locked(sock)
                 elif first:
+                    if not self._flusher_started:
+                        self._flusher_started = True
+                        threading.Thread(target=self.run_flusher, name=f"accelmig-{self.session.sid}-tx",
+                                         daemon=True).start()
                     self._cork_pending.set()
             else:
                 if self._cork:
@@ -303,9 +347,10 @@ class Link:
         for the session's life)."""
         session = self.session
         while not session.states.ended:
-            if not self._cork_pending.wait(0.5):
-                continue
+            self._cork_pending.wait()        # (set by a first corked frame, and at the end)
             self._cork_pending.clear()
+            if session.states.ended:
+                return
             time.sleep(CORK_DELAY)      # let a burst gather: one system call for many
             with self.send_lock:
                 with session.cond:
@@ -317,6 +362,9 @@ class Link:
                 except OSError as exc:
                     self.drop_cork()
                     self.lost(gen, exc)
+
+    def wake_flusher(self) -> None:
+        self._cork_pending.set()
 
     def try_ack(self, sock, gen: int, upto: int) -> None:
         """Send an ack frame unless a sender holds the lock (its command will
@@ -368,6 +416,7 @@ class Link:
                             return
                         self._dispatch_locked(frame.header, frame.payload)
                 self._maybe_ack(sock, gen)
+                self.session.replies_arrived()
         except (OSError, AccelmigError) as exc:
             error = exc
         self.lost(gen, error)

@@ -54,16 +54,28 @@ def endpoint_from_agent(agent=None) -> str | None:
     return _where(agent).get("endpoint")
 
 
+#: the domain the agent said this guest is, by agent socket: a guest's UUID
+#: does not change while it runs (a migration keeps it), so a process asks
+#: once, not at every session it opens
+_AGENT_DOMAIN: dict[str, str] = {}
+
+
 def domain_of_this_guest(agent=None) -> str | None:
     """This guest's SMBIOS system UUID: read from ``/sys`` (root), else as
     the guest agent read it (root only may read the file)."""
     uuid = dmi.system_uuid()
     if uuid is not None:
         return uuid
+    path = agent_socket_path(agent)
+    if path in _AGENT_DOMAIN:
+        return _AGENT_DOMAIN[path]
     try:
-        return domain_claim(_where(agent).get("domain"))
+        uuid = domain_claim(_where(agent).get("domain"))
     except AccelmigError:                # an agent's odd answer: claim nothing
         return None
+    if uuid is not None and path is not None:
+        _AGENT_DOMAIN[path] = uuid
+    return uuid
 
 
 def agent_connection(path: str, timeout: float | None = 5.0) -> ch.LineClient:

@@ -77,8 +77,15 @@ class LinkStateMachine(StateMachine):
         LinkState.CLOSED: frozenset(),
     }
 
-    def __init__(self) -> None:
+    def __init__(self, on_change=None) -> None:
         super().__init__(LinkState.CONNECTING)
+        self.on_change = on_change        # called after every change (wakes the session's threads)
+
+    def to(self, new):
+        old = super().to(new)
+        if self.on_change is not None:
+            self.on_change(new)
+        return old
 
     @property
     def connected(self) -> bool:
@@ -109,7 +116,13 @@ class Session:
         self.name = name or f"pid{os.getpid()}"
         self.secret = os.urandom(32)          # proves ownership at a resume; never leaves the guest
         self.cond = threading.Condition(threading.Lock())
-        self.states = LinkStateMachine()
+        # The housekeeping thread sleeps until there is something to do (an
+        # acknowledgement due, a lost link, the end): a guest with a thousand
+        # idle sessions pays no wake-ups for them.
+        self._housework = threading.Event()
+        self._housekeeper_lock = threading.Lock()
+        self._housekeeper_started = True          # (not before the session opened)
+        self.states = LinkStateMachine(on_change=self._state_changed)
         self.window = CommandWindow(window_commands, window_bytes)
         self.failure: AccelmigError | None = None
         self.last_error: object = None
@@ -128,30 +141,62 @@ class Session:
         self._preempt = threading.Event()      # an explicit resume is on its way: background, step aside
         self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
         self._used_tickets: set[str] = set()
+        # the housekeeping thread starts when it first has work (replies to
+        # acknowledge, a lost link), the link's flusher with the first corked
+        # frame: an open starts one thread (its reader), not three
+        self._housekeeper_started = False
         self._open(token)
-        threading.Thread(target=self._housekeep, name=f"accelmig-{self.sid}-hk", daemon=True).start()
-        threading.Thread(target=self.link.run_flusher, name=f"accelmig-{self.sid}-tx", daemon=True).start()
         LOG.info("session %s opened at %s", self.sid, endpoint)
 
     @property
     def state(self) -> LinkState:
         return self.states.state
 
+    def _state_changed(self, new: LinkState) -> None:
+        self._housework.set()
+        if new is LinkState.FAILED or new is LinkState.CLOSED:
+            self.link.wake_flusher()        # it ends
+            self.link.end_readers()
+        elif new is LinkState.DISCONNECTED:
+            self._start_housekeeper()       # it reconnects
+
+    def replies_arrived(self) -> None:
+        """The reader dispatched replies: an acknowledgement may be due."""
+        if self.window.last_seen > self.link.acked_sent:
+            self._start_housekeeper()
+            self._housework.set()
+
+    def _start_housekeeper(self) -> None:
+        if self._housekeeper_started or self.sid is None:
+            return
+        with self._housekeeper_lock:
+            if not self._housekeeper_started:
+                self._housekeeper_started = True
+                threading.Thread(target=self._housekeep, name=f"accelmig-{self.sid}-hk", daemon=True).start()
+
     # -- opening --------------------------------------------------------------------
-    def _dial(self, endpoint: str, timeout: float):
-        sock, reader, welcome = self.link.dial(endpoint, timeout)
+    def _dial(self, endpoint: str, timeout: float, then: dict | None = None):
+        sock, reader, welcome, after = self.link.dial(endpoint, timeout, then)
         self.pool_instance = welcome.get("instance")
         self._challenge = welcome.get("challenge", "")
         self._max_payload = int(welcome.get("max_payload") or self.link.limits.max_payload)
-        return sock, reader
+        if then is None:
+            return sock, reader
+        return sock, reader, after
 
     def _open(self, token: str) -> None:
-        sock, reader = self._dial(self.endpoint, self.connect_timeout)
+        # the open goes with the hello (it needs nothing of the welcome)
+        sock, reader, after = self._dial(self.endpoint, self.connect_timeout, then={
+            "op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
+            "client": {"name": self.name, "pid": os.getpid()},
+            **({"domain": self.domain} if self.domain else {})})
         try:
-            handshake_send(sock, {"op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
-                                  "client": {"name": self.name, "pid": os.getpid()},
-                                  **({"domain": self.domain} if self.domain else {})})
-            answer, leftovers = read_answer(sock, reader)
+            if after:
+                answer, leftovers = after[0].header, after[1:]
+                if answer.get("op") == Op.ERROR.value:
+                    raise from_wire(answer.get("error", {}))
+            else:
+                answer, leftovers = read_answer(sock, reader)
         except BaseException:
             sock.close()
             raise
@@ -384,18 +429,24 @@ class Session:
     # -- housekeeping -----------------------------------------------------------------
     def _housekeep(self) -> None:
         """Acknowledges when idle; reconnects with backoff (a thread for the
-        session's life)."""
+        session's life).  It waits for work rather than polling: replies to
+        acknowledge (``replies_arrived``) or a change of the link's state."""
         first, longest = RECONNECT_BACKOFF
         backoff = first
         while True:
-            time.sleep(HOUSEKEEPING_TICK if self.states.state is not LinkState.DISCONNECTED else backoff)
+            self._housework.clear()
             state = self.states.state
             if state is LinkState.FAILED or state is LinkState.CLOSED:
                 return
             if state is LinkState.CONNECTED:
                 backoff = first
-                self._idle_ack()
+                if self.window.last_seen > self.link.acked_sent:
+                    time.sleep(HOUSEKEEPING_TICK)      # a burst of replies: one acknowledgement
+                    self._idle_ack()
+                else:
+                    self._housework.wait()
             elif state is LinkState.DISCONNECTED and self.auto_reconnect and not self._preempt.is_set():
+                time.sleep(backoff)
                 if not self._resume_lock.acquire(blocking=False):
                     continue
                 try:
@@ -408,6 +459,12 @@ class Session:
                     LOG.debug("session %s: reconnect to %s failed: %s", self.sid, self.endpoint, exc)
                 finally:
                     self._resume_lock.release()
+            elif state is LinkState.DISCONNECTED and not self.auto_reconnect:
+                self._housework.wait()                 # until someone resumes it, or it ends
+            else:
+                # connecting, resuming, or an explicit resume under way: look
+                # again when it is over (or after a backoff's while)
+                self._housework.wait(backoff)
 
     def _idle_ack(self) -> None:
         link = self.link

@@ -56,7 +56,7 @@ def _pool_sessions(hostd, domain_uuid: str) -> dict:
     """The domain's sessions as the pool sees them (through hostd: the one
     holder of this host's pool connection and secret)."""
     try:
-        return {s["sid"]: s for s in hostd.call("sessions", uuid=domain_uuid)["sessions"]}
+        return {s["sid"]: s for s in hostd.sessions(domain_uuid)}
     except AccelmigError:
         return {}
 
@@ -203,8 +203,11 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         "ok": bool(rehomed.get("rehomed")), "domain": domain, "uuid": uuid, "migration_id": intent["migration_id"], "policy": pause_policy,
         "postcopy": postcopy, "migration_s": round(migration_s, 3),
         "downtime_ms": job.get("downtime"), "rehomed": rehomed.get("rehomed", False),
-        "sessions": len(record.get("sessions") or []), "resumed": len(record.get("resumed") or {}),
-        "blackout_s": record.get("resumed") or {}, "bytes_sent_to_pool_meanwhile": resent,
+        "sessions": record.get("session_count", len(record.get("sessions") or [])),
+        "resumed": record.get("resumed_count", len(record.get("resumed") or {})),
+        # per session while the record lists them inline (64 at most), the longest always
+        "blackout_s": record.get("resumed") or {}, "blackout_max_s": record.get("blackout_max"),
+        "bytes_sent_to_pool_meanwhile": resent,
         "record_state": record.get("state"), "error": rehomed.get("error"),
     }
     if as_json:
@@ -215,6 +218,8 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         click.echo(f"  VM downtime (libvirt):      {job.get('downtime', '?')} ms")
         for sid, blackout in (record.get("resumed") or {}).items():
             click.echo(f"  accelerator blackout {sid[-8:]}: {blackout * 1000:.0f} ms")
+        if "resumed" not in record and record.get("blackout_max") is not None:
+            click.echo(f"  longest accelerator blackout: {record['blackout_max'] * 1000:.0f} ms")
         click.echo(f"  sessions resumed:           {summary['resumed']} of {summary['sessions']}")
         click.echo(f"  bytes sent to the pool meanwhile (uploads + programs): {resent}")
         if rehomed.get("error"):

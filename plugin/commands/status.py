@@ -94,7 +94,10 @@ def format_domain(dom: dict) -> str:
     sessions = dom.get("sessions") or []
     if not isinstance(sessions, list):
         sessions = [sessions]
-    sess_text = f"sessions {len(sessions)}" + (f": {', '.join(map(str, sessions))}" if sessions else "")
+    count = dom.get("session_count")
+    count = count if isinstance(count, int) and count >= len(sessions) else len(sessions)
+    sess_text = f"sessions {count}" + (f": {', '.join(map(str, sessions))}" if sessions else "") + \
+        (", ..." if count > len(sessions) else "")
     return f"  {name}  {uuid}  {state}  {chan_text}  {sess_text}"
 
 
@@ -112,6 +115,8 @@ def format_record(rec: dict, names: dict) -> str:
     if rec.get("policy"):
         bits.append(f"pause policy {rec['policy']}")
     resumed = rec.get("resumed")
+    if "resumed" not in rec and isinstance(rec.get("session_count"), int) and rec["session_count"]:
+        bits.append(f"resumed {rec.get('resumed_count', '?')} of {rec['session_count']}")
     if isinstance(resumed, dict) and resumed:
         parts = []
         for sid, seconds in resumed.items():

@@ -16,6 +16,7 @@ import time
 
 from accelmig.plugin.hostd.watch import Phase, Trigger
 from accelmig.wire import channel as ch
+from accelmig.wire import control as wc
 from accelmig.wire.localapi import GATED_HOOK_STEPS
 from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, Unavailable, UnknownOp
 from accelmig.wire.records import RecordStateName, RecordView
@@ -120,10 +121,8 @@ class LocalApi:
         d = self.daemon
         try:
             # status must answer while the pool does not: a short limit of its own
-            answer = await d.pool.call_within(self.STATUS_POOL_WAIT, "list_records", open_only=False)
-            records = [RecordView.from_wire(r) for r in answer["records"]]
-            records = [r.to_wire() for r in records if r.involves(d.host)][-20:]
-        except AccelmigError:
+            records = await asyncio.wait_for(self._recent_records(20), self.STATUS_POOL_WAIT)
+        except (AccelmigError, asyncio.TimeoutError):
             records = []
         watches = [w for w in d.watches if w.phase is not Phase.GONE]
         return {"host": d.host, "pid": os.getpid(), "uptime": round(time.time() - d.started, 1),
@@ -136,6 +135,23 @@ class LocalApi:
                 # every domain holding sessions anywhere (the hook's cache), not only here
                 "accel_domains": sorted(d.accel_domains),
                 "records": records, "counters": dict(d.counters)}
+
+    async def _recent_records(self, count: int) -> list[dict]:
+        """The ``count`` latest records this host takes part in, oldest of
+        them first, with counts, not session lists (one line answers; a
+        record's sessions: ``record_sessions``).  The pool lists records
+        newest first: the pages stop once ``count`` are found."""
+        d, found, cursor = self.daemon, [], None
+        for _ in range(wc.MAX_PAGES):
+            page = await d.pool.call("list_records", open_only=False, cursor=cursor)
+            for data in page.get("records") or []:
+                record = RecordView.from_wire(data)
+                if record.involves(d.host):
+                    found.append(record.to_wire(inline=False))
+            cursor = page.get("next")
+            if len(found) >= count or not cursor:
+                break
+        return sorted(found[:count], key=lambda r: r["times"].get("opened", 0.0))
 
     async def hook(self, message: dict) -> dict:
         d = self.daemon
@@ -212,14 +228,17 @@ class LocalApi:
             raise Timeout(what=f"the rehome of {uuid} (no such migration record)", timeout=wait)
         out = {"record": record.to_wire(), "rehomed": record.rehomed, "job": d.watches.job(uuid)}
         if not answer.get("reached"):
-            out["error"] = (f"{len(record.unresumed)} of {len(record.sessions)} session(s) not resumed "
+            out["error"] = (f"{record.unresumed_count} of {record.session_count} session(s) not resumed "
                             f"within {wait:.0f} s (record {record.state.value})")
         elif record.state is RecordStateName.ABORTED:
             out["error"] = f"the migration was aborted: {record.abort_reason or 'no reason given'}"
         return out
 
     async def sessions(self, message: dict) -> dict:
-        return await self.daemon.pool_call("list_sessions", domain_uuid=message.get("uuid"))
+        """A page of the pool's sessions of a domain (``cursor``: the ``next``
+        of the page before, passed back to the pool as it is): one line each."""
+        return await self.daemon.pool_call("list_sessions", domain_uuid=message.get("uuid"),
+                                           cursor=message.get("cursor"))
 
     async def metrics(self, message: dict) -> dict:
         return {"text": self.daemon.metrics.text()}

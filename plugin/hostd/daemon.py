@@ -214,6 +214,17 @@ class HostDaemon:
         self.pool_reachable = True
         return result
 
+    async def pool_call_all(self, method: str, **args):
+        """A paged method with all its pages (``wire.control.PAGED``)."""
+        self.metrics.record_steps.labels(method).inc()
+        try:
+            result = await self.pool.call_all(method, **args)
+        except Unavailable:
+            self.pool_reachable = False
+            raise
+        self.pool_reachable = True
+        return result
+
     # -- this host's identity ------------------------------------------------------------
     async def refresh_identity(self) -> HostIdentity:
         from accelmig.plugin.routes import host_identity
@@ -465,7 +476,7 @@ class HostDaemon:
         Nova instance carries nothing of accelmig in its XML; its guest's
         driver told the pool its SMBIOS UUID, and this is how its hosts learn
         it.  Domains without sessions are never looked at."""
-        answer = await self.pool_call("accel_domains", since=self._accel_version)
+        answer = await self.pool_call_all("accel_domains", since=self._accel_version)
         if not answer.get("unchanged"):
             domains = answer.get("domains") or {}
             fresh = {u: frozenset(s for s in sids if isinstance(s, str))

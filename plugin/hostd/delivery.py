@@ -24,6 +24,7 @@ import logging
 import time
 
 from accelmig.plugin.channel import AsyncGuestChannel
+from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, Timeout, Unavailable
 
 LOG = logging.getLogger("accelmig.hostd")
@@ -78,9 +79,14 @@ class ChannelDelivery(GuestDelivery):
     async def rehome(self, dom, watch, document: dict) -> dict:
         deadline = time.monotonic() + self.timeout
         last_error = None
+        # No line grows with the number of sessions: tickets that do not fit
+        # in one go first, in pieces the agent stages (wire.channel)
+        pieces, document = ch.rehome_pieces(document)
         while time.monotonic() < deadline:
             try:
                 channel = await self._synced(dom, watch, max(1.0, deadline - time.monotonic()))
+                for piece in pieces:
+                    await channel.request("tickets", timeout=max(1.0, deadline - time.monotonic()), **piece)
                 return await channel.request("rehome", timeout=max(1.0, deadline - time.monotonic()),
                                              **document)
             except AccelmigError as exc:

@@ -51,6 +51,10 @@ class MigrationSteps:
     async def pool(self, method: str, **args):
         return await self.daemon.pool_call(method, **args)
 
+    async def pool_all(self, method: str, **args):
+        """Every page of a paged method (``complete``'s tickets, listings)."""
+        return await self.daemon.pool_call_all(method, **args)
+
     # -- the source ---------------------------------------------------------------------
     async def check_outgoing(self, dom, watch: DomainWatch, *, postcopy: bool) -> None:
         """A pause is an outgoing migration only if the domain's job says so
@@ -140,7 +144,7 @@ class MigrationSteps:
                 return {"migration_id": mid, "postcopy": postcopy, "ok": False, "why": waiting}
         if postcopy:
             await self.pool("commit", domain_uuid=watch.uuid, migration_id=mid)
-        done = await self.pool("complete", domain_uuid=watch.uuid, migration_id=mid)
+        done = await self.pool_all("complete", domain_uuid=watch.uuid, migration_id=mid)
         watch.record = RecordView.from_wire(done["record"])
         tickets = done["tickets"]
         completed = time.monotonic()
@@ -201,7 +205,7 @@ class MigrationSteps:
     async def _find_or_open(self, watch: DomainWatch) -> RecordView:
         """The record of this incoming migration; opened now if the hook's note
         never reached us (hostd was down, lenient mode) or was lost."""
-        out = await self.pool("list_records", open_only=True, domain_uuid=watch.uuid)
+        out = await self.pool_all("list_records", open_only=True, domain_uuid=watch.uuid)
         records = [RecordView.from_wire(r) for r in out["records"]]
         mine = latest(r for r in records if r.dest_host == self.host
                       and (r.state in IN_FLIGHT or r.state is RecordStateName.COMPLETED))
@@ -265,7 +269,8 @@ class MigrationSteps:
     async def park(self, dom, watch: DomainWatch) -> None:
         await watch.delivery.close(watch)
         out = await self.pool("park", domain_uuid=watch.uuid)
-        LOG.info("domain %s saved: parked %s", watch.name, out["parked"])
+        LOG.info("domain %s saved: parked %s%s", watch.name, out["parked"],
+                 f" and {out['more']} more" if out.get("more") else "")
 
     async def unpark(self, dom, watch: DomainWatch) -> None:
         """An older copy of the guest's memory runs again: tell its drivers to
@@ -302,6 +307,9 @@ def why_not_resumed(result: dict | None) -> str:
     for sid, outcome in list(failed.items())[:3]:
         error = outcome.get("error") or {}
         parts.append(f"session {sid}: {error.get('code', '?')}: {error.get('message', '')}")
-    if len(failed) > 3:
-        parts.append(f"and {len(failed) - 3} more session(s)")
+    # (an agent lists the failed sessions first, within its answer's budget)
+    count = result.get("session_count")
+    not_resumed = count - result.get("resumed_count", 0) if isinstance(count, int) else len(failed)
+    if not_resumed > 3:
+        parts.append(f"and {not_resumed - 3} more session(s)")
     return "; ".join(parts) or "not every session resumed"

@@ -54,7 +54,7 @@ class Reconciler:
                 here[watch.uuid] = (dom, state, watch)
         try:
             records = [RecordView.from_wire(r) for r in
-                       (await daemon.pool_call("list_records", open_only=True))["records"]]
+                       (await daemon.pool_call_all("list_records", open_only=True))["records"]]
         except AccelmigError as exc:
             LOG.warning("reconcile: pool unreachable (%s); domains only", exc)
             records = []
@@ -63,7 +63,7 @@ class Reconciler:
             dom, state, watch = here.get(record.domain_uuid, (None, None, None))
             if record.dest_host == self.host:
                 if dom is not None and state == libvirt.VIR_DOMAIN_RUNNING:
-                    if record.in_flight or record.unresumed:
+                    if record.in_flight or record.unresumed_count:
                         actions.append(("rehome", watch.name))
                         await self._under_lock(dom, watch, Trigger.FOUND_ARRIVED, record)
                 elif dom is not None and state == libvirt.VIR_DOMAIN_PAUSED:
@@ -92,7 +92,7 @@ class Reconciler:
                 continue
             try:
                 sessions = [SessionView.from_wire(s) for s in
-                            (await daemon.pool_call("list_sessions", domain_uuid=uuid))["sessions"]]
+                            (await daemon.pool_call_all("list_sessions", domain_uuid=uuid))["sessions"]]
             except AccelmigError:
                 sessions = []
             if any(s.bound_host not in (None, self.host) for s in sessions):
@@ -132,7 +132,7 @@ class Reconciler:
                 continue
             try:
                 records = [RecordView.from_wire(r) for r in
-                           (await daemon.pool_call("list_records", open_only=True))["records"]]
+                           (await daemon.pool_call_all("list_records", open_only=True))["records"]]
                 mine = [[r.domain_uuid, r.migration_id] for r in records
                         if r.involves(self.host) and await self.vouch(r)]
                 if mine:

@@ -24,6 +24,7 @@ import time
 
 from accelmig.plugin.hostd.delivery import NoDelivery
 from accelmig.plugin.hostd.events import DomainEvent
+from accelmig.wire import channel as ch
 
 
 class Phase(enum.Enum):
@@ -173,15 +174,25 @@ class DomainWatch:
         """Something worth showing in ``status`` that moved no phase (a hook note)."""
         self.history.append((round(time.time(), 3), what, self.phase.value, self.phase.value))
 
+    #: what ``status`` says of one domain stays small whatever its number of
+    #: sessions (the local API answers in one line): at most this many of
+    #: its session ids, and of its last rehome the counts and a few failures
+    STATUS_SESSIONS = 16
+    STATUS_OUTCOME_BYTES = 2048
+
     def describe(self) -> dict:
         channel = getattr(self.delivery, "channel", None)
+        last = self.last_rehome
+        if last is not None and isinstance(last.get("result"), dict):
+            last = dict(last, result=ch.bounded_outcome(last["result"], self.STATUS_OUTCOME_BYTES))
+        sessions = sorted(self.sessions)
         return {"uuid": self.uuid, "name": self.name, "phase": self.phase.value,
                 "delivery": getattr(self.delivery, "name", None), "marked": self.marked,
                 "channel": {"path": self.channel_path, "connected": channel is not None,
                             "synced": bool(channel is not None and channel.hello)},
-                "sessions": sorted(self.sessions),
-                "record": self.record.to_wire() if self.record is not None else None,
-                "last_rehome": self.last_rehome, "rehome_retry": self.rehome_retry,
+                "sessions": sessions[:self.STATUS_SESSIONS], "session_count": len(sessions),
+                "record": self.record.to_wire(inline=False) if self.record is not None else None,
+                "last_rehome": last, "rehome_retry": self.rehome_retry,
                 "history": [{"at": at, "trigger": t, "from": a, "to": b} for at, t, a, b in self.history]}
 
 

@@ -141,13 +141,15 @@ def test_a_table_that_names_an_undescribed_state_is_refused_at_once():
 
 # -- the driver never stays in RESUMING ---------------------------------------------
 def _recv_frame(conn: socket.socket, reader: FrameReader):
-    while True:
+    """The next frame's header; frames that came in the same read wait for
+    the next call (a driver sends its open with its hello)."""
+    pending = reader.__dict__.setdefault("pending", [])
+    while not pending:
         n = conn.recv_into(reader.get_buffer())
         if n == 0:
             return None
-        frames = reader.feed(n)
-        if frames:
-            return frames[0].header
+        pending += reader.feed(n)
+    return pending.pop(0).header
 
 
 class ScriptedPool:

@@ -136,3 +136,28 @@ def test_the_watch_table_forgets_foreign_and_gone_domains_within_bounds():
     for n in range(3):
         table.note_job(f"job-{n}", {"downtime": n})
     assert table.job("job-0") is None and table.job("job-2") == {"downtime": 2}
+
+
+def test_what_status_says_of_a_domain_stays_small_whatever_its_sessions():
+    """hostd's local API answers in one line: a domain with a thousand
+    sessions, a record past what lists inline and a last rehome of a
+    thousand outcomes is said in a few KiB (issue 11)."""
+    import json
+
+    from accelmig.wire import channel as ch
+    from accelmig.wire.records import RecordView
+    watch = DomainWatch("uuid-1", "big")
+    watch.sessions = {f"s-{i:04d}-{'x' * 20}" for i in range(1000)}
+    watch.record = RecordView.from_wire({"domain_uuid": "uuid-1", "migration_id": "m", "state": "completed",
+                                         "dest_host": "hostB", "session_count": 1000, "resumed_count": 1000})
+    outcome = {sid: {"ok": True, "seconds": 0.01, "epoch": 2} for sid in watch.sessions}
+    outcome["s-bad"] = {"ok": False, "error": {"code": "TIMEOUT", "message": "late"}}
+    watch.last_rehome = {"migration_id": "m", "ok": False, "result": {"ok": False, "sessions": outcome}}
+    said = watch.describe()
+    assert len(json.dumps(said)) < 8192
+    assert said["session_count"] == 1000 and len(said["sessions"]) == DomainWatch.STATUS_SESSIONS
+    assert "sessions" not in said["record"] and said["record"]["session_count"] == 1000
+    result = said["last_rehome"]["result"]
+    assert result["session_count"] == 1001 and result["resumed_count"] == 1000
+    assert "s-bad" in result["sessions"] and result["sessions_omitted"] > 900
+    assert len(ch.encode(ch.result(1, result={"domains": [said] * 20}))) < ch.MAX_LINE

@@ -25,7 +25,7 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.pool.session import SessionState
 from accelmig.pool.testing import PoolThread
-from accelmig.wire.control import AsyncControlClient, ControlClient
+from accelmig.wire.control import PAGED_ANSWER_MAX, AsyncControlClient, ControlClient
 from accelmig.wire.errors import OutOfRange
 from accelmig.wire.frames import MAGIC, PREFIX, FrameReader, encode_frame
 from tests.support.tenants import ALICE, TENANTS
@@ -242,7 +242,11 @@ def test_a_silent_control_connection_is_closed_in_time():
             assert client.call("ping") is not None
 
 
-def test_control_answers_over_64_kib_reach_both_clients():
+def test_a_listing_over_64_kib_comes_in_pages_through_both_clients():
+    """260 sessions are ~80 KiB of descriptions: list_sessions answers them a
+    page at a time, each answer within PAGED_ANSWER_MAX, and both clients
+    follow the pages to the whole list (issue 11: no answer grows with the
+    number of sessions)."""
     with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}, max_sessions_per_tenant=300) as harness:
         sockets = []
         try:
@@ -253,15 +257,17 @@ def test_control_answers_over_64_kib_reach_both_clients():
                 sock.sendall(encode_frame({"op": "open", "token": ALICE, "secret": "ab" * 32}))
             wait_for(lambda: harness.call(lambda: len(harness.pool.sessions)) == 260, timeout=30)
             with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as client:
-                listed = client.call("list_sessions")
-                assert len(json.dumps(listed)) > 65536
-                assert len(listed["sessions"]) == 260
+                first = client.call("list_sessions")
+                assert first["next"] and len(encode_frame({"op": "result", "result": first})) <= PAGED_ANSWER_MAX
+                listed = client.call_all("list_sessions")
+                assert len(json.dumps(listed)) > 65536 and listed["next"] is None
+                assert len({s["sid"] for s in listed["sessions"]}) == 260
                 assert client.call("ping") is not None   # the connection is still in step
 
             async def from_the_async_client():
                 client = AsyncControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode())
                 try:
-                    return len((await client.call("list_sessions"))["sessions"]), await client.call("ping")
+                    return len((await client.call_all("list_sessions"))["sessions"]), await client.call("ping")
                 finally:
                     await client.close()
 
