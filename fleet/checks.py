@@ -36,8 +36,12 @@ class NodeCheck:
         return dataclasses.asdict(self) | {"failed": self.failed}
 
 
-def _command(inventory: Inventory, node: Node) -> str:
-    return f"{inventory.prefix}/venv/bin/{'accelmig-pool' if node.role == 'pool' else 'accelmig'}"
+def doctor_argv(inventory: Inventory, node: Node) -> list[str]:
+    """``accelmig doctor`` on a host, as deployed (its config, its daemon's pid file)."""
+    argv = [inventory.command(node), "doctor", "--config", render.HOST_CONFIG, "--json"]
+    if node.libvirtd_pid_file:
+        argv += ["--libvirtd-pid-file", node.libvirtd_pid_file]
+    return argv
 
 
 def _json(result: Result) -> dict | None:
@@ -53,7 +57,7 @@ def _gather(inventory: Inventory, work) -> list[NodeCheck]:
         out = NodeCheck(node.name, node.role)
         try:
             with Remote(inventory, node) as remote:
-                said = remote.run([_command(inventory, node), "--version"])
+                said = remote.run([inventory.command(node), "--version"])
                 out.version = said.text.strip().rsplit(" ", 1)[-1] if said.status == 0 else None
                 if out.version is None:
                     out.error = f"accelmig is not installed at {inventory.prefix}/venv ({said.why()})"
@@ -71,19 +75,15 @@ def _gather(inventory: Inventory, work) -> list[NodeCheck]:
 def doctor(inventory: Inventory) -> tuple[list[NodeCheck], list[str]]:
     """Every node's checks, and the fleet's own findings (versions)."""
     def work(remote: Remote, node: Node, out: NodeCheck) -> None:
-        command = _command(inventory, node)
         if node.role == "pool":
             # The admin socket answers only a running pool (root may use it).
-            result = remote.run([command, "sessions", "--json"])
+            result = remote.run([inventory.command(node), "sessions", "--json"])
             out.checks["pool"] = ({"status": "ok", "reason": "the pool answers on its admin socket"}
                                   if result.status == 0 else
                                   {"status": "FAIL", "reason": result.why(),
                                    "hint": "systemctl status accelmig-pool"})
             return
-        argv = [command, "doctor", "--config", render.HOST_CONFIG, "--json"]
-        if node.libvirtd_pid_file:
-            argv += ["--libvirtd-pid-file", node.libvirtd_pid_file]
-        result = remote.run(argv)
+        result = remote.run(doctor_argv(inventory, node))
         answer = _json(result)
         if answer is None:
             out.error = f"accelmig doctor: {result.why()}"
@@ -111,7 +111,7 @@ def status(inventory: Inventory) -> tuple[list[NodeCheck], list[dict]]:
     """Every host's hostd status and the pool's migration records; the
     records merged by migration, with the hosts that report each."""
     def work(remote: Remote, node: Node, out: NodeCheck) -> None:
-        command = _command(inventory, node)
+        command = inventory.command(node)
         argv = ([command, "migrations", "--json"] if node.role == "pool"
                 else [command, "status", "--config", render.HOST_CONFIG, "--json"])
         result = remote.run(argv)

@@ -145,7 +145,7 @@ class NodeDeploy:
 
     @property
     def command(self) -> str:
-        return f"{self.prefix}/venv/bin/{SIDES[self.node.role][0]}"
+        return self.inventory.command(self.node)
 
     # ------------------------------------------------------------ common steps
 
@@ -408,9 +408,8 @@ class NodeDeploy:
     def verify(self) -> None:
         """``accelmig doctor`` on a host: what the deploy installed must be
         ok; hostd and the pool only where the services were started here."""
-        result = self.remote.run([self.command, "doctor", "--config", render.HOST_CONFIG, "--json"]
-                                 + (["--libvirtd-pid-file", self.node.libvirtd_pid_file]
-                                    if self.node.libvirtd_pid_file else []))
+        from accelmig.fleet.checks import doctor_argv
+        result = self.remote.run(doctor_argv(self.inventory, self.node))
         try:
             checks = json.loads(result.stdout)["checks"]
         except (ValueError, KeyError):

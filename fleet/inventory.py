@@ -132,6 +132,10 @@ class Inventory:
         raise ConfigInvalid(source=self.path, reason=f"no node {name!r} (nodes: "
                                                       f"{', '.join(n.name for n in self.nodes)})")
 
+    def command(self, node: Node) -> str:
+        """The node's side's command in its deployed environment."""
+        return f"{self.prefix}/venv/bin/{'accelmig-pool' if node.role == 'pool' else 'accelmig'}"
+
     @property
     def endpoint(self) -> str:
         """The pool's data plane as guests reach it."""

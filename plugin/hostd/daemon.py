@@ -205,20 +205,17 @@ class HostDaemon:
             LOG.error("task %s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
     async def pool_call(self, method: str, **args):
-        self.metrics.record_steps.labels(method).inc()
-        try:
-            result = await self.pool.call(method, **args)
-        except Unavailable:
-            self.pool_reachable = False
-            raise
-        self.pool_reachable = True
-        return result
+        return await self._pool(self.pool.call, method, args)
 
     async def pool_call_all(self, method: str, **args):
         """A paged method with all its pages (``wire.control.PAGED``)."""
+        return await self._pool(self.pool.call_all, method, args)
+
+    async def _pool(self, call, method: str, args: dict):
+        """One call to the pool, counted; its outcome says whether the pool is reachable."""
         self.metrics.record_steps.labels(method).inc()
         try:
-            result = await self.pool.call_all(method, **args)
+            result = await call(method, **args)
         except Unavailable:
             self.pool_reachable = False
             raise
