@@ -7,7 +7,7 @@
 #   ./dev.sh pool-demo     the pool alone: a solver whose connection is cut five times
 #   ./dev.sh test          every test tier, as CI runs it (.ci/run calls exactly this)
 #   ./dev.sh test --fast   the seconds-long tier: no root, no VM
-#   ./dev.sh bench [NAME]  benchmarks under bench/ (tables + PNG plots in bench/results/)
+#   ./dev.sh bench [NAME]  benchmarks under bench/ (tables, JSON, PNG and REPORT.md in bench/results/)
 #   ./dev.sh setup         only install
 set -euo pipefail
 cd "$(dirname "$0")"
