@@ -72,6 +72,12 @@ class Table:
             ax.tick_params(labelsize=8)
             ax.bar_label(bars, labels=[_fmt(row["baseline"], row["unit"]), _fmt(row["subject"], row["unit"])],
                          fontsize=7)
+        # panels in the same unit are compared side by side: one y scale for them
+        for unit in {row["unit"] for row in self.rows}:
+            top = max(max(r["baseline"], r["subject"]) for r in self.rows if r["unit"] == unit)
+            for ax, row in zip(axes, self.rows):
+                if row["unit"] == unit and top > 0:
+                    ax.set_ylim(0, top * 1.15)
         fig.suptitle(self.title, fontsize=10)
         return save_figure(fig, name)
 

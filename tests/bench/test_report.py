@@ -81,3 +81,20 @@ def test_the_command_line_writes_the_report_and_refuses_bad_results(results, cap
     with pytest.raises(SystemExit) as exit_info:
         report.main(["--results", str(results)])
     assert exit_info.value.code == 1
+
+
+def test_panels_in_the_same_unit_share_one_y_scale(results, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    figures = []
+    monkeypatch.setattr(common, "save_figure", lambda fig, name: figures.append(fig) or name)
+    table = common.Table("t", "raw", "accelmig")
+    table.add("upload", 10.0, 3.0, "GiB/s", "higher")
+    table.add("download", 2.0, 1.0, "GiB/s", "higher")
+    table.add("round trip", 7.0, 60.0, "µs")
+    table.plot("t")
+    upload, download, round_trip = figures[0].axes
+    assert upload.get_ylim() == download.get_ylim() == (0, 10.0 * 1.15)
+    assert round_trip.get_ylim() == (0, 60.0 * 1.15)
+    plt.close(figures[0])
