@@ -214,11 +214,11 @@ libvirt_uri = "qemu:///system"
 
     def sessions(self, domain_uuid: str | None = None) -> list[dict]:
         with self.admin() as admin:
-            return admin.call("list_sessions", domain_uuid=domain_uuid)["sessions"]
+            return admin.call_all("list_sessions", domain_uuid=domain_uuid)["sessions"]
 
     def records(self, domain_uuid: str | None = None) -> list[dict]:
         with self.admin() as admin:
-            return admin.call("list_records", domain_uuid=domain_uuid)["records"]
+            return admin.call_all("list_records", domain_uuid=domain_uuid)["records"]
 
     COUNTED = ("builds", "bytes_uploaded", "source_bytes")
 
