@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                                         "{migration_id, identity, tickets}; for VMs that only have "
                                         "qemu-guest-agent (OpenStack Nova).  Prints the outcome as JSON.")
     rehome.add_argument("--stdin", action="store_true", required=True, help="read the document from stdin")
+    rehome.add_argument("--piece", action="store_true",
+                        help="the document is one piece of a big rehome's tickets {migration_id, tickets}: "
+                             "stage it for the rehome of that migration id that follows (the host sends "
+                             "a rehome too big for one guest-exec this way)")
     rehome.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET, help="the running agent's socket")
 
     status = sub.add_parser("status", help="what the running agent knows")
@@ -220,13 +224,19 @@ def main(argv=None) -> int:
             document = json.loads(raw)
             if not isinstance(document, dict):
                 raise BadRequest(reason="the document must be a JSON object")
-            ch.parse_rehome(document)          # refuse a broken document before bothering the agent
+            # refuse a broken document before bothering the agent
+            ch.parse_tickets(document) if args.piece else ch.parse_rehome(document)
         except ValueError as exc:
             print(f"accelmig-agent: the rehome document is not JSON: {exc}", file=sys.stderr)
             return 2
         except AccelmigError as exc:
             print(f"accelmig-agent: bad rehome document: {exc}", file=sys.stderr)
             return 2
+        if args.piece:
+            answer = _ask_agent(args.socket, "tickets", migration_id=document["migration_id"],
+                                tickets=document.get("tickets") or {})
+            print(json.dumps(answer.get("result") if answer.get("ok") else answer, indent=2))
+            return 0 if answer.get("ok") else 1
         answer = _ask_agent(args.socket, "rehome_local", document=document)
         print(json.dumps(answer.get("result") if answer.get("ok") else answer, indent=2))
         if not answer.get("ok"):

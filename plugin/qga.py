@@ -61,6 +61,7 @@ import libvirt
 import libvirt_qemu
 
 from accelmig.plugin.domain.model import DomainXML
+from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, ErrorCode
 
 LOG = logging.getLogger("accelmig.plugin.qga")
@@ -69,6 +70,15 @@ LOG = logging.getLogger("accelmig.plugin.qga")
 #: whatever its service manager gave it).
 DEFAULT_COMMAND = ("/usr/bin/python3", "-m", "accelmig.agent")
 REHOME_ARGS = ("rehome", "--stdin")
+PIECE_ARGS = ("rehome", "--stdin", "--piece")
+
+#: The most document one guest-exec carries on its stdin.  qemu-ga (7.2, in
+#: the lab's TCG guests under load) stalled past libvirt's timeout on
+#: guest-exec commands of ~350 KB of base64 and more, and once answered a
+#: JSON parse error, leaving the agent unusable for the next command; 267 KB
+#: never did.  A bigger rehome (a VM of ~400 sessions and more) goes in
+#: ticket pieces of this size first, each staged by its own guest-exec.
+GUEST_EXEC_STDIN_MAX = 128 << 10
 
 #: The agent's exit codes (accelmig.agent.cli).
 EXIT_OK, EXIT_NOT_ALL_RESUMED, EXIT_BAD_DOCUMENT, EXIT_NO_AGENT = 0, 1, 2, 3
@@ -263,21 +273,22 @@ def _tail(text: str, limit: int = 2000) -> str:
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-def rehome_outcome(status: ExecStatus, *, domain: str, command: str = "accelmig-agent rehome") -> dict:
-    """What an exited ``accelmig-agent rehome --stdin`` means.
-
-    Exit 0, or exit 1 with a per-session outcome on stdout (some session did
-    not resume: the caller reads ``sessions``), returns that outcome.
-    Everything else raises: exit 2 :class:`RehomeDocumentRefused`, exit 3
-    :class:`AgentNotRunning`, anything else (a signal, Python failing to
-    start, output that is not the outcome) :class:`GuestCommandFailed`;
-    each with the exit status and stderr."""
+def _failure(status: ExecStatus, *, domain: str, command: str):
+    """``failed(cls, reason)``: the error of an exited command, with its exit
+    status and output in its details."""
     details = {"domain": domain, "exit_code": status.exit_code, "signal": status.signal,
                "stdout": _tail(status.stdout), "stderr": _tail(status.stderr)}
 
     def failed(cls, reason: str):
         return cls(domain=domain, command=command, reason=reason, details=details)
+    return failed
 
+
+def _agent_answer(status: ExecStatus, *, domain: str, command: str, ok_codes: tuple) -> dict:
+    """The JSON object an exited ``accelmig-agent rehome`` printed, when it
+    exited with one of ``ok_codes``; else the error its exit status means
+    (see :func:`rehome_outcome`)."""
+    failed = _failure(status, domain=domain, command=command)
     stderr = _tail(status.stderr, 500) or "no stderr"
     if status.signal is not None and status.exit_code is None:
         raise failed(GuestCommandFailed, f"killed by signal {status.signal} ({stderr})")
@@ -285,7 +296,7 @@ def rehome_outcome(status: ExecStatus, *, domain: str, command: str = "accelmig-
         raise failed(RehomeDocumentRefused, f"exit status 2, the agent refused the document: {stderr}")
     if status.exit_code == EXIT_NO_AGENT:
         raise failed(AgentNotRunning, f"exit status 3, no accelmig agent runs in the guest: {stderr}")
-    if status.exit_code not in (EXIT_OK, EXIT_NOT_ALL_RESUMED):
+    if status.exit_code not in ok_codes:
         raise failed(GuestCommandFailed, f"exit status {status.exit_code}: {stderr}")
     if status.stdout_truncated:
         raise failed(GuestCommandFailed, "its output was truncated by qemu-ga")
@@ -296,6 +307,20 @@ def rehome_outcome(status: ExecStatus, *, domain: str, command: str = "accelmig-
     if not isinstance(outcome, dict):
         # e.g. "/usr/bin/python3: No module named accelmig.agent" (exit 1)
         raise failed(GuestCommandFailed, f"exit status {status.exit_code} without an outcome on stdout: {stderr}")
+    return outcome
+
+
+def rehome_outcome(status: ExecStatus, *, domain: str, command: str = "accelmig-agent rehome") -> dict:
+    """What an exited ``accelmig-agent rehome --stdin`` means.
+
+    Exit 0, or exit 1 with a per-session outcome on stdout (some session did
+    not resume: the caller reads ``sessions``), returns that outcome.
+    Everything else raises: exit 2 :class:`RehomeDocumentRefused`, exit 3
+    :class:`AgentNotRunning`, anything else (a signal, Python failing to
+    start, output that is not the outcome) :class:`GuestCommandFailed`;
+    each with the exit status and stderr."""
+    outcome = _agent_answer(status, domain=domain, command=command, ok_codes=(EXIT_OK, EXIT_NOT_ALL_RESUMED))
+    failed = _failure(status, domain=domain, command=command)
     if "sessions" not in outcome:
         # the agent answered its own error ({"ok": false, "error": {...}})
         error = outcome.get("error") if isinstance(outcome.get("error"), dict) else {}
@@ -479,13 +504,27 @@ def deliver_rehome(domain, document: dict, *, command=DEFAULT_COMMAND, timeout: 
     if not isinstance(document, dict):
         raise TypeError("the rehome document must be a dict")
     label = _domain_label(domain)
-    payload = json.dumps(document, separators=(",", ":")).encode()
-    argv = (*command, *REHOME_ARGS, *(("--socket", socket) if socket else ()))
+    on_socket = ("--socket", socket) if socket else ()
+    argv = (*command, *REHOME_ARGS, *on_socket)
     shown = "accelmig-agent rehome --stdin"
     t0 = time.monotonic()
-    LOG.info("domain %s: rehome %s through qemu-guest-agent guest-exec (%d ticket(s))",
-             label, document.get("migration_id"), len(document.get("tickets") or {}))
-    pid, status = guest_exec(domain, argv, input_data=payload, timeout=timeout, label=label)
+    deadline = t0 + timeout
+    pieces, document = ch.rehome_pieces(document, line_budget=GUEST_EXEC_STDIN_MAX,
+                                        piece_bytes=GUEST_EXEC_STDIN_MAX - 4096)
+    LOG.info("domain %s: rehome %s through qemu-guest-agent guest-exec (%d ticket(s)%s)",
+             label, document.get("migration_id"), document.get("ticket_count", len(document.get("tickets") or {})),
+             f", {len(pieces)} staged first" if pieces else "")
+    for number, piece in enumerate(pieces, 1):
+        _pid, status = guest_exec(domain, (*command, *PIECE_ARGS, *on_socket),
+                                  input_data=json.dumps(piece, separators=(",", ":")).encode(),
+                                  timeout=max(0.0, deadline - time.monotonic()), label=label)
+        staged = _agent_answer(status, domain=label, command="accelmig-agent rehome --stdin --piece",
+                               ok_codes=(EXIT_OK,))
+        LOG.debug("domain %s: rehome %s: piece %d/%d staged (%s ticket(s) so far)", label,
+                  document.get("migration_id"), number, len(pieces), staged.get("staged"))
+    payload = json.dumps(document, separators=(",", ":")).encode()
+    pid, status = guest_exec(domain, argv, input_data=payload, timeout=max(0.0, deadline - time.monotonic()),
+                             label=label)
     seconds = time.monotonic() - t0
     try:
         outcome = rehome_outcome(status, domain=label, command=shown)
@@ -494,7 +533,7 @@ def deliver_rehome(domain, document: dict, *, command=DEFAULT_COMMAND, timeout: 
                   document.get("migration_id"), seconds * 1000, exc)
         raise
     outcome["delivery"] = {"via": "guest-exec", "pid": pid, "exit_code": status.exit_code,
-                           "seconds": round(seconds, 6)}
+                           "pieces": len(pieces), "seconds": round(seconds, 6)}
     sessions = outcome.get("sessions") or {}
     # (an agent that lists only some sessions, within its answer's bound, counts them all)
     resumed = outcome.get("resumed_count", sum(1 for s in sessions.values() if s.get("ok")))

@@ -246,8 +246,10 @@ def rehome_pieces(document: dict, *, line_budget: int = REHOME_LINE_BUDGET,
         piece[sid] = tickets[sid]
         size += cost
     mid = document.get("migration_id")
+    # a document whose tickets were partly staged already says how many it has in all
+    count = document["ticket_count"] if isinstance(document.get("ticket_count"), int) else len(tickets)
     return ([{"migration_id": mid, "tickets": p} for p in pieces],
-            dict(document, tickets=piece, ticket_count=len(tickets)))
+            dict(document, tickets=piece, ticket_count=count))
 
 
 def bounded_outcome(result: dict, budget: int = ANSWER_BUDGET) -> dict:

@@ -217,6 +217,38 @@ def test_broken_document_and_missing_agent_are_clear_errors(nova_lab):
         qga.deliver_rehome(dom, document, command=("/usr/bin/python9", "-m", "accelmig.agent"), timeout=10)
 
 
+
+@pytest.mark.timeout(120)
+def test_a_rehome_of_a_thousand_tickets_goes_through_guest_exec(nova_lab):
+    """A VM of 1,000 sessions rehomed where only qemu-guest-agent reaches
+    the guest: a ~340 KB document on guest-exec's stdin (past the agent's
+    256 KiB line, so ``rehome --stdin`` hands it on in ticket pieces) and
+    the outcome within its answer's bound.  The guest's one real session
+    resumes; the 1,000 others are no driver's, each said so."""
+    lab, vm, sid = nova_lab
+    dom = lab.connect("hostA").lookupByName(vm)
+    before = session_state(dom)
+    strangers = {f"{uuid.uuid4().hex}{i:04d}": "t" * 300 for i in range(1000)}
+    document = {"migration_id": f"big-{uuid.uuid4().hex[:6]}",
+                "identity": host_identity(lab, "hostA").to_wire(), "tickets": dict(strangers)}
+    size = len(json.dumps(document, separators=(",", ":")))
+    assert size > 300_000, size
+    result = qga.deliver_rehome(dom, document, timeout=60)
+    assert result["delivery"]["exit_code"] == 1 and result["ok"] is False   # 1,000 no driver holds
+    assert result["session_count"] == 1001 and result["resumed_count"] == 1, {
+        k: v for k, v in result.items() if k != "sessions"}
+    listed = result["sessions"]
+    assert len(listed) + result.get("sessions_omitted", 0) == 1001
+    assert all(listed[s]["error"]["code"] == "NO_SUCH_OBJECT" for s in listed if s in strangers)
+    assert len(json.dumps(result)) < 256 * 1024                # the answer stayed within its bound
+    # the real session was rehomed once and goes on
+    after = wait_for(lambda: (s := session_state(dom))["epoch"] == before["epoch"] + 1
+                     and s["calls"] > before["calls"] + 2 and s, 30,
+                     "the session to resume and make progress after the big rehome", 0.2, errors=(Exception,))
+    assert after["sid"] == sid and after["error"] is None
+    print(f"\nrehome of {size} bytes through guest-exec: {result['delivery']['seconds'] * 1000:.0f} ms")
+
+
 @pytest.fixture(scope="module")
 def side_vms(nova_lab, image):
     """On hostA, booted together: a guest whose qemu-ga blocks guest-exec,

@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -189,6 +190,14 @@ class FakeDomain:
         return self._uuid
 
 
+def _drained(file) -> bytes:
+    file.seek(0)
+    try:
+        return file.read()
+    finally:
+        file.close()
+
+
 class LocalGuestAgent:
     """qemu-ga's guest-exec / guest-exec-status, done on this machine with
     subprocess (stdin from input-data, captured output base64): the stand-in
@@ -196,6 +205,7 @@ class LocalGuestAgent:
 
     def __init__(self):
         self.procs: dict[int, subprocess.Popen] = {}
+        self.outputs: dict[int, tuple] = {}
         self.calls: list[str] = []
 
     def __call__(self, domain, message, timeout, flags):
@@ -203,8 +213,12 @@ class LocalGuestAgent:
         self.calls.append(request["execute"])
         args = request.get("arguments", {})
         if request["execute"] == "guest-exec":
+            # output into files, drained as qemu-ga drains its pipes (a pipe left
+            # unread would block a child whose answer is over 64 KiB)
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
             proc = subprocess.Popen([args["path"], *args.get("arg", [])], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                    stdout=out, stderr=err)
+            self.outputs[proc.pid] = (out, err)
             try:
                 proc.stdin.write(base64.b64decode(args.get("input-data", "")))
                 proc.stdin.close()
@@ -217,7 +231,7 @@ class LocalGuestAgent:
             if proc.poll() is None:
                 return json.dumps({"return": {"exited": False}})
             del self.procs[args["pid"]]
-            out, err = proc.stdout.read(), proc.stderr.read()
+            out, err = (_drained(f) for f in self.outputs.pop(args["pid"]))
             ret = {"exited": True, "exitcode": proc.returncode}
             if out:
                 ret["out-data"] = base64.b64encode(out).decode()
@@ -230,6 +244,9 @@ class LocalGuestAgent:
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
+        for files in self.outputs.values():
+            for file in files:
+                file.close()
 
 
 @pytest.fixture
@@ -308,3 +325,43 @@ def test_deliver_rehome_times_out_with_the_guest_pid(fake_qga):
     assert time.monotonic() - t0 < 2
     assert info.value.retriable and info.value.details["pid"] in fake_qga.procs
     assert "did not finish within 0.5 s" in str(info.value)
+
+
+def test_a_rehome_too_big_for_one_guest_exec_goes_in_staged_pieces(local_agent, fake_qga, monkeypatch):
+    """qemu-ga stalls on guest-exec commands of a few hundred KB: a rehome of
+    1,000 sessions' tickets (~340 KB) is staged in pieces, each guest-exec's
+    stdin within GUEST_EXEC_STDIN_MAX, and the rehome that follows counts them all."""
+    sizes = []
+    real = fake_qga.__call__
+
+    def measured(domain, message, timeout, flags):
+        request = json.loads(message)
+        if request["execute"] == "guest-exec":
+            sizes.append((request["arguments"]["arg"], len(base64.b64decode(
+                request["arguments"].get("input-data", "")))))
+        return real(domain, message, timeout, flags)
+    monkeypatch.setattr(qga.libvirt_qemu, "qemuAgentCommand", measured)
+    strangers = {f"s-{uuid.uuid4().hex}": "t" * 300 for _ in range(1000)}
+    document = dict(DOC, migration_id="m-big-1", tickets=strangers)
+    assert len(json.dumps(document)) > 300_000
+    command = (sys.executable, "-m", "accelmig.agent")
+    result = qga.deliver_rehome(FakeDomain("nova-big"), document, command=command, socket=local_agent,
+                                timeout=60)
+    pieces = [n for args, n in sizes if "--piece" in args]
+    assert len(pieces) == result["delivery"]["pieces"] >= 2
+    assert max(n for _, n in sizes) <= qga.GUEST_EXEC_STDIN_MAX
+    assert [("--piece" in args) for args, _ in sizes] == [True] * len(pieces) + [False]
+    # every ticket arrived: 1,000 sessions, none of them this guest's
+    assert result["session_count"] == 1000 and result["resumed_count"] == 0 and result["ok"] is False
+    assert all(o["error"]["code"] == "NO_SUCH_OBJECT" for o in result["sessions"].values())
+
+
+def test_a_piece_that_cannot_be_staged_stops_the_delivery_clearly(fake_qga, tmp_path):
+    strangers = {f"s-{i:06d}-{'x' * 20}": "t" * 300 for i in range(1000)}
+    document = dict(DOC, migration_id="m-big-2", tickets=strangers)
+    command = (sys.executable, "-m", "accelmig.agent")
+    with pytest.raises(qga.AgentNotRunning) as info:
+        qga.deliver_rehome(FakeDomain("nova-big2"), document, command=command,
+                           socket=str(tmp_path / "nobody.sock"), timeout=30)
+    assert info.value.exit_code == 3 and "--piece" in str(info.value)
+    assert fake_qga.calls.count("guest-exec") == 1         # nothing more was sent after the first piece
