@@ -640,6 +640,10 @@ class ControlServer:
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}
 
+    def do_list_devices(self, caller):
+        """The node's devices with what is in use (at most MAX_DEVICES of them)."""
+        return {"instance": self.pool.instance, "devices": self.pool.devices.describe()}
+
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}
 
