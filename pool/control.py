@@ -51,7 +51,7 @@ _NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", 
               "cursor"}
 _FLAG_ARGS = {"postcopy", "open_only"}
 
-ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "metrics", "ping",
+ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "list_devices", "metrics", "ping",
                  "abort", "park", "unpark", "register_intent", "wait_record"}
 
 

@@ -18,7 +18,7 @@ import logging
 import threading
 
 from accelmig.pool.devices.base import DeviceBackend
-from accelmig.wire.devices import DeviceSelector, assign_ids
+from accelmig.wire.devices import DEVICE_TYPES, DeviceSelector, assign_ids
 from accelmig.wire.errors import ConfigInvalid, NoSuchDevice, Unavailable
 
 LOG = logging.getLogger("accelmig.pool.devices")
@@ -109,12 +109,14 @@ class DeviceSet:
 
     @classmethod
     def of_backend(cls, backend: DeviceBackend) -> "DeviceSet":
-        """One backend made elsewhere (a test's, a bench's): one device."""
-        info = backend.info()
+        """One backend made elsewhere (a test's model, a bench's): one device,
+        described by what its ``info()`` says, if anything."""
+        info = dict(backend.info()) if hasattr(backend, "info") else {}
         if "id" not in info:
-            info = dict(info, type=info.get("type_name") or "custom", platform=info.get("platform", ""),
-                        vendor=info.get("vendor", ""), name=info.get("name", backend.spec))
-            info["id"] = assign_ids([info])[0]
+            described = {"type": info.get("type") if info.get("type") in DEVICE_TYPES else "custom",
+                         "platform": str(info.get("platform", "")), "vendor": str(info.get("vendor", "")),
+                         "name": str(info.get("name") or getattr(backend, "spec", "device"))}
+            info.update(described, id=assign_ids([described])[0])
         return cls([PoolDevice(info, backend)])
 
     def __iter__(self):
