@@ -313,7 +313,7 @@ class _Reader:
 
     def pool(self, table: dict, ssh: SshSettings, insecure: bool) -> Node:
         known = {"name", "address", "ssh_port", "ssh_user", "cert", "key", "listen", "control_listen",
-                 "endpoint", "device", "settings"}
+                 "endpoint", "device", "devices", "settings"}
         self.only(table, "pool", known)
         name = self.string(table, "name", "pool", default="pool")
         if not NAME.match(name):
@@ -326,7 +326,12 @@ class _Reader:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [tls], [tenants], [hosts])")
         settings["listen"] = self.string(table, "listen", "pool", required=True)
         settings["control_listen"] = self.string(table, "control_listen", "pool", required=True)
-        settings["device"] = self.string(table, "device", "pool", default=settings.get("device", "auto"))
+        # devices (default: every device of the node) or the older one-device form;
+        # the pool's own loader refuses both at once (render checks with it)
+        for key_name in ("devices", "device"):
+            value = self.string(table, key_name, "pool", default=settings.get(key_name))
+            if value:
+                settings[key_name] = value
         for key_name in ("listen", "control_listen"):
             for part in settings[key_name].split(","):
                 self.endpoint(part.strip(), f"pool.{key_name}", listen=True)
