@@ -93,7 +93,7 @@ class TenantSpec:
         "doc": "Optional: per device type (`gpu`, `accelerator` or `fpga`, `cpu`, `custom`), how "
                "much device memory the tenant's sessions may hold together on devices of that "
                "type, within `quota` (which counts every device of the pool).",
-        "type": "table of sizes", "example": {"gpu": "1GiB"}})
+        "type": "table of sizes", "default": "unset (only `quota`)", "example": {"gpu": "1GiB"}})
 
 
 @dataclasses.dataclass

@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 
 from accelmig.agent.driver import connect
 from accelmig.agent.driver.device import Program
+from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.pool.devices.inventory import Placer
 from accelmig.pool.session import Tenant
 from accelmig.pool.testing import CutProxy
 from accelmig.wire.control import ControlClient
 from accelmig.wire.devices import ID_PATTERN, MAX_SELECTOR, DeviceSelector, parse_selector
-from accelmig.wire.errors import (BadRequest, BuildFailed, ErrorCode, LimitExceeded, NoSuchDevice,
-                                  NoSuchObject, QuotaExceeded)
+from accelmig.wire.errors import (BadRequest, BuildFailed, ConfigInvalid, ErrorCode, LimitExceeded,
+                                  NoSuchDevice, NoSuchObject, QuotaExceeded)
 from tests.fuzz.peers import FrameConn, problems
 from tests.fuzz.strategies import fuzz_settings
 from tests.support.processes import PoolProcess
@@ -341,3 +342,51 @@ def test_a_session_stays_on_its_device_across_cuts_and_resumes(node):
     finally:
         proxy.close()
     idle(node)
+
+
+# -- configuration ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("table, words", [
+    ('quota_by_type = { tpu = "1GiB" }', "'tpu' is no device type"),
+    ('quota_by_type = "1GiB"', "must be a table of sizes"),
+    ('quota_by_type = { gpu = "lots" }', "is not a size"),
+    ('quota_by_type = { fpga = "1GiB", accelerator = "2GiB" }', "accelerator is given twice"),
+])
+def test_bad_quota_by_type_is_a_clear_error(tmp_path, table, words):
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'[tenants.a]\ntoken = "long-enough-token"\nquota = "1GiB"\n{table}\n')
+    with pytest.raises(ConfigInvalid, match=words):
+        load_tenants(str(path))
+
+
+def test_fpga_is_the_accelerator_type_in_quotas(tmp_path):
+    path = tmp_path / "tokens.toml"
+    path.write_text('[tenants.a]\ntoken = "long-enough-token"\nquota = "1GiB"\n'
+                    'quota_by_type = { fpga = "512MiB", gpu = 1024 }\n')
+    assert load_tenants(str(path))["a"].quota_by_type == {"accelerator": 512 << 20, "gpu": 1024}
+
+
+def test_device_and_devices_together_are_refused():
+    with pytest.raises(ConfigInvalid, match="choose one"):
+        PoolConfig.load(None, {"device": "opencl:0", "devices": "opencl:1"})
+
+
+def test_serve_devices_picks_some_and_an_unknown_one_names_what_exists(tmp_path):
+    ids = {d["name"].split("-")[0]: d["id"] for d in devices_json("--admin-socket", "/nonexistent")["devices"]}
+    pool = PoolProcess(tmp_path, TOKENS, env=TWO_DEVICES, extra=("--devices", ids["pthread"]))
+    try:
+        with ControlClient("unix:" + str(tmp_path / "pool.sock"), "admin", None) as client:
+            assert [d["id"] for d in client.call("list_devices")["devices"]] == [ids["pthread"]]
+        with connect(pool.endpoint, ALICE, agent=False, domain=False, device="name=basic") as dev:
+            pytest.fail(f"placed on {dev.device_id}, a device the pool does not serve")
+    except NoSuchDevice as exc:
+        assert ids["pthread"] in str(exc) and ids["basic"] not in str(exc)
+    finally:
+        pool.stop()
+    out = run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "", "--insecure",
+                  "--tokens", str(tmp_path / "tokens.toml"), "--admin-socket", str(tmp_path / "again.sock"),
+                  "--devices", "cpu-00000000-0", env={**os.environ, **TWO_DEVICES}, timeout=60)
+    assert out.returncode == 2
+    assert "device 'cpu-00000000-0' (--devices)" in out.stderr
+    assert ids["basic"] in out.stderr and ids["pthread"] in out.stderr
