@@ -29,6 +29,7 @@ from tests.fuzz.peers import FrameConn, problems
 from tests.fuzz.strategies import fuzz_settings
 from tests.support.processes import PoolProcess
 from tests.support.tenants import run_cli
+from tests.support.twohosts import HOSTS, TwoHosts
 
 TWO_DEVICES = {"POCL_DEVICES": "pthread basic"}
 ALICE, BOB, CAROL = "devices-alice-0001", "devices-bob-00002", "devices-carol-0003"
@@ -41,8 +42,14 @@ SOURCE = "__kernel void inc(__global uint *a) { a[get_global_id(0)] += 1u; }"
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
+    """The pool, on IPv4 and IPv6 loopback: hostA's guests and hostB's
+    (tests/support/twohosts.py), so that sessions can migrate."""
     directory = tmp_path_factory.mktemp("devices")
-    pool = PoolProcess(directory, TOKENS, env=TWO_DEVICES)
+    hosts = "".join(f'[hosts.{name}]\nsecret = "{secret}"\naddresses = {json.dumps(addresses)}\n'
+                    for name, (secret, addresses) in HOSTS.items())
+    pool = PoolProcess(directory, TOKENS, hosts, env=TWO_DEVICES, extra=("--listen", "127.0.0.1:0,[::1]:0"))
+    os.chmod(pool.hosts, 0o600)
+    os.chmod(pool.tokens, 0o600)
     pool.admin = str(directory / "pool.sock")
     try:
         yield pool
@@ -390,3 +397,33 @@ def test_serve_devices_picks_some_and_an_unknown_one_names_what_exists(tmp_path)
     assert out.returncode == 2
     assert "device 'cpu-00000000-0' (--devices)" in out.stderr
     assert ids["basic"] in out.stderr and ids["pthread"] in out.stderr
+
+
+def test_a_session_stays_on_its_device_across_migrations_between_hosts(node):
+    devices = idle(node)
+    hosts = TwoHosts(node)
+    try:
+        with opened(node, device=devices["basic"]["id"], endpoint=hosts.a.endpoint) as dev, \
+                opened(node, device=devices["pthread"]["id"], endpoint=hosts.a.endpoint) as beside:
+            program = dev.build(SOURCE)
+            data = dev.upload(bytes(16))
+            for sid in (dev.sid, beside.sid):
+                hosts.a.call("bind_session", sid=sid, domain_uuid="dom-devices")
+            here = hosts.a
+            for round_ in range(1, 5):                  # A -> B -> A -> B -> A
+                there = hosts.other(here)
+                tickets = hosts.migrate("dom-devices", here, there)["tickets"]
+                dev.resume(there.endpoint, tickets[dev.sid])
+                beside.resume(there.endpoint, tickets[beside.sid])
+                program.launch("inc", (4,), None, data)
+                assert dev.read(data) == round_.to_bytes(4, "little") * 4
+                assert dev.info()["id"] == dev.device_id == devices["basic"]["id"]
+                assert beside.info()["id"] == beside.device_id == devices["pthread"]["id"]
+                here = there
+            listed = {s["sid"]: s for s in admin(node, "list_sessions")["sessions"]}
+            assert listed[dev.sid]["device"] == devices["basic"]["id"] and listed[dev.sid]["epoch"] == 5
+            assert listed[dev.sid]["counters"]["builds"] == 1          # nothing rebuilt, nothing re-placed
+            assert listed[beside.sid]["device"] == devices["pthread"]["id"]
+    finally:
+        hosts.close()
+    idle(node)
