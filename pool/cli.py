@@ -234,9 +234,16 @@ def devices(admin_socket, as_json):
     The ID is TYPE-HASH-K: HASH from the platform, vendor and name, K the
     rank among identical devices; it stays the same across restarts."""
     import os
+
+    from accelmig.wire.control import ControlClient
     served = None
     if admin_socket and os.path.exists(admin_socket):
-        served = _admin_call(admin_socket, "list_devices")
+        try:
+            with ControlClient("unix:" + admin_socket, "admin", None) as client:
+                served = client.call("list_devices")
+        except AccelmigError as exc:      # a stale socket, a pool of an older version: say so, list ours
+            click.echo(f"accelmig-pool: no pool answered at {admin_socket} ({exc}); listing this "
+                       f"node's devices", err=True)
     if served is not None:
         found, source = served["devices"], f"pool instance {served['instance']}"
     else:

@@ -98,6 +98,12 @@ def test_devices_json_lists_both_devices_with_ids_that_do_not_follow_the_order(t
     for dev in devices:
         assert dev["vendor"] and dev["name"] and dev["global_mem_size"] > 0
         assert dev["sessions"] is None and dev["bytes_in_use"] is None       # nothing served here
+    # a stale admin socket (a pool that died): said, and this node's devices listed
+    (tmp_path / "stale.sock").write_text("")
+    out = run_cli("accelmig-pool", "devices", "--admin-socket", str(tmp_path / "stale.sock"),
+                  env={**os.environ, **TWO_DEVICES})
+    assert out.returncode == 0 and "no pool answered at" in out.stderr
+    assert [line.split()[1] for line in out.stdout.splitlines()] == [d["id"] for d in devices]
     # pthread alone: it is opencl:0 now, and keeps its id (the order is not the id)
     pthread = [d for d in devices if d["name"].startswith("pthread")][0]
     assert pthread["spec"] == "opencl:1"
