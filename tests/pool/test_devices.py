@@ -433,3 +433,22 @@ def test_a_session_stays_on_its_device_across_migrations_between_hosts(node):
     finally:
         hosts.close()
     idle(node)
+
+
+def test_a_reload_changes_quota_by_type_and_keeps_what_is_held(node):
+    devices = idle(node)
+    with opened(node, CAROL, devices["basic"]["id"]) as dev:
+        dev.alloc(768 << 10)
+        dev.finish()
+        node.tokens.write_text(TOKENS.replace('cpu = "1MiB"', 'cpu = "512KiB"'))
+        try:
+            assert node.hup()["tenants_changed"] == "carol"
+            dev.alloc(1)                            # held is kept, more is refused
+            with pytest.raises(QuotaExceeded, match="over its quota_by_type.cpu of 524288"):
+                dev.finish()
+        finally:
+            node.tokens.write_text(TOKENS)
+            assert node.hup()["tenants_changed"] == "carol"
+        dev.alloc(1)
+        dev.finish()
+    idle(node)
