@@ -133,6 +133,8 @@ def toml_value(value, size: bool = False) -> str:
         return json.dumps(value)        # a JSON string of these is a TOML basic string
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v, size) for v in value) + "]"
+    if isinstance(value, dict):         # an inline table (keys are bare words here)
+        return "{ " + ", ".join(f"{k} = {toml_value(v, size)}" for k, v in value.items()) + " }"
     raise TypeError(f"no TOML literal for {value!r}")
 
 

@@ -106,6 +106,7 @@ class Tenant:
     name: str
     quota: str | int
     max_sessions: int | None = None
+    quota_by_type: dict | None = None     # device type -> size (the pool's loader checks it at render)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +314,7 @@ class _Reader:
 
     def pool(self, table: dict, ssh: SshSettings, insecure: bool) -> Node:
         known = {"name", "address", "ssh_port", "ssh_user", "cert", "key", "listen", "control_listen",
-                 "endpoint", "device", "settings"}
+                 "endpoint", "device", "devices", "settings"}
         self.only(table, "pool", known)
         name = self.string(table, "name", "pool", default="pool")
         if not NAME.match(name):
@@ -326,7 +327,12 @@ class _Reader:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [tls], [tenants], [hosts])")
         settings["listen"] = self.string(table, "listen", "pool", required=True)
         settings["control_listen"] = self.string(table, "control_listen", "pool", required=True)
-        settings["device"] = self.string(table, "device", "pool", default=settings.get("device", "auto"))
+        # devices (default: every device of the node) or the older one-device form;
+        # the pool's own loader refuses both at once (render checks with it)
+        for key_name in ("devices", "device"):
+            value = self.string(table, key_name, "pool", default=settings.get(key_name))
+            if value:
+                settings[key_name] = value
         for key_name in ("listen", "control_listen"):
             for part in settings[key_name].split(","):
                 self.endpoint(part.strip(), f"pool.{key_name}", listen=True)
@@ -355,7 +361,7 @@ class _Reader:
                 raise self.error(where, "a tenant name: letters, digits, . _ -")
             if not isinstance(spec, dict):
                 raise self.error(where, "must be a table")
-            self.only(spec, where, {"quota", "max_sessions"})
+            self.only(spec, where, {"quota", "max_sessions", "quota_by_type"})
             quota = spec.get("quota")
             if not isinstance(quota, (str, int)) or isinstance(quota, bool):
                 raise self.error(f"{where}.quota", "required: bytes or a size such as \"8GiB\"")
@@ -363,7 +369,10 @@ class _Reader:
             if max_sessions is not None and (not isinstance(max_sessions, int) or isinstance(max_sessions, bool)
                                              or max_sessions < 1):
                 raise self.error(f"{where}.max_sessions", "a positive integer")
-            out.append(Tenant(name, quota, max_sessions))
+            by_type = spec.get("quota_by_type")
+            if by_type is not None and not isinstance(by_type, dict):
+                raise self.error(f"{where}.quota_by_type", "a table of sizes, e.g. { gpu = \"1GiB\" }")
+            out.append(Tenant(name, quota, max_sessions, by_type))
         return tuple(out)
 
     def host(self, name: str, table, ssh: SshSettings, insecure: bool) -> Node:

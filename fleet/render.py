@@ -133,6 +133,8 @@ def pool_tokens(inventory: Inventory, tokens: dict[str, str], group: str) -> Rem
         table = {"token": tokens[tenant.name], "quota": tenant.quota}
         if tenant.max_sessions is not None:
             table["max_sessions"] = tenant.max_sessions
+        if tenant.quota_by_type:
+            table["quota_by_type"] = dict(tenant.quota_by_type)
         tenants[tenant.name] = table
     data = {"tenants": tenants}
     _checked(load_tenants, inventory, "[tenants]", data)

@@ -80,8 +80,12 @@ def main():
               "[hosts.NAME] with secret (16+ characters) and optional addresses (CIDRs).")
 @click.option("--config", "config_path", metavar="FILE", type=click.Path(dir_okay=False),
               help="Pool config (TOML, a [pool] table); flags override it.")
-@click.option("--device", metavar="SPEC", help="auto (the first device) or opencl:N "
-              "(see 'accelmig-pool devices') [default auto].")
+@click.option("--devices", metavar="LIST", help="The devices to serve: all, or device ids / opencl:N, "
+              "comma-separated (see 'accelmig-pool devices') [config: devices; default all]. Each has "
+              "its own queues and memory accounting; a session is placed on one (connect(device=...), "
+              "else the least loaded) and stays there.")
+@click.option("--device", metavar="SPEC", help="Serve one device only (the older form): auto (the "
+              "first), opencl:N or a device id; not with --devices.")
 @click.option("--device-isolation", type=click.Choice(["process", "none"]), help="process: each tenant's "
               "device work in a process of its own, killed when a call overruns --device-time-limit; "
               "none: all in the pool's process (one trusted tenant only) [default process].")
@@ -119,7 +123,7 @@ def serve(config_path, **flags):
           --tls-cert pool.crt --tls-key pool.key --tls-client-ca hosts-ca.crt
     """
     from accelmig.pool.config import PoolConfig, load_hosts, load_tenants
-    from accelmig.pool.devices import backend_for
+    from accelmig.pool.devices import devices_for
     from accelmig.pool.listeners import PoolServer
     from accelmig.pool.state import Pool
     try:
@@ -128,10 +132,10 @@ def serve(config_path, **flags):
         tenants = load_tenants(config.tokens)
         hosts = load_hosts(config.hosts)
         config.check_tls(config_path or "flags")
-        backend = backend_for(config)
+        devices = devices_for(config)
     except AccelmigError as exc:
         _fail(exc)
-    server = PoolServer(Pool(config, backend, tenants, hosts))
+    server = PoolServer(Pool(config, devices, tenants, hosts))
     pool = server.pool
 
     async def run():
@@ -157,7 +161,7 @@ def serve(config_path, **flags):
     try:
         asyncio.run(run())
     finally:
-        backend.close()          # the tenants' device processes, their cache directories
+        devices.close()          # the tenants' device processes, their cache directories
 
 
 def _admin_call(socket_path: str, method: str, **args):
@@ -218,16 +222,47 @@ def migrations(admin_socket, open_only, as_json):
 
 
 @main.command()
-def devices():
-    """List the accelerators this node could serve (their --device SPEC)."""
-    from accelmig.pool.devices import list_devices
-    found = list_devices()
+@click.option("--admin-socket", default="/run/accelmig/pool.sock", show_default=True, metavar="PATH",
+              help="A running pool's admin socket: its devices with what is in use on them. "
+                   "Where no pool answers there, the devices this node has (nothing in use).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def devices(admin_socket, as_json):
+    """List the accelerators of this node: SPEC (opencl:N, this enumeration's
+    order), stable ID (what --devices and connect(device=ID) take), TYPE
+    (gpu, accelerator, cpu, custom), memory, and what is in use.
+
+    The ID is TYPE-HASH-K: HASH from the platform, vendor and name, K the
+    rank among identical devices; it stays the same across restarts."""
+    import os
+
+    from accelmig.wire.control import ControlClient
+    served = None
+    if admin_socket and os.path.exists(admin_socket):
+        try:
+            with ControlClient("unix:" + admin_socket, "admin", None) as client:
+                served = client.call("list_devices")
+        except AccelmigError as exc:      # a stale socket, a pool of an older version: say so, list ours
+            click.echo(f"accelmig-pool: no pool answered at {admin_socket} ({exc}); listing this "
+                       f"node's devices", err=True)
+    if served is not None:
+        found, source = served["devices"], f"pool instance {served['instance']}"
+    else:
+        from accelmig.pool.devices import list_devices
+        found = [dict(d, bytes_in_use=None, sessions=None) for d in list_devices()]
+        for dev in found:
+            dev.pop("index", None)
+        source = "this node (no pool running: nothing in use)"
+    if as_json:
+        click.echo(json.dumps({"source": source, "devices": found}, indent=2))
+    else:
+        for dev in found:
+            used = "-" if dev.get("sessions") is None else \
+                f"{dev['sessions']} sessions, {dev['bytes_in_use'] >> 20} MiB in use"
+            click.echo(f"{dev['spec']:10} {dev['id']:22} {dev['type']:11} {dev['name']} "
+                       f"({dev['vendor']}, {dev['global_mem_size'] >> 20} MiB): {used}")
     if not found:
         click.echo("no OpenCL device found (install pocl-opencl-icd or a vendor ICD)", err=True)
         sys.exit(1)
-    for dev in found:
-        click.echo(f"{dev['spec']:10} {dev['name']} ({dev['platform']}, "
-                   f"{dev['global_mem_size'] >> 20} MiB)")
 
 
 @main.command()

@@ -13,7 +13,8 @@ metadata below by ``python docs/configref.py``)::
     tls_key = "/etc/accelmig/pool.key"
     tls_client_ca = "/etc/accelmig/hosts-ca.crt"  # control plane: hosts' certificates (mutual TLS)
     # insecure = true                  # plain TCP instead (both ends must say so; a warning)
-    device = "auto"                    # or "opencl:N"
+    devices = "all"                    # or ids/opencl:N, comma-separated (accelmig-pool devices)
+    # device = "opencl:0"              # the older one-device form (auto: the first); not with devices
     tokens = "/etc/accelmig/tokens.toml"
     hosts = "/etc/accelmig/hosts.toml"
     grace = 30.0                       # s a detached session is kept
@@ -31,6 +32,7 @@ metadata below by ``python docs/configref.py``)::
     token = "s3cret"
     quota = "2GiB"
     max_sessions = 16                 # optional: else [pool] max_sessions_per_tenant
+    quota_by_type = { gpu = "1GiB" }  # optional: at most this much on devices of a type
 
 ``hosts.toml``: one table per hypervisor host::
 
@@ -80,12 +82,18 @@ class TenantSpec:
         "doc": "The tenant's secret token (8+ characters, no two tenants alike): what its "
                "applications pass to `connect(token=...)`.", "example": "a-long-random-token"})
     quota: int = dataclasses.field(metadata={
-        "doc": "How much device memory the tenant's sessions may hold together.",
+        "doc": "How much device memory the tenant's sessions may hold together, on every "
+               "device of the pool.",
         "type": "size", "example": "2GiB"})
     max_sessions: int | None = dataclasses.field(default=None, metadata={
         "doc": "Live sessions (attached, detached or parked) the tenant may hold at once; "
                "unset: the pool's `max_sessions_per_tenant`. Each costs a worker thread and "
                "host memory, quota or not.", "type": "integer", "example": 16})
+    quota_by_type: dict = dataclasses.field(default_factory=dict, metadata={
+        "doc": "Optional: per device type (`gpu`, `accelerator` or `fpga`, `cpu`, `custom`), how "
+               "much device memory the tenant's sessions may hold together on devices of that "
+               "type, within `quota` (which counts every device of the pool).",
+        "type": "table of sizes", "default": "unset (only `quota`)", "example": {"gpu": "1GiB"}})
 
 
 @dataclasses.dataclass
@@ -136,9 +144,15 @@ class PoolConfig:
                "tokens, session secrets, tickets and data. Logged as a warning; drivers and "
                "hosts must be insecure too (`ACCELMIG_INSECURE=1`, `[pool] insecure = true`).",
         "type": "boolean"})
-    device: str = dataclasses.field(default="auto", metadata={
-        "doc": "The accelerator: `auto` (the first device) or `opencl:N` (see `accelmig-pool "
-               "devices`)."})
+    devices: str = dataclasses.field(default="all", metadata={
+        "doc": "The devices this node serves, each with its own queues and memory accounting: "
+               "`all` (every OpenCL device found) or a comma-separated list of device ids or "
+               "`opencl:N` (see `accelmig-pool devices`). Sessions are placed on one of them "
+               "(`connect(device=...)`, else the least loaded)."})
+    device: str = dataclasses.field(default="", metadata={
+        "doc": "The older one-device form, kept for existing configs: serve only this device, "
+               "`auto` (the first), `opencl:N` or a device id; `\"\"`: use `devices`. Not "
+               "together with `devices`.", "example": "auto"})
     device_isolation: str = dataclasses.field(default="process", metadata={
         "doc": "`process`: each tenant's sessions run their device work in a process of the "
                "tenant's own, which the pool kills when a call overruns `device_time_limit` "
@@ -245,6 +259,9 @@ class PoolConfig:
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)
+        if config.device and config.devices.strip() != "all":
+            raise ConfigInvalid(source=path or "flags", reason="device (one device) and devices "
+                                                              "(several): choose one")
         if config.device_isolation not in ("process", "none"):
             raise ConfigInvalid(source=path or "flags", reason="device_isolation is process or none")
         if config.log_format not in ("json", "text"):
@@ -312,8 +329,28 @@ def load_tenants(path: str) -> dict[str, TenantSpec]:
             raise ConfigInvalid(source=path, reason=f"tenants.{name}.max_sessions must be a "
                                                     f"positive integer")
         out[name] = TenantSpec(name, token, parse_size(table["quota"], f"{path}: tenants.{name}.quota"),
-                               max_sessions)
+                               max_sessions, parse_quota_by_type(table.get("quota_by_type"),
+                                                                 f"{path}: tenants.{name}.quota_by_type"))
     warn_if_readable_by_others(path, "tenants file (it holds their tokens)")
+    return out
+
+
+def parse_quota_by_type(table, source: str) -> dict[str, int]:
+    """``{gpu = "1GiB", fpga = "2GiB"}`` -> ``{"gpu": 1073741824, "accelerator": ...}``."""
+    from accelmig.wire.devices import DEVICE_TYPES, TYPE_ALIASES
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise ConfigInvalid(source=source, reason="must be a table of sizes, e.g. { gpu = \"1GiB\" }")
+    out: dict[str, int] = {}
+    for key, value in table.items():
+        name = TYPE_ALIASES.get(key, key)
+        if name not in DEVICE_TYPES:
+            raise ConfigInvalid(source=source, reason=f"{key!r} is no device type (one of "
+                                                      f"{', '.join(DEVICE_TYPES + tuple(TYPE_ALIASES))})")
+        if name in out:
+            raise ConfigInvalid(source=source, reason=f"{name} is given twice")
+        out[name] = parse_size(value, f"{source}.{key}")
     return out
 
 

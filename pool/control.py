@@ -51,7 +51,7 @@ _NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", 
               "cursor"}
 _FLAG_ARGS = {"postcopy", "open_only"}
 
-ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "metrics", "ping",
+ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "list_devices", "metrics", "ping",
                  "abort", "park", "unpark", "register_intent", "wait_record"}
 
 
@@ -639,6 +639,10 @@ class ControlServer:
 
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}
+
+    def do_list_devices(self, caller):
+        """The node's devices with what is in use (at most MAX_DEVICES of them)."""
+        return {"instance": self.pool.instance, "devices": self.pool.devices.describe()}
 
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}

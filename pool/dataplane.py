@@ -258,7 +258,7 @@ class DataConnection(asyncio.BufferedProtocol):
                 session = self.pool.open_session(self, header)
                 self._attach(session)
                 self.send({"op": Op.OPENED.value, "sid": session.sid, "epoch": session.epoch,
-                           "bound_host": session.bound_host})
+                           "bound_host": session.bound_host, "device": session.device.id})
             elif op is Op.RESUME:
                 session, replay = self.pool.resume_session(self, header)
                 self._attach(session)

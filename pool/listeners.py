@@ -76,7 +76,7 @@ class PoolServer:
             self.endpoints["metrics"] = self.config.metrics_listen
         self._janitor = asyncio.ensure_future(self._janitor_loop())
         LOG.info("pool %s serving", pool.instance, extra={"instance": pool.instance, **self.endpoints,
-                                                          "device": pool.backend.spec})
+                                                          "devices": [d.id for d in pool.devices]})
 
     def _tls_contexts(self):
         """(data plane's, control plane's, the pool's certificate), or Nones

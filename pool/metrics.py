@@ -27,6 +27,11 @@ class PoolMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r)
         self.device_bytes = Gauge("accelmig_device_bytes", "Device memory allocated, per tenant",
                                   ["tenant"], registry=r)
+        self.device_in_use = Gauge("accelmig_device_memory_in_use_bytes",
+                                   "Device memory allocated by sessions, per device of the node",
+                                   ["device", "type"], registry=r)
+        self.device_sessions = Gauge("accelmig_device_sessions", "Live sessions placed on each device",
+                                     ["device", "type"], registry=r)
         self._by_op: dict = {}
         self.refused_connections = Counter(
             "accelmig_refused_connections_total",

@@ -47,14 +47,19 @@ class SessionState(enum.Enum):
 
 
 class Tenant:
-    """A tenant's token and device-memory quota, shared by its sessions."""
+    """A tenant's token and device-memory quota, shared by its sessions:
+    ``quota`` across every device of the pool, ``quota_by_type`` (optional)
+    on the devices of one type."""
 
-    def __init__(self, name: str, token: str, quota: int, max_sessions: int | None = None):
+    def __init__(self, name: str, token: str, quota: int, max_sessions: int | None = None,
+                 quota_by_type: dict[str, int] | None = None):
         self.name = name
         self.token = token
         self.quota = quota
         self.max_sessions = max_sessions     # None: the pool's max_sessions_per_tenant
+        self.quota_by_type = dict(quota_by_type or {})
         self.used = 0
+        self.used_by_type: dict[str, int] = {}
         # live sessions (attached, detached or parked), counted as they are
         # made and released: an open checks its limit without a scan of
         # every session of the pool
@@ -69,15 +74,25 @@ class Tenant:
         with self._lock:
             self.live_sessions = max(0, self.live_sessions - 1)
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, device_type: str | None = None) -> None:
         with self._lock:
             if self.used + nbytes > self.quota:
                 raise QuotaExceeded(tenant=self.name, size=nbytes, used=self.used, quota=self.quota)
+            limit = self.quota_by_type.get(device_type) if device_type else None
+            held = self.used_by_type.get(device_type, 0) if device_type else 0
+            if limit is not None and held + nbytes > limit:
+                raise LimitExceeded(tenant=self.name, reason=(
+                    f"allocating {nbytes} bytes would use {held + nbytes} bytes on {device_type} "
+                    f"devices, over its quota_by_type.{device_type} of {limit} bytes"))
             self.used += nbytes
+            if device_type:
+                self.used_by_type[device_type] = held + nbytes
 
-    def give_back(self, nbytes: int) -> None:
+    def give_back(self, nbytes: int, device_type: str | None = None) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
+            if device_type and device_type in self.used_by_type:
+                self.used_by_type[device_type] = max(0, self.used_by_type[device_type] - nbytes)
 
 
 @dataclasses.dataclass
@@ -114,8 +129,12 @@ class Session:
                  post: Callable[[Callable], None], *, serial: int = 0, metrics=None, buffers=None,
                  max_reply_bytes: int = 256 << 20, max_queued_bytes: int = 256 << 20,
                  max_unacked: int = 65536, max_objects: int = 8192,
-                 max_source_bytes: int = 1 << 20):
+                 max_source_bytes: int = 1 << 20, device=None):
         self.sid = sid
+        # The one device this session lives on (a PoolDevice), for its whole
+        # life: its context, programs and buffers are there, so a resume or
+        # a migration never changes it.
+        self.device = device
         self.serial = serial            # the pool's order of sessions (pages of list_sessions)
         self.tenant = tenant
         self.secret = secret
@@ -166,6 +185,24 @@ class Session:
         self._worker = SessionWorker(self, post)
         self._worker.start()
         tenant.session_made()
+        if device is not None:
+            device.session_opened()
+
+    # -- device memory: the tenant's quota and the device's accounting -----------
+    @property
+    def device_type(self) -> str | None:
+        return self.device.type if self.device is not None else None
+
+    def charge(self, nbytes: int) -> None:
+        """Count an allocation (QUOTA_EXCEEDED when the tenant may not)."""
+        self.tenant.reserve(nbytes, self.device_type)
+        if self.device is not None:
+            self.device.charge(nbytes)
+
+    def refund(self, nbytes: int) -> None:
+        self.tenant.give_back(nbytes, self.device_type)
+        if self.device is not None:
+            self.device.refund(nbytes)
 
     # -- state machine -----------------------------------------------------------
     def attach(self, connection) -> None:
@@ -225,12 +262,14 @@ class Session:
             return
         self.state = SessionState.RELEASED
         self.tenant.session_released()
+        if self.device is not None:
+            self.device.session_released()
         self.released_reason = reason
         self.connection = None
         self.held.clear()
         self.held_bytes = 0
         # quota back now where the backend can (a kernel may still be running)
-        self.tenant.give_back(self.context.abandon())
+        self.refund(self.context.abandon())
         self._worker.stop()
 
     def wait_released(self, timeout: float | None = None) -> None:
@@ -319,6 +358,7 @@ class Session:
             "sid": self.sid, "tenant": self.tenant.name, "state": self.state.value,
             "epoch": self.epoch, "bound_host": self.bound_host, "domain_uuid": self.domain_uuid,
             "claimed_domain": self.claimed_domain,
+            "device": self.device.id if self.device is not None else None,
             "paused": sorted(self.paused_by), "pending_move": list(self.pending_move or ()),
             "parked": self.park_retention is not None,
             "deadline_in": None if self.deadline is None else round(self.deadline - time.time(), 3),
@@ -385,7 +425,7 @@ class SessionWorker:
             self.post(lambda: session.completed(done))
         try:
             released = session.context.release()
-            session.tenant.give_back(released)
+            session.refund(released)
             if session.metrics is not None:
                 session.metrics.device_bytes.labels(session.tenant.name).set(session.tenant.used)
         except Exception:  # pragma: no cover - a runtime failing at release
@@ -480,15 +520,15 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             counters.bytes_downloaded += len(payload)
         elif op is Op.ALLOC:
             _check_object_limit(session, "buffer")
-            session.tenant.reserve(h["size"])
+            session.charge(h["size"])
             try:
                 ctx.alloc(h["buf"], h["size"])
             except BaseException:
-                session.tenant.give_back(h["size"])
+                session.refund(h["size"])
                 raise
             session.objects += 1
         elif op is Op.FREE:
-            session.tenant.give_back(ctx.free(h["buf"]))
+            session.refund(ctx.free(h["buf"]))
             session.objects -= 1
         elif op is Op.COPY:
             ctx.copy(h["src"], h["dst"], h["src_offset"], h["dst_offset"], h["size"])

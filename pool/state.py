@@ -19,6 +19,7 @@ import uuid
 
 from accelmig.pool.buffers import PayloadBuffers
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
+from accelmig.pool.devices.inventory import DeviceSet
 from accelmig.pool.hosts import HostState, host_for_address
 from accelmig.pool.metrics import PoolMetrics
 from accelmig.pool.migration import MigrationRecord, TicketAuthority
@@ -26,6 +27,7 @@ from accelmig.pool.paging import Pager
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
+from accelmig.wire.devices import parse_selector
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, ErrorCode, LimitExceeded,
                                   NoSuchRecord,
                                   SessionDiverged, Unavailable,
@@ -36,14 +38,16 @@ LOG = logging.getLogger("accelmig.pool")
 
 
 class Pool:
-    def __init__(self, config: PoolConfig, backend, tenants: dict[str, TenantSpec],
+    def __init__(self, config: PoolConfig, devices, tenants: dict[str, TenantSpec],
                  hosts: dict[str, HostSpec] | None = None):
+        """``devices``: the node's ``DeviceSet`` (or one backend: one device)."""
         self.config = config
-        self.backend = backend
+        self.devices = devices if isinstance(devices, DeviceSet) else DeviceSet.of_backend(devices)
         # An instance id that changes with every start: a driver presenting a
         # session of another instance learns the pool restarted (SESSION_LOST).
         self.instance = secrets.token_hex(4)
-        self.tenants = {t.token: Tenant(t.name, t.token, t.quota, t.max_sessions) for t in tenants.values()}
+        self.tenants = {t.token: Tenant(t.name, t.token, t.quota, t.max_sessions, t.quota_by_type)
+                        for t in tenants.values()}
         self.hosts = {name: HostState(spec) for name, spec in (hosts or {}).items()}
         self.sessions: dict[str, Session] = {}
         self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -60,6 +64,11 @@ class Pool:
             # read whenever metrics are collected: never stale between sweeps
             self.metrics.sessions.labels(state.value).set_function(
                 lambda state=state: sum(1 for s in list(self.sessions.values()) if s.state is state))
+        for device in self.devices:
+            self.metrics.device_in_use.labels(device.id, device.type).set_function(
+                lambda device=device: device.bytes_in_use)
+            self.metrics.device_sessions.labels(device.id, device.type).set_function(
+                lambda device=device: device.sessions)
         self.buffers = PayloadBuffers()
         self.connections: set = set()            # DataConnections, for a clean stop
         # Connections that have not authenticated yet, per peer address: a
@@ -71,6 +80,11 @@ class Pool:
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
+
+    @property
+    def backend(self):
+        """The first device's backend (for callers from one-device days)."""
+        return self.devices.devices[0].backend
 
     def post(self, fn) -> None:
         """From a worker thread: run ``fn`` on the loop."""
@@ -165,11 +179,12 @@ class Pool:
         for spec in tenants.values():
             tenant = by_name.pop(spec.name, None)
             if tenant is None:
-                tenant = Tenant(spec.name, spec.token, spec.quota, spec.max_sessions)
+                tenant = Tenant(spec.name, spec.token, spec.quota, spec.max_sessions, spec.quota_by_type)
                 out["tenants"]["added"].append(spec.name)
-            elif (tenant.token, tenant.quota, tenant.max_sessions) != \
-                    (spec.token, spec.quota, spec.max_sessions):
+            elif (tenant.token, tenant.quota, tenant.max_sessions, tenant.quota_by_type) != \
+                    (spec.token, spec.quota, spec.max_sessions, spec.quota_by_type):
                 tenant.token, tenant.quota, tenant.max_sessions = spec.token, spec.quota, spec.max_sessions
+                tenant.quota_by_type = dict(spec.quota_by_type)
                 out["tenants"]["changed"].append(spec.name)
             fresh[spec.token] = tenant
         for name in by_name:
@@ -207,6 +222,7 @@ class Pool:
         if len(secret) < 16:
             raise BadRequest(reason="open: 'secret' must be 16+ random bytes in hex")
         claimed = dp.domain_claim(header.get("domain"))
+        selector = parse_selector(header.get("device"))
         # Before anything is made: each session costs a worker thread and a
         # device context, whatever its quota.
         limit = tenant.max_sessions or self.config.max_sessions_per_tenant
@@ -216,8 +232,10 @@ class Pool:
             raise LimitExceeded(tenant=tenant.name, reason=(
                 f"{held} live sessions (attached, detached or parked) already, the most it may "
                 f"hold ({source} = {limit}); close or release one first"))
-        session = Session(self._new_sid(), tenant, secret, self.backend.new_context(tenant.name), self.post,
-                          serial=self._counter, metrics=self.metrics, buffers=self.buffers,
+        # The device for the session's whole life (NO_SUCH_DEVICE names what exists).
+        device = self.devices.place(selector)
+        session = Session(self._new_sid(), tenant, secret, device.backend.new_context(tenant.name), self.post,
+                          device=device, serial=self._counter, metrics=self.metrics, buffers=self.buffers,
                           max_reply_bytes=self.config.max_reply_bytes,
                           max_queued_bytes=self.config.max_reply_bytes,
                           max_objects=self.config.max_objects_per_session,
@@ -229,8 +247,10 @@ class Pool:
         session.on_reply = self._deliver
         session.on_flow = self._flow
         self.sessions[session.sid] = session
-        LOG.info("session %s opened by tenant %s from %s", session.sid, tenant.name, conn.peer[0],
-                 extra={"sid": session.sid, "tenant": tenant.name, "host": conn.peer_host})
+        LOG.info("session %s opened by tenant %s from %s on device %s", session.sid, tenant.name,
+                 conn.peer[0], device.id, extra={"sid": session.sid, "tenant": tenant.name,
+                                                 "host": conn.peer_host, "device": device.id,
+                                                 "selector": str(selector) if selector else None})
         return session
 
     def _lookup(self, sid) -> Session:

@@ -26,7 +26,7 @@ from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec, parse_size, p
 class PoolThread:
     def __init__(self, tenants: dict | None = None, hosts: dict | None = None, *,
                  listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0",
-                 device: str = "auto", backend=None, **config):
+                 device: str = "", backend=None, **config):
         tenants = tenants or {"tenant": ("tenant-token-0001", "4GiB")}
         # (token, quota) or (token, quota, max_sessions)
         self.tenant_specs = {name: TenantSpec(name, spec[0], parse_size(spec[1]), *spec[2:])
@@ -47,13 +47,13 @@ class PoolThread:
         self._thread: threading.Thread | None = None
 
     def start(self) -> "PoolThread":
-        from accelmig.pool.devices import backend_for
+        from accelmig.pool.devices import devices_for
         from accelmig.pool.listeners import PoolServer
         from accelmig.pool.state import Pool
         os.makedirs(self._tmp, exist_ok=True)      # again after a stop (restart)
         self._own_backend = self._backend is None
         if self._own_backend:
-            self._backend = backend_for(self.config)
+            self._backend = devices_for(self.config)     # a DeviceSet: every device it serves
         self.pool = Pool(self.config, self._backend, self.tenant_specs, self.host_specs)
         self.server = PoolServer(self.pool)
         ready = concurrent.futures.Future()

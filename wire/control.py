@@ -65,6 +65,7 @@ METHODS = {
     "list_records": "any",        # args: open_only?, domain_uuid?, cursor?, limit? -> records (a page), next
     "record_sessions": "any",     # args: domain_uuid, migration_id, cursor?, limit? -> sessions (a page), next
     "list_hosts": "any",
+    "list_devices": "any",        # -> instance, devices [{id, type, name, vendor, memory, in use}]
     "accel_domains": "host",      # args: since?, cursor?, limit? -> version, domains {uuid: [sid]} (a page), next
     "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}

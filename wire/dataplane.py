@@ -2,7 +2,9 @@
 
 A connection opens with ``hello`` (protocol version negotiation and a
 per-connection challenge), then either ``open`` (a new session, with the
-tenant's token) or ``resume`` (an existing session, proven with its secret).
+tenant's token and, optionally, ``device``: a selector, ``wire.devices``;
+``opened`` names the device the pool placed it on, for good) or ``resume``
+(an existing session, proven with its secret; it stays on its device).
 After that the driver sends *commands*; each carries the session's next
 sequence number ``seq``, the session ``epoch`` it belongs to, and ``ack``, the
 highest reply sequence the driver has received (so the pool may drop older

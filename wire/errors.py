@@ -37,6 +37,7 @@ class ErrorCode(str, enum.Enum):
     BUILD_FAILED = "BUILD_FAILED"                # program build failed (log attached)
     OUT_OF_RANGE = "OUT_OF_RANGE"                # offset/size outside a buffer
     KILLED = "KILLED"                            # the tenant's device process was killed
+    NO_SUCH_DEVICE = "NO_SUCH_DEVICE"            # no device of the pool matches a selector
 
     # session continuity
     SESSION_LOST = "SESSION_LOST"                # the pool restarted: the session is gone
@@ -202,6 +203,13 @@ class Killed(AccelmigError):
     device time limit, or the process died): its device state is gone."""
     msg_fmt = "tenant %(tenant)s: device work killed: %(reason)s; the session's device state is gone"
     code = ErrorCode.KILLED
+
+
+class NoSuchDevice(AccelmigError):
+    """An open whose device selector no device of the pool matches: the
+    message names what the pool has, so the tenant can ask again."""
+    msg_fmt = "no device of this pool matches %(selector)s; it has: %(available)s"
+    code = ErrorCode.NO_SUCH_DEVICE
 
 
 class OutOfRange(AccelmigError):

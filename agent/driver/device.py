@@ -87,7 +87,11 @@ class Device:
     ``domain`` is the domain this guest says it is at open (``None``: its
     SMBIOS system UUID, from ``/sys`` or, not root, from the agent;
     ``False``: say nothing), so that hosts find the sessions of VMs nobody
-    marked for accelmig (Nova's).
+    marked for accelmig (Nova's); ``device`` what the session needs of its
+    device (``wire.devices``: an id, or terms such as ``"type=gpu"``,
+    ``"vendor=nvidia,min_memory=8GiB"``; ``None``: the pool chooses, least
+    loaded); the session stays on the device it got (``device_id``) for its
+    whole life, across every resume and migration.
 
     TLS: the pool's certificate is verified against ``cafile`` (else
     ``$ACCELMIG_CAFILE``, else the system's trust store) and must name the
@@ -101,12 +105,12 @@ class Device:
                  auto_reconnect: bool = True, agent: str | bool | None = None,
                  name: str | None = None, connect_timeout: float = 10.0,
                  cafile: str | None = None, insecure: bool | None = None,
-                 domain: str | bool | None = None):
+                 domain: str | bool | None = None, device: str | None = None):
         if domain is None:
             domain = domain_of_this_guest(agent if agent is not False else None)
         self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
                                 window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
-                                connect_timeout=connect_timeout, domain=domain or None,
+                                connect_timeout=connect_timeout, domain=domain or None, device=device,
                                 tls_context=tls_context(endpoint, cafile, insecure))
         self._agent = None
         if agent is not False:
@@ -125,6 +129,11 @@ class Device:
     def endpoint(self) -> str:
         """Where the pool is (the last endpoint resumed at)."""
         return self._session.endpoint
+
+    @property
+    def device_id(self) -> str | None:
+        """The id of the pool's device this session lives on (``info()["id"]``)."""
+        return self._session.device_id
 
     @property
     def bound_host(self) -> str | None:
@@ -188,7 +197,7 @@ class Device:
             raise BadRequest(reason=f"that {kind} belongs to another session")
 
     def info(self) -> dict:
-        """The pool's device: name, vendor, memory sizes, limits."""
+        """The pool's device this session got: id, type, name, vendor, memory sizes, limits."""
         return self._submit(Op.INFO, {}, wait=True).reply.get("device", {})
 
     def build(self, source: str, options: str = "") -> Program:

@@ -40,6 +40,7 @@ from accelmig.agent.driver.window import CommandWindow, PendingCommand
 from accelmig.agent.statemachine import StateMachine
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
+from accelmig.wire.devices import parse_selector
 from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, Closed, Disconnected,
                                   FrameTooLarge, ProtocolError, Timeout, Unavailable, WindowFull,
                                   from_wire)
@@ -106,9 +107,12 @@ class Session:
 
     def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
                  window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float,
-                 tls_context=None, domain: str | None = None):
+                 tls_context=None, domain: str | None = None, device: str | None = None):
         dp.parse_endpoint(endpoint)
         self.domain = dp.domain_claim(domain)  # checked here: a bad one is the caller's error, not the pool's
+        selector = parse_selector(device)      # so is a bad device selector
+        self.selector = str(selector) if selector is not None else None
+        self.device_id: str | None = None      # the device the pool placed the session on, for good
         self.endpoint = endpoint
         self.timeout = timeout
         self.connect_timeout = connect_timeout
@@ -189,7 +193,8 @@ class Session:
         sock, reader, after = self._dial(self.endpoint, self.connect_timeout, then={
             "op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
             "client": {"name": self.name, "pid": os.getpid()},
-            **({"domain": self.domain} if self.domain else {})})
+            **({"domain": self.domain} if self.domain else {}),
+            **({"device": self.selector} if self.selector else {})})
         try:
             if after:
                 answer, leftovers = after[0].header, after[1:]
@@ -206,6 +211,7 @@ class Session:
         self.sid = answer["sid"]
         self.epoch = answer["epoch"]
         self.bound_host = answer.get("bound_host")
+        self.device_id = answer.get("device")
         self.link.install(sock, reader, leftovers)
         with self.cond:
             if self.states.state is LinkState.CONNECTING:   # its reader may have lost it already

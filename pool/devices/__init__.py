@@ -1,6 +1,8 @@
-"""Device backends: ``open_backend("auto" | "opencl:N")``, and
-``backend_for(config)``: the one a pool configuration asks for (each
-tenant in a device process of its own unless ``device_isolation = "none"``)."""
+"""Device backends: ``open_backend("auto" | "opencl:N" | ID)``, and
+``devices_for(config)``: every device a pool configuration serves, each
+with its own backend (each tenant in a device process of its own per
+device unless ``device_isolation = "none"``); ``backend_for(config)``: the
+first of them alone (what one-device callers had)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, D
 from accelmig.wire.errors import ConfigInvalid, Unavailable
 
 __all__ = ["BufferArg", "BuildResult", "DeviceBackend", "DeviceContext", "LocalArg",
-           "ScalarArg", "backend_for", "open_backend", "list_devices"]
+           "ScalarArg", "backend_for", "devices_for", "open_backend", "list_devices"]
 
 
 def list_devices() -> list[dict]:
@@ -18,37 +20,59 @@ def list_devices() -> list[dict]:
     return opencl.list_devices()
 
 
-def backend_for(config) -> DeviceBackend:
-    """The backend of a ``PoolConfig``."""
-    if config.device_isolation == "none":
-        return open_backend(config.device)
+def devices_for(config):
+    """The ``DeviceSet`` a ``PoolConfig`` serves (``inventory.select``)."""
     from accelmig.pool.devices import opencl
-    from accelmig.pool.devices.isolated import IsolatedBackend
-    index = _device_index(config.device)
-    devices = opencl.list_devices()
-    if not 0 <= index < len(devices):
-        raise Unavailable(what=f"OpenCL device {index}", reason=f"{len(devices)} OpenCL device(s) present"
-                          if devices else "no OpenCL device found (is pocl-opencl-icd or a vendor ICD "
-                                          "installed under /etc/OpenCL/vendors?)")
-    info = {k: v for k, v in devices[index].items() if k != "index"}
-    info["backend"] = "opencl"
-    return IsolatedBackend(f"opencl:{index}", info, time_limit=config.device_time_limit,
-                           max_builds=config.max_concurrent_builds)
-
-
-def _device_index(spec: str) -> int:
-    kind, _, index = spec.partition(":")
-    if kind == "auto":
-        return 0
-    if kind != "opencl":
-        raise ConfigInvalid(source="--device", reason=f"unknown device {spec!r} (auto or opencl:N)")
+    from accelmig.pool.devices.inventory import DeviceSet, PoolDevice, select
+    _check_spec(config.device)
+    chosen = select(opencl.list_devices(), config)
+    made: list = []
     try:
-        return int(index or 0)
-    except ValueError:
-        raise ConfigInvalid(source="--device", reason=f"{spec!r}: N in opencl:N is a number") from None
+        for dev in chosen:
+            info = {k: v for k, v in dev.items() if k != "index"}
+            info["backend"] = "opencl"
+            if config.device_isolation == "none":
+                backend = opencl.OpenCLBackend(dev["index"])
+            else:
+                from accelmig.pool.devices.isolated import IsolatedBackend
+                # The device process finds its device by the stable id, not
+                # by an index that another process's runtime might order otherwise.
+                backend = IsolatedBackend(dev["id"], info, time_limit=config.device_time_limit,
+                                          max_builds=config.max_concurrent_builds)
+            made.append(PoolDevice(info, backend))
+    except BaseException:
+        for device in made:
+            device.backend.close()
+        raise
+    return DeviceSet(made)
+
+
+def backend_for(config) -> DeviceBackend:
+    """The backend of the first device a ``PoolConfig`` serves."""
+    devices = devices_for(config)
+    for extra in devices.devices[1:]:
+        extra.backend.close()
+    return devices.devices[0].backend
+
+
+def _check_spec(spec: str) -> None:
+    """``device`` (the one-device form): "" (unset), auto, opencl:N or an id."""
+    from accelmig.wire.devices import ID_PATTERN
+    if not spec or spec == "auto" or ID_PATTERN.match(spec):
+        return
+    kind, _, index = spec.partition(":")
+    if kind != "opencl":
+        raise ConfigInvalid(source="--device", reason=f"unknown device {spec!r} (auto, opencl:N or a "
+                                                      f"device id from 'accelmig-pool devices')")
+    if not index.isdigit():
+        raise ConfigInvalid(source="--device", reason=f"{spec!r}: N in opencl:N is a number")
 
 
 def open_backend(spec: str = "auto") -> DeviceBackend:
+    from accelmig.wire.devices import ID_PATTERN
+    if ID_PATTERN.match(spec):
+        from accelmig.pool.devices import opencl
+        return opencl.OpenCLBackend(opencl.index_of(spec))
     kind, _, index = spec.partition(":")
     if kind == "auto":
         from accelmig.pool.devices import opencl
@@ -65,4 +89,4 @@ def open_backend(spec: str = "auto") -> DeviceBackend:
         except ValueError:
             raise ConfigInvalid(source="--device", reason=f"{spec!r}: N in opencl:N is a number") from None
         return opencl.OpenCLBackend(number)
-    raise ConfigInvalid(source="--device", reason=f"unknown device {spec!r} (auto or opencl:N)")
+    raise ConfigInvalid(source="--device", reason=f"unknown device {spec!r} (auto, opencl:N or a device id)")

@@ -1,7 +1,9 @@
 """OpenCL backend (pyopencl): PoCL on a CPU, GPU and FPGA vendor runtimes.
 
 The device index ``N`` in ``opencl:N`` counts devices across all platforms,
-in the order pyopencl lists them (``accelmig-pool devices`` prints it).
+in the order pyopencl lists them (``accelmig-pool devices`` prints it); a
+device's stable id (``wire.devices``: type, a digest of platform, vendor and
+name, its rank among identical ones) does not depend on that order alone.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pyopencl as cl
 from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, DeviceContext,
                                         LocalArg, ScalarArg)
 from accelmig.wire.dataplane import NUMPY_NAMES
+from accelmig.wire.devices import assign_ids, device_type
 from accelmig.wire.errors import (BuildFailed, DeviceError, NoSuchObject, ObjectExists, OutOfRange,
                                   Unavailable)
 
@@ -44,7 +47,8 @@ def _describe(device: cl.Device) -> dict:
         "platform": device.platform.name.strip(),
         "version": device.version.strip(),
         "driver_version": device.driver_version.strip(),
-        "type": cl.device_type.to_string(device.type),
+        "type": device_type(int(device.type)),
+        "cl_type": cl.device_type.to_string(device.type),
         "global_mem_size": int(device.global_mem_size),
         "max_mem_alloc_size": int(device.max_mem_alloc_size),
         "max_work_group_size": int(device.max_work_group_size),
@@ -53,7 +57,20 @@ def _describe(device: cl.Device) -> dict:
 
 
 def list_devices() -> list[dict]:
-    return [dict(_describe(dev), spec=f"opencl:{i}", index=i) for i, dev in enumerate(_all_devices())]
+    described = [dict(_describe(dev), spec=f"opencl:{i}", index=i) for i, dev in enumerate(_all_devices())]
+    for dev, device_id in zip(described, assign_ids(described)):
+        dev["id"] = device_id
+    return described
+
+
+def index_of(device_id: str) -> int:
+    """The ``opencl:N`` index of a device by its stable id, in this process."""
+    found = list_devices()
+    for dev in found:
+        if dev["id"] == device_id:
+            return dev["index"]
+    raise Unavailable(what=f"OpenCL device {device_id}",
+                      reason="present: " + (", ".join(d["id"] for d in found) or "none"))
 
 
 class OpenCLBackend(DeviceBackend):
@@ -65,7 +82,9 @@ class OpenCLBackend(DeviceBackend):
         self.spec = f"opencl:{index}"
         self.device = devices[index]
         self.context = cl.Context([self.device])
-        self._info = dict(_describe(self.device), spec=self.spec, backend="opencl")
+        described = list_devices()[index]
+        self._info = dict(described, backend="opencl")
+        self._info.pop("index", None)
         LOG.info("device %s: %s (%s)", self.spec, self._info["name"], self._info["platform"])
 
     def info(self) -> dict:

@@ -123,6 +123,8 @@ def _expected(key, every_key: bool):
     value = key.sample if every_key else (key.example if key.required else key.default)
     if key.field.metadata.get("type") == "size" and isinstance(value, str):
         value = parse_size(value)
+    if key.field.metadata.get("type") == "table of sizes" and isinstance(value, dict):
+        value = {k: parse_size(v) for k, v in value.items()}
     if key.type.startswith("string (a CIDR)") or key.type.startswith("array of strings (CIDRs)"):
         value = [str(ipaddress.ip_network(v, strict=False)) for v in value] if isinstance(value, list) \
             else str(ipaddress.ip_network(value))

@@ -10,6 +10,7 @@ import tomli_w
 from accelmig.fleet import render
 from accelmig.fleet.deploy import Wheelhouse
 from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
+from accelmig.pool.config import load_tenants
 from accelmig.wire.errors import ConfigInvalid
 
 
@@ -121,6 +122,23 @@ def test_configurations_are_checked_by_the_sides_own_loaders(write):
     inventory = Inventory.load(write(data))
     with pytest.raises(ConfigInvalid, match=r"\[tenants\]"):
         render.pool_tokens(inventory, {"alice": "t" * 32}, "root")
+    data = valid()
+    data["tenants"]["alice"]["quota_by_type"] = {"tpu": "1GiB"}        # no such device type
+    inventory = Inventory.load(write(data))
+    with pytest.raises(ConfigInvalid, match="'tpu' is no device type"):
+        render.pool_tokens(inventory, {"alice": "t" * 32}, "root")
+    data["tenants"]["alice"]["quota_by_type"] = "1GiB"
+    with pytest.raises(ConfigInvalid, match="tenants.alice.quota_by_type"):
+        Inventory.load(write(data))
+
+
+def test_a_tenants_quota_by_type_reaches_the_pools_tenants_file(write, tmp_path):
+    data = valid()
+    data["tenants"]["alice"]["quota_by_type"] = {"gpu": "2GiB", "fpga": "1GiB"}
+    tokens = render.pool_tokens(Inventory.load(write(data)), {"alice": "t" * 32}, "root")
+    (tmp_path / "tokens.toml").write_bytes(tokens.data)
+    assert load_tenants(str(tmp_path / "tokens.toml"))["alice"].quota_by_type == \
+        {"gpu": 2 << 30, "accelerator": 1 << 30}
 
 
 def test_secret_files_are_private_and_only_ready_hosts_are_served(write):
