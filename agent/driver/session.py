@@ -347,6 +347,7 @@ class Session:
     def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None) -> dict:
         """One resume attempt (the caller holds the resume lock)."""
         started = time.monotonic()
+        times = {"asked": time.time()}          # wall clock: the migration's timeline
         link = self.link
         with self.cond:
             if self.states.ended:
@@ -357,6 +358,7 @@ class Session:
             link.release(old)
         try:
             sock, reader = self._dial(endpoint, timeout or self.connect_timeout)
+            times["connected"] = time.time()
             try:
                 with self.cond:
                     last_seen = self.window.last_seen
@@ -370,6 +372,7 @@ class Session:
                     request["ticket"] = ticket
                 handshake_send(sock, request)
                 answer, leftovers = read_answer(sock, reader)
+                times["answered"] = time.time()
                 if answer.get("op") != Op.RESUMED.value:
                     raise ProtocolError(reason=f"expected resumed, got {answer.get('op')!r}")
             except BaseException:
@@ -421,7 +424,7 @@ class Session:
         self.stats["last_resume_s"] = elapsed
         result = {"sid": self.sid, "epoch": self.epoch, "endpoint": endpoint,
                   "replayed": answer.get("replay", 0), "resent": len(resend),
-                  "seconds": round(elapsed, 6), "ticket": bool(ticket)}
+                  "seconds": round(elapsed, 6), "ticket": bool(ticket), "times": times}
         LOG.info("session %s resumed at %s: epoch %d, %d replayed, %d re-sent, %.1f ms", self.sid,
                  endpoint, self.epoch, result["replayed"], len(resend), elapsed * 1000)
         return result

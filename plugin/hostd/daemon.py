@@ -276,17 +276,17 @@ class HostDaemon:
                 dropped = queue.popleft()
                 LOG.warning("domain %s: %d events queued; dropped %s", dom.name(), len(queue) + 1,
                             dropped[1].value)
-            queue.append((dom, event))
+            queue.append((dom, event, time.time()))
             return
-        queue = self._pending_events[uuid] = collections.deque([(dom, event)])
+        queue = self._pending_events[uuid] = collections.deque([(dom, event, time.time())])
         self.spawn(self._drain_events(uuid, queue), f"events:{dom.name()}")
 
     async def _drain_events(self, uuid: str, queue: collections.deque) -> None:
         try:
             while queue:
-                dom, event = queue.popleft()
+                dom, event, seen = queue.popleft()
                 try:
-                    await self._on_event(dom, event)
+                    await self._on_event(dom, event, seen)
                 except Exception:                    # one bad event must not stall the domain's next
                     LOG.exception("domain %s: handling %s failed", dom.name(), event.value)
         finally:
@@ -302,7 +302,7 @@ class HostDaemon:
         LOG.info("domain %s: job completed (downtime %s ms)", dom.name(), params.get("downtime"),
                  extra={"domain": dom.name(), "downtime_ms": params.get("downtime")})
 
-    async def _on_event(self, dom, event: DomainEvent) -> None:
+    async def _on_event(self, dom, event: DomainEvent, seen: float | None = None) -> None:
         uuid = dom.UUIDString()
         self._absent.discard(uuid)
         if event.kind in (EventKind.DEFINED, EventKind.UNDEFINED):
@@ -316,6 +316,7 @@ class HostDaemon:
                 await self._release_lease(uuid, dom.name())   # it left earlier; now it is gone for good
             return                                   # not accelmig's, or gone before we looked
         async with watch.lock:
+            watch.event_seen[event.value] = seen or time.time()     # (at most one per event kind)
             if trigger in _INSPECT:
                 await self.inspect(dom, watch)
             LOG.info("domain %s: %s (%s)", watch.name, event.value, watch.phase.value,
