@@ -149,6 +149,17 @@ def check_timeline(data: dict, what: str) -> None:
         {"agent_received", "nic_readdressed", "driver_connected"}, timeline.table()
 
 
+def record_by_id(accel, uuid, mid, predicate, timeout=30, what="record state"):
+    """Record ``mid`` of domain ``uuid`` once ``predicate`` holds for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = next((r for r in accel.records(uuid) if r["migration_id"] == mid), None)
+        if record is not None and predicate(record):
+            return record
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: {accel.records(uuid)}\n{diagnosis(accel)}")
+
+
 def record_of(accel, uuid, predicate, timeout=30, what="record state"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -191,9 +202,8 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
     uuid = uuid_of(accel, "vm-aba")
     for move in moves:
         mid = move["record"]["migration_id"]
-        record = record_of(accel, uuid, lambda r: r["migration_id"] == mid and
-                           {"answered", "first_command"} <= set(r.get("timeline") or {}),
-                           what=f"the timeline of {mid}")
+        record = record_by_id(accel, uuid, mid, lambda r: {"answered", "first_command"} <= set(r["timeline"]),
+                              what=f"the timeline of {mid}")
         check_timeline(record["timeline"], f"{move['via']} -> {move['to']}")
     cli_timeline = moves[2]["cli"]["timeline"]          # accelmig migrate --json carries it
     assert {"switchover", "resumed_seen", "agent_received", "resume_answered"} <= set(cli_timeline), cli_timeline
