@@ -172,7 +172,10 @@ class MigrationSteps:
         watch.record = RecordView.from_wire(done["record"])
         tickets = done["tickets"]
         completed = time.monotonic()
-        identity = await self.daemon.identity_for(watch)
+        # staged before the guest ran (``HostDaemon.prestage``); once only
+        identity, watch.staged_identity = watch.staged_identity, None
+        if identity is None:
+            identity = await self.daemon.identity_for(watch)
         clock["identity"] = clock["delivering"] = time.time()
         document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": tickets}
         result = await watch.delivery.rehome(dom, watch, document)
