@@ -21,7 +21,11 @@ bench/results/blackout.json holds every migration, each with its timeline
 per policy (one y-axis for all).  ``--slow MIB_PER_S`` adds migrations
 throttled to that bandwidth (``virsh migrate-setspeed``) so each lasts
 seconds: there the policies really differ (``start`` pauses from the
-record's opening, ``none`` only the switchover).  The lab goes down at
+record's opening, ``none`` only the switchover).  Caution, measured on
+2026-12-04: under TCG a migration throttled to 30 MiB/s once arrived with
+the guest's kernel panicking in an interrupt (the VM rebooted on the
+destination, its old session stranded) — not accelmig's doing, but it ends
+the run; unthrottled migrations on a loaded machine last 3–7 s already.  The lab goes down at
 the end (``--keep`` leaves it up).  Without root, or without libvirt/QEMU,
 it says so and measures nothing.
 """
