@@ -250,7 +250,7 @@ def plot_steps(steps: dict, title: str) -> str | None:
             continue
         ax.bar(labels, heights, bottom=bottoms, label=name, color=colours(i))
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_ylabel("ms (median per step)", fontsize=8)
+    ax.set_ylabel("ms to reach each step from the one before (median)", fontsize=8)
     ax.tick_params(labelsize=8)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(title, fontsize=9)

@@ -405,7 +405,7 @@ class Timeline:
 
     def table(self) -> str:
         """The rows as text (``accelmig migrate``)."""
-        lines = [f"{'STEP':17} {'CLOCK':6} {'AT':>10} {'STEP':>9} {'±':>7}  WHAT"]
+        lines = [f"{'STEP':17} {'CLOCK':6} {'AT':>10} {'+PREV':>9} {'±':>7}  WHAT"]
         for row in self.rows():
             step = "" if row["step_ms"] is None else f"{row['step_ms']:+.1f}"
             lines.append(f"{row['step']:17} {row['side']:6} {row['at_ms']:>8.1f}ms {step:>9} "
