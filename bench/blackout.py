@@ -15,7 +15,17 @@ with ``accelmig migrate --pause-policy P``.  Per migration:
   with its ticket on the destination.
 
 Table per policy with medians and the ratio blackout / downtime; plot;
-bench/results/blackout.json holds every migration.  The lab goes down at
+bench/results/blackout.json holds every migration, each with its timeline
+(the record's steps on the pool's clock, ``wire.records.TIMELINE_STEPS``).
+``blackout-steps.png`` stacks the median time of each step of the blackout
+per policy (one y-axis for all).  ``--slow MIB_PER_S`` adds migrations
+throttled to that bandwidth (``virsh migrate-setspeed``) so each lasts
+seconds: there the policies really differ (``start`` pauses from the
+record's opening, ``none`` only the switchover).  Caution, measured on
+2026-12-04: under TCG a migration throttled to 30 MiB/s once arrived with
+the guest's kernel panicking in an interrupt (the VM rebooted on the
+destination, its old session stranded) — not accelmig's doing, but it ends
+the run; unthrottled migrations on a loaded machine last 3–7 s already.  The lab goes down at
 the end (``--keep`` leaves it up).  Without root, or without libvirt/QEMU,
 it says so and measures nothing.
 """
@@ -57,9 +67,14 @@ def main(argv=None) -> None:
     parser.add_argument("--lab-name", default="benchbo", help="the lab's name [benchbo]")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of computing between migrations [1]")
     parser.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    parser.add_argument("--slow", type=float, default=0.0, metavar="MIB_PER_S",
+                        help="also migrate throttled to this bandwidth (a migration of seconds) [off]")
+    parser.add_argument("--slow-policies", default="none,start", help="policies of the throttled "
+                        "migrations [none,start]")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if any(p not in POLICIES for p in policies) or args.migrations < 1:
+    slow_policies = [p.strip() for p in args.slow_policies.split(",") if p.strip()] if args.slow else []
+    if any(p not in POLICIES for p in policies + slow_policies) or args.migrations < 1:
         parser.error(f"policies are {', '.join(POLICIES)}; --migrations >= 1")
     reason = skip_reason()
     if reason:
@@ -72,6 +87,7 @@ def main(argv=None) -> None:
     from accelmig.lab.accel import AccelLab
     accel = AccelLab(args.lab_name)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
+    runs.update({slow_label(p, args.slow): [] for p in slow_policies})
     t_start = time.monotonic()
     try:
         log(f"blackout: bringing lab {args.lab_name} up ...")
@@ -83,10 +99,15 @@ def main(argv=None) -> None:
         virt = {"qemu": "TCG"}.get(accel.lab.virt_type, accel.lab.virt_type.upper())
         log(f"  lab up, {VM} computing on the pool ({virt}), {time.monotonic() - t_start:.0f} s")
         where = "hostA"
-        for policy in policies:
+        plan = [(p, p, None) for p in policies] + [(slow_label(p, args.slow), p, args.slow) for p in slow_policies]
+        for label, policy, bandwidth in plan:
             for k in range(args.migrations):
                 time.sleep(args.settle)
                 dst = "hostB" if where == "hostA" else "hostA"
+                # the bandwidth a migration may use (MiB/s): slow, or as fast as it goes
+                speed = accel.virsh(where, "migrate-setspeed", VM, str(int(bandwidth or 1 << 20)))
+                if speed.returncode != 0:
+                    raise RuntimeError(f"migrate-setspeed on {where}: {speed.stderr.strip()}")
                 r = accel.migrate_accelmig(VM, where, dst, "--pause-policy", policy)
                 if not r.get("ok"):
                     raise RuntimeError(f"migration {where}->{dst} (policy {policy}) failed: "
@@ -107,13 +128,16 @@ def main(argv=None) -> None:
                     resumed_at = stopped + blackout / 1000
                     phases = {"switchover_to_complete_ms": round((times["completed"] - times["switchover"]) * 1e3, 1),
                               "complete_to_resume_ms": round((resumed_at - times["completed"]) * 1e3, 1)}
-                runs[policy].append({"from": where, "to": dst, "downtime_ms": float(downtime),
+                timeline = (r.get("cli") or {}).get("timeline") or {}
+                runs[label].append({"from": where, "to": dst, "downtime_ms": float(downtime),
+                                     "policy": policy, "bandwidth_mib_s": bandwidth,
+                                     "timeline": timeline, "steps_ms": blackout_steps(timeline, policy),
                                      "blackout_ms": float(blackout), "wall_s": r["wall_s"],
                                      "sessions": r["sessions"], "resumed": r["resumed"],
                                      "bytes_resent": r["bytes_resent"], "rebuilds": r["rebuilds"], **phases,
                                      "record_times": {key: round(v - times["opened"], 4)
                                                       for key, v in times.items()} if times else {}})
-                log(f"  {policy:10} {where}->{dst}: VM downtime {downtime} ms, accelerator blackout "
+                log(f"  {label:10} {where}->{dst}: VM downtime {downtime} ms, accelerator blackout "
                     f"{blackout:.0f} ms, wall {r['wall_s']:.2f} s, re-sent {r['bytes_resent']} B")
                 where = dst
         # the solver is still computing, on the pool, after every move
@@ -132,23 +156,105 @@ def main(argv=None) -> None:
     med = statistics.median
     table = Table(f"accelerator blackout vs VM downtime per pause policy ({virt} lab, "
                   f"{args.migrations} accelmig migrations each, median)", "VM downtime", "accel blackout")
-    for policy in policies:
-        rows = runs[policy]
-        table.add(f"pause policy {policy}", med(r["downtime_ms"] for r in rows),
+    for label in runs:
+        rows = runs[label]
+        table.add(f"pause policy {label}", med(r["downtime_ms"] for r in rows),
                   med(r["blackout_ms"] for r in rows), "ms")
     extra = {"args": vars(args), "virt_type": accel.lab.virt_type, "migrations": runs,
              "solver_kept_computing": solver_ok, "seconds": round(time.monotonic() - t_start, 1)}
+    steps = {label: median_steps(rows) for label, rows in runs.items()}
+    extra["median_steps_ms"] = steps
     report(table, "blackout", extra)
-    for policy in policies:
-        rows = runs[policy]
+    png = plot_steps(steps, f"the accelerator blackout step by step ({virt} lab, median of "
+                            f"{args.migrations} migrations per policy)")
+    print(steps_table(steps))
+    if png:
+        print(f"wrote {png}")
+    for label in runs:
+        rows = runs[label]
         downs = ", ".join(f"{r['downtime_ms']:.0f}" for r in rows)
         blacks = ", ".join(f"{r['blackout_ms']:.0f}" for r in rows)
         gaps = [r["complete_to_resume_ms"] for r in rows if "complete_to_resume_ms" in r]
         gap = f"; record complete -> resume (median) {med(gaps):.0f} ms" if gaps else ""
-        print(f"{policy:10}: downtime {downs} ms; blackout {blacks} ms; re-sent "
+        walls = ", ".join(f"{r['wall_s']:.1f}" for r in rows)
+        print(f"{label:10}: wall {walls} s; downtime {downs} ms; blackout {blacks} ms; re-sent "
               f"{sum(r['bytes_resent'] for r in rows)} B, rebuilds {sum(r['rebuilds'] for r in rows)}{gap}")
+    for policy in slow_policies:
+        if policy != "start" and "start" in slow_policies:
+            fast, slow = runs[slow_label(policy, args.slow)], runs[slow_label("start", args.slow)]
+            print(f"throttled to {args.slow:g} MiB/s: 'start' blackout / '{policy}' blackout = "
+                  f"{med(r['blackout_ms'] for r in slow) / med(r['blackout_ms'] for r in fast):.1f}x "
+                  f"(migrations of {med(r['wall_s'] for r in slow):.1f} s)")
     print(f"(blackout: the pool's record, from when the session stopped executing — record open for "
           f"'start', switchover otherwise — to its resume on the destination; {extra['seconds']:.0f} s in all)")
+
+
+def slow_label(policy: str, bandwidth: float) -> str:
+    return f"{policy}@{bandwidth:g}MiB/s"
+
+
+#: the steps a blackout goes through, in order: each bar segment is the time
+#: from the step before to this one (the pool's clock: wire.records)
+BLACKOUT_PATH = ("opened", "switchover", "resumed_seen", "completed", "identity", "delivering",
+                 "agent_received", "nic_readdressed", "driver_connected", "resume_received", "resume_answered")
+
+
+def blackout_steps(timeline: dict, policy: str) -> dict:
+    """ms spent reaching each step of the blackout from the one before;
+    the blackout starts at the record's opening for 'start', else at the switchover."""
+    first = "opened" if policy == "start" else "switchover"
+    path = BLACKOUT_PATH[BLACKOUT_PATH.index(first):]
+    out, before = {}, None
+    for step in path:
+        stamp = timeline.get(step)
+        if stamp is None:
+            continue
+        if before is not None:
+            out[step] = round(max(0.0, stamp["t"] - before) * 1000, 2)
+        before = stamp["t"]
+    return out
+
+
+def median_steps(rows: list[dict]) -> dict:
+    names = [s for s in BLACKOUT_PATH if any(s in r["steps_ms"] for r in rows)]
+    return {s: round(statistics.median(r["steps_ms"].get(s, 0.0) for r in rows), 2) for s in names}
+
+
+def steps_table(steps: dict) -> str:
+    labels = list(steps)
+    names = [s for s in BLACKOUT_PATH if any(s in steps[l] for l in labels)]
+    lines = ["median ms to reach each step from the one before (the pool's clock)",
+             f"{'step':18}" + "".join(f"{l:>20}" for l in labels)]
+    for name in names:
+        lines.append(f"{name:18}" + "".join(f"{steps[l].get(name, 0.0):>20.1f}" for l in labels))
+    lines.append(f"{'sum':18}" + "".join(f"{sum(steps[l].values()):>20.1f}" for l in labels))
+    return "\n".join(lines)
+
+
+def plot_steps(steps: dict, title: str) -> str | None:
+    """One stacked bar per policy, one y-axis: where each blackout's time goes."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    from bench.common import save_figure
+    labels = list(steps)
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(labels), 4.6))
+    bottoms = [0.0] * len(labels)
+    colours = plt.get_cmap("tab20")
+    for i, name in enumerate(BLACKOUT_PATH[1:]):
+        heights = [steps[l].get(name, 0.0) for l in labels]
+        if not any(heights):
+            continue
+        ax.bar(labels, heights, bottom=bottoms, label=name, color=colours(i))
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylabel("ms to reach each step from the one before (median)", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title, fontsize=9)
+    return save_figure(fig, "blackout-steps")
 
 
 if __name__ == "__main__":

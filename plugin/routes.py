@@ -23,7 +23,7 @@ from accelmig.wire.identity import HostIdentity
 if TYPE_CHECKING:  # pragma: no cover
     from accelmig.plugin.config import HostConfig
 
-__all__ = ["RouteInfo", "host_identity", "resolve_address", "route_towards"]
+__all__ = ["RouteChanges", "RouteInfo", "host_identity", "resolve_address", "route_towards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +118,49 @@ def host_identity(config: "HostConfig", *, netns: str | None = None) -> HostIden
     return HostIdentity(host_id=config.host_id, pool_endpoint=config.pool.endpoint,
                         host_address=route.source, interface=route.interface, mtu=route.mtu,
                         mac=route.mac)
+
+
+#: rtnetlink's multicast groups (rtnetlink.h) of what can change the route
+#: towards the pool: links, IPv4/IPv6 addresses and routes
+RTMGRP_LINK, RTMGRP_IPV4_IFADDR, RTMGRP_IPV4_ROUTE = 0x1, 0x10, 0x40
+RTMGRP_IPV6_IFADDR, RTMGRP_IPV6_ROUTE = 0x100, 0x400
+
+
+class RouteChanges:
+    """The kernel's word that a link, an address or a route changed, on a
+    netlink socket of this network namespace (the standard library's
+    ``AF_NETLINK``): hostd keeps its identity cached and refreshes it when
+    one comes (and still every few seconds), so no rehome ever discovers
+    routes on its path and a changed route is known at once.  Its
+    ``fileno`` is readable when something changed; ``drain`` reads it all."""
+
+    GROUPS = RTMGRP_LINK | RTMGRP_IPV4_IFADDR | RTMGRP_IPV4_ROUTE | RTMGRP_IPV6_IFADDR | RTMGRP_IPV6_ROUTE
+
+    def __init__(self):
+        try:
+            self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK,
+                                      socket.NETLINK_ROUTE)
+            self.sock.bind((0, self.GROUPS))
+        except (AttributeError, OSError) as exc:
+            raise Unavailable(what="route change notifications", reason=str(exc)) from None
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> int:
+        """Read what the kernel said (never blocks): how many messages, at
+        least 1 when its buffer overflowed (something changed, we missed what)."""
+        count = 0
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                return count
+            except OSError:               # ENOBUFS: more changes than the buffer held
+                return count + 1
+            if not data:
+                return count
+            count += 1
+
+    def close(self) -> None:
+        self.sock.close()

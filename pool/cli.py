@@ -201,9 +201,13 @@ def sessions(admin_socket, domain, as_json):
 @main.command()
 @_admin_option
 @click.option("--open", "open_only", is_flag=True, help="Only records still in progress.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def migrations(admin_socket, open_only, as_json):
+@click.option("--timeline", "show_timeline", is_flag=True, help="Each record's steps on the pool's "
+              "clock, counted from the switchover, with their uncertainty (a guest's are its claims).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (each record's "
+              "\"timeline\" included).")
+def migrations(admin_socket, open_only, show_timeline, as_json):
     """List migration records: domain, hosts, policy, state, blackout per session."""
+    from accelmig.wire.records import Timeline
     result = _admin_call(admin_socket, "list_records", open_only=open_only)
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -219,6 +223,8 @@ def migrations(admin_socket, open_only, as_json):
                        f"{(r.get('blackout_max') or 0) * 1000:.0f}ms")
         click.echo(f"{r['domain_uuid'] + '/' + r['migration_id']:52} {str(r['source_host']):8} "
                    f"{r['dest_host']:8} {r['policy']:10} {r['state']:13} {resumed}")
+        if show_timeline and r.get("timeline"):
+            click.echo("\n".join("    " + line for line in Timeline.from_wire(r["timeline"]).table().splitlines()))
 
 
 @main.command()

@@ -16,7 +16,8 @@ import time
 
 from accelmig.pool.config import parse_networks
 from accelmig.pool.paging import page_limit, take
-from accelmig.wire.records import ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, PausePolicy, RecordStateName
+from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, STEP_NAMES, PausePolicy,
+                                   RecordStateName, Side, Timeline)
 from accelmig.wire import control as wc
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
                                   Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
@@ -473,7 +474,34 @@ class ControlServer:
         page, following = take(items, limit, size=lambda item: len(item[0]) + len(item[1]) + 6)
         return {"record": record.describe(), "tickets": dict(page),
                 "next": None if following is None else
-                self.pool.pager.cursor("complete", record.key, caller, following)}
+                self.pool.pager.cursor("complete", record.key, caller, following),
+                # the pool's clock, for the caller's offset estimate (the timeline)
+                "now": time.time()}
+
+    def do_note_timeline(self, caller, domain_uuid, migration_id, steps=None):
+        """A record's party adds the steps it saw to the record's timeline,
+        already on the pool's clock (``wire.records``: its side's steps, and
+        for the destination its guest's claims).  Bounded: known steps only,
+        each one a small object.  The steps taken."""
+        record = self.pool.find_record(domain_uuid, migration_id)
+        if caller == record.dest_host:
+            side = Side.DEST
+        elif caller == self._source_of(record):
+            side = Side.SOURCE
+        else:
+            raise Forbidden(who=f"host {caller}", what=f"note the timeline of {record.key}: "
+                                                       "it takes no part in it")
+        if not isinstance(steps, dict) or len(steps) > len(STEP_NAMES):
+            raise BadRequest(reason=f"note_timeline: steps must be an object of at most "
+                                    f"{len(STEP_NAMES)} steps, not {_short(steps)}")
+        try:
+            timeline = Timeline.from_wire(steps)
+        except ProtocolError as exc:
+            raise BadRequest(reason=f"note_timeline: {exc.kwargs.get('reason', exc.message)}") from None
+        taken = record.note_steps(side, timeline.steps, time.time())
+        LOG.info("record %s: %s noted %s", record.key, caller, ", ".join(taken) or "nothing new",
+                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        return {"taken": taken}
 
     def do_close(self, caller, domain_uuid, migration_id=None):
         record = self.pool.find_record(domain_uuid, migration_id, source=caller, states=
@@ -594,16 +622,20 @@ class ControlServer:
 
     async def wait_record(self, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
         """The record once it is rehomed (``until="rehomed"``: completed or
-        closed, with every session resumed; or aborted) or final
-        (``until="final"``), or as it is after ``timeout`` seconds."""
-        if until not in ("rehomed", "final"):
-            raise BadRequest(reason=f"wait_record: until {until!r} (rehomed or final)")
+        closed, with every session resumed; or aborted), rehomed with the
+        destination's steps in its timeline (``until="timeline"``: its hostd
+        noted them after the agent answered) or final (``until="final"``),
+        or as it is after ``timeout`` seconds."""
+        if until not in ("rehomed", "timeline", "final"):
+            raise BadRequest(reason=f"wait_record: until {until!r} (rehomed, timeline or final)")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 600:
             raise BadRequest(reason="wait_record: timeout must be 0 to 600 seconds")
 
         def reached(record) -> bool:
             if until == "final":
                 return record.final
+            if until == "timeline" and record.state is not RecordStateName.ABORTED:
+                return record.rehomed and "answered" in record.stamps
             # closed is not the end of a rehome: the source closes its side
             # as soon as QEMU is gone, the guest's sessions resume after that
             return record.state is RecordStateName.ABORTED or record.rehomed

@@ -27,7 +27,8 @@ import secrets
 import time
 
 from accelmig.wire.errors import RecordState, TicketInvalid
-from accelmig.wire.records import FINAL, RECORD_INLINE_SESSIONS, PausePolicy, RecordStateName
+from accelmig.wire.records import (FINAL, RECORD_INLINE_SESSIONS, STAMP_SLACK, STEP_SIDES, PausePolicy,
+                                   RecordStateName, Side, Stamp, Timeline)
 
 S = RecordStateName
 
@@ -77,6 +78,8 @@ class MigrationRecord:
         # before it opened: only a named host may then supersede it
         self.vouched = False
         self.abort_reason: str | None = None
+        # the migration's timeline beyond ``times``: first stamp of each step
+        self.stamps: dict[str, Stamp] = {}
         self.on_change = None                   # called after every transition and resume
 
     @property
@@ -103,11 +106,48 @@ class MigrationRecord:
         if self.on_change is not None:
             self.on_change(self)
 
-    def note_resumed(self, sid: str, blackout: float) -> None:
+    def note_resumed(self, sid: str, blackout: float, now: float | None = None) -> None:
         """Session ``sid`` resumed at the destination, ``blackout`` s after it stopped."""
         self.resumed[sid] = round(blackout, 6)
         self.blackout_max = max(self.blackout_max or 0.0, self.resumed[sid])
+        if now is not None:
+            self.stamp("resume_answered", now)
+            if len(self.resumed) >= len(self.sessions):
+                self.stamp("rehomed", now)
         self._changed()
+
+    #: the steps the pool stamps from ``times`` (its transitions)
+    TIMES_STEPS = {"opened": "opened", "switchover": "switchover", "completed": "completed"}
+
+    def stamp(self, step: str, now: float) -> None:
+        """The pool saw ``step`` (its own clock); the first stamp stays."""
+        self.stamps.setdefault(step, Stamp(now))
+
+    def note_steps(self, side: Side, steps: dict[str, Stamp], now: float) -> list[str]:
+        """Steps a host stamped and mapped onto the pool's clock: only the
+        steps read on that host's clock or claimed by its guest (a host cannot
+        rewrite the pool's own), within the record's life, first stamp
+        staying.  The steps taken."""
+        opened = self.times["opened"]
+        taken = []
+        for step, stamp in steps.items():
+            if STEP_SIDES.get(step) not in (side, Side.GUEST) or stamp.side is not STEP_SIDES[step]:
+                continue
+            if side is Side.SOURCE and STEP_SIDES[step] is Side.GUEST:
+                continue          # the guest runs on the destination: the source relays none of it
+            if not opened - STAMP_SLACK <= stamp.t <= now + STAMP_SLACK or step in self.stamps:
+                continue
+            self.stamps[step] = stamp
+            taken.append(step)
+        if taken:
+            self._changed()           # (``wait_record`` until the timeline is in)
+        return taken
+
+    @property
+    def timeline(self) -> Timeline:
+        steps = {step: Stamp(self.times[key]) for step, key in self.TIMES_STEPS.items() if key in self.times}
+        steps.update(self.stamps)
+        return Timeline(steps)
 
     def renew(self, now: float) -> None:
         if not self.final:
@@ -163,6 +203,7 @@ class MigrationRecord:
             "blackout_max": self.blackout_max,
             "times": dict(self.times), "lease_in": round(self.lease_expiry - now, 3),
             "abort_reason": self.abort_reason, "postcopy": self.postcopy, "vouched": self.vouched,
+            "timeline": self.timeline.to_wire(),
         }
         if len(self.sessions) <= RECORD_INLINE_SESSIONS:
             out["sessions"], out["resumed"] = list(self.sessions), dict(self.resumed)

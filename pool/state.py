@@ -59,6 +59,9 @@ class Pool:
         self.domain_hosts: dict[str, str] = {}
         self.tickets = TicketAuthority(config.ticket_ttl)
         self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
+        # sid -> the record whose timeline its next reply stamps (``first_command``);
+        # at most one entry per live session, dropped with the session
+        self._first_reply: dict[str, MigrationRecord] = {}
         self.metrics = PoolMetrics()
         for state in SessionState:
             # read whenever metrics are collected: never stale between sweeps
@@ -264,6 +267,7 @@ class Pool:
     def resume_session(self, conn, header: dict,
                        now: float | None = None) -> tuple[Session, list[StoredReply]]:
         """All checks first; the session changes only when every one passed."""
+        injected = now is not None
         now = time.time() if now is None else now
         sid = header.get("sid")
         try:
@@ -326,7 +330,10 @@ class Pool:
                 start = (session.pause_started or record.times.get("switchover")
                          or session.detached_at or record.times.get("completed", now))
                 blackout = max(0.0, now - start)
-                record.note_resumed(sid, blackout)
+                record.stamp("resume_received", now)
+                record.note_resumed(sid, blackout, now if injected else max(now, time.time()))
+                if "first_command" not in record.stamps:
+                    self._first_reply[sid] = record     # its next reply stamps the timeline
                 self.metrics.blackout.observe(blackout)
                 session.unpause(record.key)
         self.metrics.resumes.labels("ok").inc()
@@ -345,6 +352,10 @@ class Pool:
                  (session.deadline or 0) - now, extra={"sid": session.sid})
 
     def _deliver(self, session: Session, reply: StoredReply) -> None:
+        if self._first_reply:
+            record = self._first_reply.pop(session.sid, None)
+            if record is not None:
+                record.stamp("first_command", time.time())
         conn = session.connection
         if conn is not None:
             conn.send_reply(reply)
@@ -368,6 +379,7 @@ class Pool:
         session.release(reason)
         self.sessions.pop(session.sid, None)
         self.session_tickets.pop(session.sid, None)
+        self._first_reply.pop(session.sid, None)
         self.tombstones[session.sid] = reason
         while len(self.tombstones) > 100000:
             self.tombstones.popitem(last=False)

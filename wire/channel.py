@@ -275,6 +275,16 @@ def bounded_outcome(result: dict, budget: int = ANSWER_BUDGET) -> dict:
     return out
 
 
+def timed_outcome(result: dict, received: float) -> dict:
+    """A rehome's outcome with this answer's own ``clock``: when the agent
+    read the rehome and when it answered, on the guest's clock.  With the
+    host's own send and receive times this round trip carries the guest's
+    stamps (``times``) onto the host's clock (``wire.records.ClockOffset``);
+    a repeated rehome gets a fresh clock, its stored ``times`` stay the
+    first attempt's."""
+    return dict(result, clock={"received": received, "answered": time.time()})
+
+
 def answer_of(message: dict):
     """The result of an answer, or its error raised as the typed exception."""
     if message.get("ok"):

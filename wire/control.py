@@ -53,7 +53,8 @@ METHODS = {
     "open_migration": "host",     # args: domain_uuid, migration_id?, domain_name?, policy?
     "switchover": "host",         # args: domain_uuid, migration_id?
     "commit": "host",             # args: domain_uuid, migration_id
-    "complete": "host",           # args: domain_uuid, migration_id, cursor?, limit? -> record, tickets (a page), next
+    "complete": "host",           # args: domain_uuid, migration_id, cursor?, limit? -> record, tickets (a page), next, now
+    "note_timeline": "host",      # args: domain_uuid, migration_id, steps {step: stamp} -> taken [step]
     "close": "host",              # args: domain_uuid, migration_id?
     "abort": "host",              # args: domain_uuid, migration_id?, reason
     "renew": "host",              # args: records [[domain_uuid, migration_id]]

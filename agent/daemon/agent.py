@@ -26,6 +26,7 @@ import collections
 import itertools
 import json
 import logging
+import math
 import os
 import select
 import socket
@@ -164,6 +165,15 @@ class _Poller:
     def close(self) -> None:
         if self._epoll is not None:
             self._epoll.close()
+
+
+def _driver_connected(times) -> float | None:
+    """When a driver says its new connection was up (its ``times``), if it
+    says it as a number: a claim for the timeline, never used otherwise."""
+    value = times.get("connected") if isinstance(times, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _settle(slot: dict, reply: dict) -> None:
@@ -583,7 +593,7 @@ class Agent:
                          f"; network: {'; '.join(network)}" if network else "")
                 self.send_host(ch.result(request_id, result={"accepted": True, "network": network}))
             elif kind == "rehome":
-                threading.Thread(target=self._rehome_and_answer, args=(message,),
+                threading.Thread(target=self._rehome_and_answer, args=(message, time.time()),
                                  name=f"rehome-{request_id}", daemon=True).start()
             else:
                 raise UnknownOp(op=kind)
@@ -612,9 +622,10 @@ class Agent:
                  "identity": self.identity.to_wire() if self.identity else None}
         return [hello] + [{"type": "session_opened", "id": next(self._ids), **session} for session in rest]
 
-    def _rehome_and_answer(self, message: dict) -> None:
+    def _rehome_and_answer(self, message: dict, received: float) -> None:
         try:
-            outcome = ch.result(message.get("id"), result=ch.bounded_outcome(self.rehome(message)))
+            outcome = ch.result(message.get("id"), result=ch.timed_outcome(
+                ch.bounded_outcome(self.rehome(message, received)), received))
         except AccelmigError as exc:
             outcome = ch.result(message.get("id"), ok=False, error=exc.to_wire())
         except Exception as exc:  # never leave the host without an answer
@@ -653,7 +664,7 @@ class Agent:
                                     f"arrived (a piece was lost: send them all again)")
         return merged
 
-    def rehome(self, message: dict) -> dict:
+    def rehome(self, message: dict, received: float | None = None) -> dict:
         """Apply a rehome and return its outcome (every session's: the
         answers bound it, ``ch.bounded_outcome``).
 
@@ -680,7 +691,8 @@ class Agent:
                 self.stats["rehome_retried"] += 1
             entry.attempts += 1
             try:
-                entry.result = self._do_rehome(migration_id, identity, tickets, previous)
+                entry.result = self._do_rehome(migration_id, identity, tickets, previous,
+                                               time.time() if received is None else received)
             except AccelmigError as exc:
                 entry.result = {"migration_id": migration_id, "ok": False, "error": exc.to_wire(),
                                 "sessions": dict((previous or {}).get("sessions") or {}), "network": []}
@@ -691,10 +703,12 @@ class Agent:
             entry.lock.release()
 
     def _do_rehome(self, migration_id: str, identity: HostIdentity, tickets: dict,
-                   previous: dict | None = None) -> dict:
+                   previous: dict | None = None, received: float | None = None) -> dict:
         """``previous``: the outcome of an earlier attempt of this migration;
-        what succeeded then is not done again."""
+        what succeeded then is not done again.  ``received``: when the
+        rehome was read (this guest's clock: the timeline's ``times``)."""
         started = time.monotonic()
+        times = {"agent_received": time.time() if received is None else received}
         done = {sid: outcome for sid, outcome in ((previous or {}).get("sessions") or {}).items()
                 if outcome.get("ok")}
         LOG.info("rehome %s%s: host %s, pool at %s, %d ticket(s)", migration_id,
@@ -706,6 +720,7 @@ class Agent:
         elif identity.guest_nic is not None:
             try:
                 network = self.network.apply(identity.guest_nic)
+                times["nic_readdressed"] = time.time()
                 LOG.info("rehome %s: network: %s", migration_id, "; ".join(network) or "unchanged")
             except AccelmigError as exc:
                 network_error = exc.to_wire()
@@ -782,6 +797,9 @@ class Agent:
             if reply.get("ok"):
                 outcome.update(reply.get("result") or {})
                 outcome["ok"] = True        # the driver's result does not say otherwise
+                connected = _driver_connected(outcome.pop("times", None))
+                if connected is not None:
+                    times["driver_connected"] = min(connected, times.get("driver_connected", connected))
             else:
                 outcome["error"] = reply.get("error")
             sessions[sid] = outcome
@@ -794,7 +812,7 @@ class Agent:
         result = {"migration_id": migration_id, "ok": network_error is None and all(
                       s["ok"] for s in sessions.values()),
                   "host_id": identity.host_id, "network": network, "network_error": network_error,
-                  "network_seconds": round(network_s, 6), "sessions": sessions,
+                  "network_seconds": round(network_s, 6), "sessions": sessions, "times": times,
                   "seconds": round(time.monotonic() - started, 6)}
         LOG.info("rehome %s done in %.1f ms: %d/%d session(s) resumed", migration_id,
                  result["seconds"] * 1000, sum(s["ok"] for s in sessions.values()), len(sessions))
@@ -967,7 +985,9 @@ class Agent:
 
     def _local_rehome(self, link: DriverLink, message: dict) -> None:
         try:
-            answer = ch.result(message.get("id"), result=ch.bounded_outcome(self.rehome(message.get("document"))))
+            received = time.time()
+            answer = ch.result(message.get("id"), result=ch.timed_outcome(
+                ch.bounded_outcome(self.rehome(message.get("document"), received)), received))
         except AccelmigError as exc:
             answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
         except Exception as exc:  # never leave the caller without an answer (nor die on stderr)

@@ -2,11 +2,13 @@
 
 When every host gives its guests their own subnet, a migrated guest must
 take the address, prefix, gateway, MTU and routes its new host assigned
-(``accelmig.wire.identity.GuestNic``) before its drivers reconnect.  With
-pyroute2 installed in the guest this is netlink from the agent's own
-process; otherwise the ``ip`` tool (iproute2 or busybox).  Spawning
-processes is slow in a guest that just migrated (docs/lab-notes.md: 88-149 ms for
-three ``ip`` runs under TCG), so the fewest commands are run.
+(``accelmig.wire.identity.GuestNic``) before its drivers reconnect.  This
+is netlink from the agent's own process (``rtnetlink``, the standard
+library's ``AF_NETLINK``): spawning processes is slow in a guest that just
+migrated (the lab notes: 88-149 ms for three ``ip`` runs under TCG), and
+this lies on the accelerator's blackout path.  ``method="pyroute2"`` uses
+pyroute2 where a guest has it, ``method="ip"`` the ``ip`` tool (iproute2
+or busybox) with the fewest commands.
 
 Standard library only (pyroute2 is optional).
 """
@@ -39,19 +41,61 @@ def choose_interface(links: list[tuple[str, str]], mac: str | None) -> str:
     return links[0][0]
 
 
+METHODS = ("netlink", "pyroute2", "ip")
+
+
 class NetworkConfigurator:
-    def __init__(self, use_pyroute2: bool | None = None, ip_tool: str | None = None):
-        if use_pyroute2 is None:
-            import importlib.util
-            use_pyroute2 = importlib.util.find_spec("pyroute2") is not None
-        self.use_pyroute2 = use_pyroute2
+    def __init__(self, use_pyroute2: bool | None = None, ip_tool: str | None = None, method: str | None = None):
+        """``method``: netlink (the default), pyroute2 or ip; ``use_pyroute2``
+        True or False is the older way to say pyroute2 or ip."""
+        if method is None:
+            method = "netlink" if use_pyroute2 is None else ("pyroute2" if use_pyroute2 else "ip")
+        if method not in METHODS:
+            raise ValueError(f"network method {method!r} ({', '.join(METHODS)})")
+        self.method = method
         self.ip_tool = ip_tool or shutil.which("ip") or "/sbin/ip"
 
     def apply(self, nic: GuestNic) -> list[str]:
         """Make the NIC match ``nic``; return what changed (human-readable)."""
-        if self.use_pyroute2:
+        if self.method == "netlink":
+            return self._apply_netlink(nic)
+        if self.method == "pyroute2":
             return self._apply_pyroute2(nic)
         return self._apply_ip(nic)
+
+    # -- netlink (standard library) ----------------------------------------------------
+    def _apply_netlink(self, nic: GuestNic) -> list[str]:
+        from accelmig.agent.daemon.rtnetlink import ARPHRD_ETHER, IFF_UP, RtNetlink, family_of
+        changes = []
+        target = ipaddress.ip_interface(nic.cidr)
+        with RtNetlink() as nl:
+            links = [link for link in nl.links() if link["type"] == ARPHRD_ETHER]
+            ifname = choose_interface([(link["name"], link["mac"]) for link in links], nic.mac)
+            link = next(link for link in links if link["name"] == ifname)
+            index = link["index"]
+            have = False
+            for current in nl.addresses(index, family_of(target)):
+                if current == target:
+                    have = True
+                elif not current.ip.is_link_local:
+                    nl.delete_address(index, current)
+                    changes.append(f"{ifname}: removed {current}")
+            if not have:
+                nl.add_address(index, target)
+                changes.append(f"{ifname}: added {target}")
+            mtu = nic.mtu if nic.mtu and link["mtu"] != nic.mtu else None
+            if mtu or not link["flags"] & IFF_UP:
+                nl.set_link(index, up=True, mtu=mtu)
+                if mtu:
+                    changes.append(f"{ifname}: mtu {link['mtu']} -> {mtu}")
+            if nic.gateway:
+                gateway = ipaddress.ip_address(nic.gateway)
+                default = "0.0.0.0/0" if gateway.version == 4 else "::/0"
+                for dst in nic.routes or (default,):
+                    net = ipaddress.ip_network(dst)
+                    nl.replace_route(net, gateway, index)
+                    changes.append(f"route {net} via {nic.gateway} dev {ifname}")
+        return changes
 
     # -- pyroute2 --------------------------------------------------------------------
     def _apply_pyroute2(self, nic: GuestNic) -> list[str]:

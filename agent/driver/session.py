@@ -353,6 +353,7 @@ class Session:
     def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None) -> dict:
         """One resume attempt (the caller holds the resume lock)."""
         started = time.monotonic()
+        times = {"asked": time.time()}          # wall clock: the migration's timeline
         link = self.link
         with self.cond:
             if self.states.ended:
@@ -363,6 +364,7 @@ class Session:
             link.release(old)
         try:
             sock, reader = self._dial(endpoint, timeout or self.connect_timeout)
+            times["connected"] = time.time()
             try:
                 with self.cond:
                     last_seen = self.window.last_seen
@@ -376,6 +378,7 @@ class Session:
                     request["ticket"] = ticket
                 handshake_send(sock, request)
                 answer, leftovers = read_answer(sock, reader)
+                times["answered"] = time.time()
                 if answer.get("op") != Op.RESUMED.value:
                     raise ProtocolError(reason=f"expected resumed, got {answer.get('op')!r}")
             except BaseException:
@@ -427,7 +430,7 @@ class Session:
         self.stats["last_resume_s"] = elapsed
         result = {"sid": self.sid, "epoch": self.epoch, "endpoint": endpoint,
                   "replayed": answer.get("replay", 0), "resent": len(resend),
-                  "seconds": round(elapsed, 6), "ticket": bool(ticket)}
+                  "seconds": round(elapsed, 6), "ticket": bool(ticket), "times": times}
         LOG.info("session %s resumed at %s: epoch %d, %d replayed, %d re-sent, %.1f ms", self.sid,
                  endpoint, self.epoch, result["replayed"], len(resend), elapsed * 1000)
         return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import textwrap
 import threading
 import time
 import uuid as uuid_module
@@ -19,6 +20,9 @@ import click
 
 from accelmig.wire.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError
+
+#: s to wait, once every session resumed, for the destination's steps of the timeline
+TIMELINE_WAIT = 10.0
 
 EXIT_CODES = {0: "migrated, and every session resumed at the destination",
               1: "the migration failed (the VM goes on at the source), or not every session resumed",
@@ -59,6 +63,17 @@ def _pool_sessions(hostd, domain_uuid: str) -> dict:
         return {s["sid"]: s for s in hostd.sessions(domain_uuid)}
     except AccelmigError:
         return {}
+
+
+def _timeline(record: dict):
+    """The record's timeline, or None where it has none (or a pool that
+    says garbage: the summary goes on without it)."""
+    from accelmig.wire.records import Timeline
+    try:
+        timeline = Timeline.from_wire(record.get("timeline") or {})
+    except AccelmigError:
+        return None
+    return timeline if timeline.steps else None
 
 
 def _fmt_bytes(n: int) -> str:
@@ -190,6 +205,16 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
                              migration_id=intent["migration_id"], wait=wait)
     except AccelmigError as exc:
         rehomed = {"error": str(exc), "record": None, "job": None}
+    if rehomed.get("rehomed"):
+        # the destination's hostd notes its steps once the agent answered:
+        # a moment after the sessions resumed (a hostd that never does
+        # leaves the timeline without them, not the migration failed)
+        try:
+            noted = hostd.call("wait_rehomed", timeout=TIMELINE_WAIT + 5, uuid=uuid,
+                               migration_id=intent["migration_id"], wait=TIMELINE_WAIT, until="timeline")
+            rehomed["record"] = noted.get("record") or rehomed["record"]
+        except AccelmigError as exc:
+            click.echo(f"accelmig migrate: the destination's steps are not in the timeline: {exc}", err=True)
     record = rehomed.get("record") or {}
     job = rehomed.get("job") or {}       # the source's completed job, downtime included
     after = _pool_sessions(hostd, uuid)
@@ -209,6 +234,8 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         "blackout_s": record.get("resumed") or {}, "blackout_max_s": record.get("blackout_max"),
         "bytes_sent_to_pool_meanwhile": resent,
         "record_state": record.get("state"), "error": rehomed.get("error"),
+        # every step on the pool's clock (wire.records.TIMELINE_STEPS)
+        "timeline": record.get("timeline") or {},
     }
     if as_json:
         click.echo(json.dumps(summary, indent=2))
@@ -224,4 +251,8 @@ def migrate(domain, dest_uri, pause_policy, postcopy, migrate_uri, dest_host, ti
         click.echo(f"  bytes sent to the pool meanwhile (uploads + programs): {resent}")
         if rehomed.get("error"):
             click.echo(f"  NOT REHOMED: {rehomed['error']}")
+        timeline = _timeline(record)
+        if timeline is not None:
+            click.echo("timeline (the pool's clock, from the switchover):")
+            click.echo(textwrap.indent(timeline.table(), "  "))
     sys.exit(0 if summary["rehomed"] else 1)

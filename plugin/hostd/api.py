@@ -214,20 +214,27 @@ class LocalApi:
                                            migration_id=message.get("migration_id"))
 
     async def wait_rehomed(self, message: dict) -> dict:
-        """Until the pool has the migration's sessions all resumed, or its record ended."""
+        """Until the pool has the migration's sessions all resumed, or its
+        record ended (``until="timeline"``: and the destination's steps are
+        in its timeline)."""
         uuid, mid = message.get("uuid"), message.get("migration_id")
         wait = float(message.get("wait") or 60)
+        until = message.get("until") or "rehomed"
+        if until not in ("rehomed", "timeline"):
+            raise BadRequest(reason=f"wait_rehomed: until {str(until)[:40]!r} (rehomed or timeline)")
         d = self.daemon
         try:
             answer = await d.pool.call_within(wait + 5, "wait_record", domain_uuid=uuid, migration_id=mid,
-                                              until="rehomed", timeout=wait)
+                                              until=until, timeout=wait)
         except Unavailable as exc:
             raise Timeout(what=f"the rehome of {uuid} ({exc})", timeout=wait) from None
         record = RecordView.from_wire(answer["record"]) if answer.get("record") else None
         if record is None:
             raise Timeout(what=f"the rehome of {uuid} (no such migration record)", timeout=wait)
         out = {"record": record.to_wire(), "rehomed": record.rehomed, "job": d.watches.job(uuid)}
-        if not answer.get("reached"):
+        if not answer.get("reached") and until == "timeline" and record.rehomed:
+            out["error"] = f"the destination's steps are not in the timeline within {wait:.0f} s"
+        elif not answer.get("reached"):
             out["error"] = (f"{record.unresumed_count} of {record.session_count} session(s) not resumed "
                             f"within {wait:.0f} s (record {record.state.value})")
         elif record.state is RecordStateName.ABORTED:

@@ -101,7 +101,7 @@ class HostDaemon:
         self._steps = {
             Step.NOTHING: _nothing,
             Step.ATTEST: self.first_contact,
-            Step.PRECONNECT: lambda dom, w: w.delivery.preconnect(dom, w),
+            Step.PRECONNECT: self.prestage,
             Step.CHECK_OUTGOING: lambda dom, w: m.check_outgoing(dom, w, postcopy=False),
             Step.CHECK_OUTGOING_POSTCOPY: lambda dom, w: m.check_outgoing(dom, w, postcopy=True),
             Step.SWITCH_OVER: lambda dom, w: m.switch_over(dom, w, postcopy=False),
@@ -229,6 +229,20 @@ class HostDaemon:
             None, lambda: host_identity(self.config))
         return self.identity
 
+    async def prestage(self, dom, watch: DomainWatch) -> None:
+        """Destination, the incoming QEMU exists and the guest is still
+        paused: make ready now what the rehome needs and can already know —
+        this host's identity for the guest, and the channel's connection —
+        so neither lies on the accelerator's blackout path.  The connection
+        syncs only once the guest runs: it goes on in the background, never
+        holding up the domain's next event (its RESUMED, which the rehome's
+        delivery then awaits on the same connection)."""
+        try:
+            watch.staged_identity = await self.identity_for(watch)
+        except AccelmigError as exc:
+            LOG.info("domain %s: identity not staged (%s); taken at the rehome", watch.name, exc)
+        self.spawn(watch.delivery.preconnect(dom, watch), f"preconnect:{watch.name}")
+
     async def identity_for(self, watch: DomainWatch) -> HostIdentity:
         """What the guest of ``watch`` is told: this host's identity, with
         its fabric NIC's address on a host-bound fabric (never for a domain
@@ -243,8 +257,30 @@ class HostDaemon:
     async def _register_loop(self) -> None:
         """Register this host's identity and addresses at the pool, and again
         whenever the pool restarted (a new instance forgot them).  While the
-        pool is down it tries every 2 s; the warning backs off (``FailureLog``)."""
+        pool is down it tries every 2 s; the warning backs off (``FailureLog``).
+        The identity is refreshed here, never on a rehome's path: every 10 s,
+        and at once when the kernel says a link, address or route changed."""
         registered_for = None
+        changed = asyncio.Event()
+        watch = self._watch_routes(changed)
+        try:
+            await self._register_forever(changed, registered_for)
+        finally:
+            if watch is not None:
+                asyncio.get_running_loop().remove_reader(watch.fileno())
+                watch.close()
+
+    def _watch_routes(self, changed: asyncio.Event):
+        from accelmig.plugin.routes import RouteChanges
+        try:
+            watch = RouteChanges()
+        except Unavailable as exc:
+            LOG.warning("no route change notifications (%s): the identity is refreshed every 10 s only", exc)
+            return None
+        asyncio.get_running_loop().add_reader(watch.fileno(), lambda: watch.drain() and changed.set())
+        return watch
+
+    async def _register_forever(self, changed: asyncio.Event, registered_for) -> None:
         while True:
             try:
                 identity = await self.refresh_identity()
@@ -261,7 +297,12 @@ class HostDaemon:
             except AccelmigError as exc:
                 self.registration.failed(exc)
                 registered_for = None
-            await asyncio.sleep(2.0 if registered_for is None else 10.0)
+            try:                # until the next round, or a route change (then refresh at once)
+                await asyncio.wait_for(changed.wait(), 2.0 if registered_for is None else 10.0)
+                LOG.info("a link, address or route changed: refreshing this host's identity")
+            except asyncio.TimeoutError:
+                pass
+            changed.clear()
 
     # -- libvirt events ----------------------------------------------------------------
     #: events queued for one domain before the oldest are dropped (and the
@@ -276,17 +317,17 @@ class HostDaemon:
                 dropped = queue.popleft()
                 LOG.warning("domain %s: %d events queued; dropped %s", dom.name(), len(queue) + 1,
                             dropped[1].value)
-            queue.append((dom, event))
+            queue.append((dom, event, time.time()))
             return
-        queue = self._pending_events[uuid] = collections.deque([(dom, event)])
+        queue = self._pending_events[uuid] = collections.deque([(dom, event, time.time())])
         self.spawn(self._drain_events(uuid, queue), f"events:{dom.name()}")
 
     async def _drain_events(self, uuid: str, queue: collections.deque) -> None:
         try:
             while queue:
-                dom, event = queue.popleft()
+                dom, event, seen = queue.popleft()
                 try:
-                    await self._on_event(dom, event)
+                    await self._on_event(dom, event, seen)
                 except Exception:                    # one bad event must not stall the domain's next
                     LOG.exception("domain %s: handling %s failed", dom.name(), event.value)
         finally:
@@ -302,7 +343,7 @@ class HostDaemon:
         LOG.info("domain %s: job completed (downtime %s ms)", dom.name(), params.get("downtime"),
                  extra={"domain": dom.name(), "downtime_ms": params.get("downtime")})
 
-    async def _on_event(self, dom, event: DomainEvent) -> None:
+    async def _on_event(self, dom, event: DomainEvent, seen: float | None = None) -> None:
         uuid = dom.UUIDString()
         self._absent.discard(uuid)
         if event.kind in (EventKind.DEFINED, EventKind.UNDEFINED):
@@ -316,6 +357,7 @@ class HostDaemon:
                 await self._release_lease(uuid, dom.name())   # it left earlier; now it is gone for good
             return                                   # not accelmig's, or gone before we looked
         async with watch.lock:
+            watch.event_seen[event.value] = seen or time.time()     # (at most one per event kind)
             if trigger in _INSPECT:
                 await self.inspect(dom, watch)
             LOG.info("domain %s: %s (%s)", watch.name, event.value, watch.phase.value,

@@ -35,6 +35,9 @@ class GuestDelivery(abc.ABC):
     name: str
     #: the guest's sessions must be read (and attested) when a migration completes
     attests_at_migration = False
+    #: when (hostd's clock) the last rehome left for the guest: the start of
+    #: the round trip that carries the guest's clock (the timeline)
+    rehome_sent: float | None = None
 
     async def preconnect(self, dom, watch) -> None:
         """Destination, before the guest runs (nothing by default)."""
@@ -87,6 +90,7 @@ class ChannelDelivery(GuestDelivery):
                 channel = await self._synced(dom, watch, max(1.0, deadline - time.monotonic()))
                 for piece in pieces:
                     await channel.request("tickets", timeout=max(1.0, deadline - time.monotonic()), **piece)
+                self.rehome_sent = time.time()
                 return await channel.request("rehome", timeout=max(1.0, deadline - time.monotonic()),
                                              **document)
             except AccelmigError as exc:
@@ -152,6 +156,7 @@ class GuestExecDelivery(GuestDelivery):
         from accelmig.plugin import qga
         LOG.warning("domain %s has no accelmig channel: rehoming through qemu-guest-agent guest-exec "
                     "(libvirt marks the domain tainted: custom-ga-command)", watch.name)
+        self.rehome_sent = time.time()
         return await self._qga(lambda: qga.deliver_rehome(dom, document, command=self.command,
                                                           timeout=self.timeout))
 

@@ -27,8 +27,9 @@ import uuid as uuid_module
 import libvirt
 
 from accelmig.plugin.hostd.watch import DomainWatch, Phase, Trigger
-from accelmig.wire.errors import AccelmigError, LibvirtFailure, NoSuchRecord, RecordState
-from accelmig.wire.records import IN_FLIGHT, RecordStateName, RecordView, latest
+from accelmig.wire.errors import AccelmigError, LibvirtFailure, NoSuchRecord, ProtocolError, RecordState
+from accelmig.wire.records import (IN_FLIGHT, ClockOffset, RecordStateName, RecordView, Side, Stamp, Timeline,
+                                   latest)
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -83,6 +84,10 @@ class MigrationSteps:
         watch.record = record
         LOG.info("domain %s: switched over%s (record %s)", watch.name, " for post-copy" if postcopy else "",
                  record.key, extra={"domain": watch.name, "migration": record.migration_id})
+        seen = watch.event_seen.pop("SUSPENDED_POSTCOPY" if postcopy else "SUSPENDED_MIGRATED", None)
+        if seen is not None:      # off the blackout's path: the guest is already paused
+            self.daemon.spawn(self._note_source_timeline(watch, record.migration_id, seen),
+                              f"timeline:{watch.name}")
 
     async def close(self, dom, watch: DomainWatch) -> None:
         await watch.delivery.close(watch)
@@ -92,6 +97,19 @@ class MigrationSteps:
         except NoSuchRecord:
             LOG.warning("domain %s left this host without a migration record", watch.name)
         watch.record = None
+
+    async def _note_source_timeline(self, watch: DomainWatch, mid: str, seen: float) -> None:
+        """When this host saw the pause, on the pool's clock (a ``ping``'s
+        round trip gives the offset)."""
+        try:
+            asked = time.time()
+            pong = await self.pool("ping")
+            pool_clock = ClockOffset.from_round_trip(asked, pong.get("time"), pong.get("time"), time.time())
+            stamp = Stamp(*pool_clock.to_remote(seen), Side.SOURCE)
+            await self.pool("note_timeline", domain_uuid=watch.uuid, migration_id=mid,
+                            steps=Timeline({"suspended_seen": stamp}).to_wire())
+        except AccelmigError as exc:
+            LOG.info("domain %s: the timeline of %s misses this host's step: %s", watch.name, mid, exc)
 
     async def abort_stayed(self, dom, watch: DomainWatch) -> None:
         """The source resumed its guest: the migration failed or was cancelled."""
@@ -120,8 +138,9 @@ class MigrationSteps:
         resumed, is retried in the background until they all have (or the
         record or the domain ends): a guest is never left knocking with
         ``TICKET_REQUIRED``."""
+        seen = watch.event_seen.pop("RESUMED_POSTCOPY" if postcopy else "RESUMED_MIGRATED", None)
         try:
-            summary = await self._rehome_once(dom, watch, postcopy=postcopy)
+            summary = await self._rehome_once(dom, watch, postcopy=postcopy, seen=seen)
         except AccelmigError as exc:
             self._retry_later(watch, f"{type(exc).__name__}: {exc}")
             LOG.error("domain %s: rehome failed: %s; will retry", watch.name, exc, extra={"domain": watch.name})
@@ -132,7 +151,10 @@ class MigrationSteps:
             self._retry_later(watch, summary["why"])
         return summary
 
-    async def _rehome_once(self, dom, watch: DomainWatch, *, postcopy: bool = False) -> dict:
+    async def _rehome_once(self, dom, watch: DomainWatch, *, postcopy: bool = False,
+                           seen: float | None = None) -> dict:
+        """``seen``: when this host read the RESUMED event (the timeline's
+        ``resumed_seen``; None for a retry)."""
         started = time.monotonic()
         record = watch.record
         if record is None or record.dest_host != self.host:
@@ -144,14 +166,24 @@ class MigrationSteps:
                 return {"migration_id": mid, "postcopy": postcopy, "ok": False, "why": waiting}
         if postcopy:
             await self.pool("commit", domain_uuid=watch.uuid, migration_id=mid)
+        asked = time.time()
         done = await self.pool_all("complete", domain_uuid=watch.uuid, migration_id=mid)
+        clock = {"asked": asked, "answered": time.time(), "pool_now": done.get("now")}
         watch.record = RecordView.from_wire(done["record"])
         tickets = done["tickets"]
         completed = time.monotonic()
-        identity = await self.daemon.identity_for(watch)
+        # staged before the guest ran (``HostDaemon.prestage``); once only
+        identity, watch.staged_identity = watch.staged_identity, None
+        if identity is None:
+            identity = await self.daemon.identity_for(watch)
+        clock["identity"] = clock["delivering"] = time.time()
         document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": tickets}
         result = await watch.delivery.rehome(dom, watch, document)
+        clock["answer"] = time.time()
+        clock["sent"] = watch.delivery.rehome_sent or clock["delivering"]
         delivered = time.monotonic()
+        # off the blackout's path: the guest's drivers have resumed by now
+        self.daemon.spawn(self._note_dest_timeline(watch, mid, seen, clock, result), f"timeline:{watch.name}")
         ok = bool(result and result.get("ok"))
         summary = {"migration_id": mid, "postcopy": postcopy, "tickets": len(tickets), "result": result,
                    "ok": ok, "why": None if ok else why_not_resumed(result),
@@ -170,6 +202,14 @@ class MigrationSteps:
             "all sessions resumed" if ok else f"NOT all resumed ({summary['why']}); will retry",
             extra={"domain": watch.name, "migration": mid})
         return summary
+
+    async def _note_dest_timeline(self, watch: DomainWatch, mid: str, seen, clock: dict, result) -> None:
+        try:
+            steps = rehome_timeline(seen, clock, result)
+            await self.pool("note_timeline", domain_uuid=watch.uuid, migration_id=mid,
+                            steps=Timeline(steps).to_wire())
+        except AccelmigError as exc:
+            LOG.info("domain %s: the timeline of %s misses this host's steps: %s", watch.name, mid, exc)
 
     async def _attest_arrived(self, dom, watch: DomainWatch) -> str | None:
         """The guest cannot report its sessions itself: read them, and attest
@@ -313,3 +353,39 @@ def why_not_resumed(result: dict | None) -> str:
     if not_resumed > 3:
         parts.append(f"and {not_resumed - 3} more session(s)")
     return "; ".join(parts) or "not every session resumed"
+
+
+def rehome_timeline(seen: float | None, clock: dict, outcome) -> dict[str, Stamp]:
+    """The destination's steps of one rehome on the pool's clock.
+
+    ``clock``: hostd's own stamps (``asked``/``answered``: ``complete``'s
+    round trip, ``pool_now``: the pool's clock in its answer; ``identity``,
+    ``delivering``; ``sent``/``answer``: the rehome's round trip to the
+    guest).  ``outcome``: the agent's answer, whose ``clock`` (when it read
+    the rehome and answered it, the guest's clock) gives the guest's offset
+    and whose ``times`` are the guest's steps: claims, clamped into that
+    round trip, dropped when they are not numbers."""
+    try:
+        pool_clock = ClockOffset.from_round_trip(clock["asked"], clock["pool_now"], clock["pool_now"],
+                                                 clock["answered"])
+    except ProtocolError:
+        return {}                   # a pool from before ``now``: no common clock to put them on
+    ours = {"resumed_seen": seen, "identity": clock.get("identity"), "delivering": clock.get("delivering"),
+            "answered": clock.get("answer")}
+    steps = {step: Stamp(*pool_clock.to_remote(t), Side.DEST) for step, t in ours.items() if t is not None}
+    claimed = (outcome or {}).get("clock")
+    if not isinstance(claimed, dict):
+        return steps
+    try:
+        guest_clock = ClockOffset.from_round_trip(clock["sent"], claimed.get("received"), claimed.get("answered"),
+                                                  clock["answer"])
+    except ProtocolError:
+        return steps
+    times = (outcome or {}).get("times")
+    for step in ("agent_received", "nic_readdressed", "driver_connected"):
+        value = times.get(step) if isinstance(times, dict) else None
+        try:
+            steps[step] = guest_clock.onto(pool_clock, value, Side.GUEST)
+        except ProtocolError:
+            continue            # absent, or not a number: the guest's claim is left out
+    return steps

@@ -158,6 +158,10 @@ class DomainWatch:
         self.rehome_retry: dict | None = None    # a rehome waiting to be tried again, and why
         self.retry_task: asyncio.Task | None = None
         self.history: collections.deque = collections.deque(maxlen=20)
+        # the identity made ready for an incoming guest before it runs (``prestage``)
+        self.staged_identity = None
+        # event name -> when hostd read it from libvirt (its own clock): the timeline
+        self.event_seen: dict[str, float] = {}
 
     def fire(self, trigger: Trigger) -> Step | None:
         """Apply ``trigger``: the step to take, or None when it does not apply now."""

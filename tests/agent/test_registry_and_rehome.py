@@ -95,7 +95,13 @@ def test_rehome_moves_every_session_and_is_idempotent_per_migration(agent):
             second = host.request("rehome", **message)      # delivered again
         assert first["ok"] and set(first["sessions"]) == {d.sid for d in devs}
         assert all(s["ok"] and s["ticket"] for s in first["sessions"].values())
+        # the same outcome; only the answer's own clock is this round trip's
+        first_clock, second_clock = first.pop("clock"), second.pop("clock")
         assert second == first
+        assert first_clock["received"] <= first_clock["answered"] <= second_clock["received"]
+        assert set(first["times"]) == {"agent_received", "driver_connected"}     # no guest NIC here
+        assert first["times"]["agent_received"] <= first["times"]["driver_connected"]
+        assert all("times" not in s for s in first["sessions"].values())   # one aggregate, not per session
         assert agent.stats["rehome_repeated"] == 1
         for dev, buf, i in zip(devs, bufs, range(2)):
             assert dev.stats["resumes"] == 1                  # applied once

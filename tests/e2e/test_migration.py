@@ -137,6 +137,29 @@ def hostd_domain(accel, host, uuid, predicate, timeout=60, what="hostd's view of
     raise AssertionError(f"{what} on {host}: {json.dumps(seen)}\n{diagnosis(accel)}")
 
 
+def check_timeline(data: dict, what: str) -> None:
+    """A real migration's timeline: every step there (the lab's fabric is
+    host-bound, so the guest's NIC is re-addressed), in causal order within
+    the uncertainties, the guest's claims marked as such."""
+    from accelmig.wire.records import STEP_NAMES, Side, Timeline
+    timeline = Timeline.from_wire(data)
+    assert set(STEP_NAMES) - set(timeline.steps) == set(), f"{what}: missing steps\n{timeline.table()}"
+    assert timeline.out_of_order() == [], f"{what}: out of order\n{timeline.table()}"
+    assert {s for s, stamp in timeline.steps.items() if stamp.side is Side.GUEST} == \
+        {"agent_received", "nic_readdressed", "driver_connected"}, timeline.table()
+
+
+def record_by_id(accel, uuid, mid, predicate, timeout=30, what="record state"):
+    """Record ``mid`` of domain ``uuid`` once ``predicate`` holds for it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = next((r for r in accel.records(uuid) if r["migration_id"] == mid), None)
+        if record is not None and predicate(record):
+            return record
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: {accel.records(uuid)}\n{diagnosis(accel)}")
+
+
 def record_of(accel, uuid, predicate, timeout=30, what="record state"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -175,6 +198,18 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
         check_hot(move, accel)
         assert move["downtime_ms"] is not None and max(move["blackout_ms"].values()) > 0
     assert moves[2]["cli"]["rehomed"] and moves[2]["cli"]["resumed"] == 1, json.dumps(moves[2]["cli"])
+    # every step of each real migration, on the pool's clock, in causal order
+    uuid = uuid_of(accel, "vm-aba")
+    for move in moves:
+        mid = move["record"]["migration_id"]
+        record = record_by_id(accel, uuid, mid, lambda r: {"answered", "first_command"} <= set(r["timeline"]),
+                              what=f"the timeline of {mid}")
+        check_timeline(record["timeline"], f"{move['via']} -> {move['to']}")
+    cli_timeline = moves[2]["cli"]["timeline"]          # accelmig migrate --json carries it
+    assert {"switchover", "resumed_seen", "agent_received", "resume_answered"} <= set(cli_timeline), cli_timeline
+    status_records = [r for r in hostd_status(accel, "hostB")["records"]    # so does accelmig status --json
+                      if r["migration_id"] == moves[2]["record"]["migration_id"]]
+    assert status_records and "resume_answered" in status_records[0]["timeline"], status_records
     from accelmig.wire.localapi import LocalClient
     metrics = LocalClient(str(accel.hostd_socket("hostB"))).call("metrics")["text"]
     assert 'accelmig_host_rehomes_total{result="ok"}' in metrics

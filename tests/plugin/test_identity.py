@@ -340,3 +340,27 @@ def test_exec_and_call_run_inside(netns_factory):
         a.call(socket.if_nametoindex, link.b.ifname)   # b's end is not in a
     f.forwarding(a)
     assert f.exec(a, ["cat", "/proc/sys/net/ipv4/ip_forward"]).stdout.strip() == "1"
+
+
+@pytest.mark.root
+def test_a_route_change_is_announced_and_the_identity_follows_it(rig, tmp_path):
+    """hostd keeps its identity cached and refreshes it when the kernel says
+    a route changed (``RouteChanges``), never on a rehome's path."""
+    import select
+
+    from accelmig.plugin.routes import RouteChanges
+    f, host, router, pool, mgmt, fab = rig
+    cfg = host_config(tmp_path)
+    with host.entered():                 # the socket belongs to the namespace it was made in
+        changes = RouteChanges()
+    try:
+        before = host_identity(cfg, netns=host.name)
+        assert before.interface == fab.a.ifname
+        assert changes.drain() == 0                       # nothing has changed since it was made
+        host.exec(["ip", "route", "del", "203.0.113.0/24"])   # the pool now only by the default route
+        readable, _, _ = select.select([changes], [], [], 30)
+        assert readable and changes.drain() >= 1
+        after = host_identity(cfg, netns=host.name)
+        assert (after.interface, after.host_address, after.mtu) == (mgmt.a.ifname, "192.0.2.2", 1500)
+    finally:
+        changes.close()
