@@ -71,7 +71,8 @@ def main(argv=None) -> None:
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     args = parser.parse_args(argv)
-    spy = shutil.which("py-spy", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    venv_bin = os.path.dirname(sys.executable)
+    spy = shutil.which("py-spy", path=venv_bin + os.pathsep + os.environ.get("PATH", ""))
     if spy is None:
         parser.error("py-spy is not installed: .venv/bin/pip install py-spy")
     from accelmig.agent.driver import connect

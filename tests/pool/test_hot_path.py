@@ -23,16 +23,14 @@ from accelmig.wire.errors import AccelmigError
 from tests.support.wait import wait_for
 
 # order matters: a[i] = 3 a[i] + n is not the same result in another order
-ADVANCE = "__kernel void advance(__global uint *a, uint n) { a[get_global_id(0)] = a[get_global_id(0)] * 3u + n; }"
+ADVANCE = ("__kernel void advance(__global uint *a, uint n) "
+           "{ a[get_global_id(0)] = a[get_global_id(0)] * 3u + n; }")
 TENANTS = {"hot": ("hot-token-000001", "1GiB")}
 TOKEN = TENANTS["hot"][0]
 
 
-def device_process(pool):
-    return pool.call(lambda: pool.pool.backend._tenants["hot"])
-
-
 def calls_started(pool) -> int:
+    """Calls the pool sent to the tenant's device process so far."""
     return pool.call(lambda: pool.pool.backend._tenants["hot"].calls_started)
 
 
