@@ -206,6 +206,11 @@ def main(argv=None) -> None:
                   "ops/s", "higher")
         dev.close()
         report(table, "remoting", {"args": vars(args)})
+        local_pipe = local_launches(count, args.repeat)
+        launch_table = Table(f"pipelined launches of a trivial kernel ({count}, then a finish)",
+                             "local pyopencl", "accelmig")
+        launch_table.add(f"launches ({count})", count / local_pipe, count / dev_pipe, "ops/s", "higher")
+        report(launch_table, "remoting-launches", {"args": vars(args)})
         if not args.no_tls:
             plain = {"finish": dev_rt / n, "read": dev_read / n, "upload": dev_up, "download": dev_down,
                      "pipelined": dev_pipe}
@@ -215,6 +220,30 @@ def main(argv=None) -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def local_launches(count: int, repeat: int, device: int = 0) -> float:
+    """The baseline of pipelined launches: the same kernel on the same
+    device (``opencl:N``, the pool's default) through pyopencl in this
+    process, as the pool's device process enqueues it (arguments set, then
+    an ND-range per launch), then one finish; the median seconds."""
+    import numpy as np
+    import pyopencl as cl
+    from accelmig.pool.devices.opencl import _all_devices
+    cl_device = _all_devices()[device]
+    context = cl.Context([cl_device])
+    queue = cl.CommandQueue(context, cl_device)
+    kernel = cl.Kernel(cl.Program(context, COUNTER).build(), "bump")
+    buf = cl.Buffer(context, cl.mem_flags.READ_WRITE, SMALL)
+    cl.enqueue_fill_buffer(queue, buf, np.zeros(1, np.uint8), 0, SMALL)
+
+    def launches():
+        for _ in range(count):
+            kernel.set_args(buf)
+            cl.enqueue_nd_range_kernel(queue, kernel, (16,), None)
+        queue.finish()
+    launches()      # warm up
+    return median_of(launches, repeat)[0]
 
 
 def driver_figures(endpoint: str, args, **connect_options) -> dict:

@@ -127,6 +127,11 @@ class DataConnection(asyncio.BufferedProtocol):
                 return
         if self.reader.broken is not None:
             self.fail(self.reader.broken)
+        elif self._flush_scheduled:
+            # Answers made while these frames were handled (a finish done on
+            # the loop) go now, not one loop pass later; the pass's flush
+            # then finds nothing.
+            self.flush()
 
     def eof_received(self):
         return False  # close our side too

@@ -109,6 +109,13 @@ class DeviceContext(abc.ABC):
     @abc.abstractmethod
     def finish(self) -> None: ...
 
+    def finish_is_noop(self) -> bool:
+        """True when a ``finish`` now would wait for nothing and could fail
+        for nothing: the pool may then answer it on its loop, without the
+        session's worker (and a device process) in the round trip.  Only a
+        backend that tracks what it left running can say so: False."""
+        return False
+
     @abc.abstractmethod
     def release(self) -> int:
         """Free everything; return the buffer bytes released."""

@@ -43,12 +43,38 @@ from accelmig.wire.frames import FrameReader
 LOG = logging.getLogger("accelmig.pool.devices")
 
 
+class _Done:
+    """A call's end: set once (by the answer's reader, or by the process's
+    end: whoever took the call out of ``_calls``), waited for by its caller.
+    One lock, not an Event's condition and lock: one is made per launch."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def set(self) -> None:
+        if not self._set:
+            self._set = True
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self) -> None:
+        if not self._set:
+            self._lock.acquire()
+            self._lock.release()      # (for any other waiter)
+
+
 class _Call:
     __slots__ = ("ctx_id", "method", "deadline", "done", "answer", "payload", "out", "error")
 
     def __init__(self, ctx_id: int, method: str, deadline: float, out=None):
         self.ctx_id, self.method, self.deadline, self.out = ctx_id, method, deadline, out
-        self.done = threading.Event()
+        self.done = _Done()
         self.answer: dict | None = None
         self.payload = b""
         self.error: AccelmigError | None = None
@@ -66,6 +92,8 @@ class TenantProcess:
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Condition()
+        self._watch_until = 0.0          # when the watchdog looks next (it sets it; the lock guards it)
+        self.calls_started = 0           # every call sent (status, tests: a finish that skipped it)
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
@@ -101,17 +129,26 @@ class TenantProcess:
         self._send({"op": "new", "ctx": ctx_id})
         return ctx_id
 
-    def start(self, ctx_id: int, method: str, args: dict, payload=b"", out=None) -> _Call:
-        """Send a call; its answer comes to ``_Call.done``."""
+    def start(self, ctx_id: int, method: str, args: dict, payload=b"", out=None, cork: bool = False) -> _Call:
+        """Send a call; its answer comes to ``_Call.done``.  ``cork``: it
+        may wait in the writer for the next call or ``wait`` (a launch)."""
         call = _Call(ctx_id, method, self.backend.clock() + self.backend.time_limit, out)
         with self._lock:
             if self.dead is not None:
                 raise self.dead
             call_id = next(self._ids)
             self._calls[call_id] = call
-            self._lock.notify_all()          # the watchdog: a new deadline
+            self.calls_started += 1
+            if call.deadline < self._watch_until:
+                # the watchdog sleeps past this deadline: wake it (a call
+                # after another one has a later deadline: no wake-up each)
+                self._lock.notify_all()
+        header = {"op": "call", "ctx": ctx_id, "id": call_id, "m": method, "a": args}
         try:
-            self._send({"op": "call", "ctx": ctx_id, "id": call_id, "m": method, "a": args}, payload)
+            if cork and not payload:
+                self._frames.cork(header)
+            else:
+                self._send(header, payload)
         except OSError as exc:
             self._kill(f"its socket failed: {exc}")
         return call
@@ -121,6 +158,11 @@ class TenantProcess:
 
     def wait(self, call: _Call):
         """The outcome of a call: its result and payload, or its error."""
+        if not call.done.is_set():
+            try:
+                self._frames.flush()         # it may be corked still
+            except OSError as exc:
+                self._kill(f"its socket failed: {exc}")
         call.done.wait()                     # the watchdog ends every call by its deadline
         if call.error is not None:
             raise call.error
@@ -226,7 +268,8 @@ class TenantProcess:
                 deadlines = [c.deadline for c in self._calls.values()]
                 if self.idle_since is not None:
                     deadlines.append(self.idle_since + self.backend.idle_exit)
-                self._lock.wait(min(deadlines) - now if deadlines else None)
+                self._watch_until = min(deadlines) if deadlines else float("inf")
+                self._lock.wait(self._watch_until - now if deadlines else None)
             else:
                 return True
         if reason is None:
@@ -354,9 +397,19 @@ class IsolatedContext(DeviceContext):
         self.sizes: dict[int, int] = {}
         self._released = False
         self._lock = threading.Lock()
+        # Nothing sent since the last finish answered (launches, copies and
+        # a new buffer's zeroing run on after their call returns): a finish
+        # would wait for nothing.  Written by the session's worker only.
+        self._quiet = False
 
     def _call(self, method: str, args: dict | None = None, payload=b"", out=None):
+        self._quiet = False
         return self.process.call(self.ctx_id, method, args or {}, payload, out)
+
+    def finish_is_noop(self) -> bool:
+        # (the caller knows no command of the session is in flight) a dead
+        # process must still answer KILLED: the worker's path says it
+        return self._quiet and self.process.dead is None
 
     def info(self) -> dict:
         return self.backend.info()
@@ -415,12 +468,14 @@ class IsolatedContext(DeviceContext):
         return lambda: self.process.wait(call)
 
     def _start_launch(self, program, kernel, gsize, lsize, args):
+        self._quiet = False
         return self.process.start(self.ctx_id, "launch", {
             "prog": program, "kernel": kernel, "gsize": list(gsize),
-            "lsize": list(lsize) if lsize else None, "args": encode_args(args)})
+            "lsize": list(lsize) if lsize else None, "args": encode_args(args)}, cork=True)
 
     def finish(self) -> None:
         self._call("finish")
+        self._quiet = True
 
     def abandon(self) -> int:
         """The session is released, maybe while a call of its runs: its bytes

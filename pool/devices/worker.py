@@ -65,20 +65,55 @@ def decode_args(args: list) -> list:
     return out
 
 
+#: corked frames go out at this size at the latest
+CORK_BYTES = 256 << 10
+
+
 class FrameWriter:
     """Whole frames onto a socket of the pair, one writer at a time (both
-    ends: the process's answers, the pool's calls)."""
+    ends: the process's answers, the pool's calls).
+
+    A frame without payload may be *corked* (``cork``): kept until the next
+    ``send`` or ``flush``, so a burst of pipelined launches costs one system
+    call, not one each.  Order is kept: a send writes the corked frames first.
+    """
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.lock = threading.Lock()
+        self._corked: list[bytes] = []
+        self._corked_bytes = 0
 
     def send(self, header: dict, payload=b"") -> None:
         head = encode_prefix_and_header(header, len(payload))
         with self.lock:
+            if self._corked:
+                head = self._take_corked() + head
             self.sock.sendall(head)
             if payload:
                 self.sock.sendall(memoryview(payload).cast("B"))
+
+    def cork(self, header: dict) -> None:
+        head = encode_prefix_and_header(header, 0)
+        with self.lock:
+            self._corked.append(head)
+            self._corked_bytes += len(head)
+            if self._corked_bytes >= CORK_BYTES:
+                self.sock.sendall(self._take_corked())
+
+    def flush(self) -> None:
+        """Send the corked frames (none: nothing happens)."""
+        if not self._corked:        # (read without the lock: a cork after it is its corker's to flush)
+            return
+        with self.lock:
+            if self._corked:
+                self.sock.sendall(self._take_corked())
+
+    def _take_corked(self) -> bytes:
+        data = b"".join(self._corked)
+        self._corked.clear()
+        self._corked_bytes = 0
+        return data
 
     def send_headers(self, headers: list[dict]) -> None:
         """Answers without payload in one write (a burst of launches)."""

@@ -58,6 +58,9 @@ class _Context:
     def finish(self):
         pass
 
+    def finish_is_noop(self) -> bool:   # nothing ever runs on it: the pool answers a finish on its loop
+        return True
+
     def info(self):
         return {"name": "model device"}
 
@@ -116,11 +119,14 @@ class PoolModel(RuleBasedStateMachine):
         self.executed_lock = threading.Lock()
         self._real_execute = session_module.execute
         session_module.execute = self._execute          # count executions, then run the real one
+        # a finish the pool answers on its loop (nothing in flight) is an execution too
+        self._real_finish_inline = session_module.Session._finish_inline
+        session_module.Session._finish_inline = lambda session, command: self._finish_inline(session, command)
         self.loop = asyncio.new_event_loop()
         config = PoolConfig(admin_socket="/nonexistent/model.sock", log_format="text")
         self.pool = Pool(config, _Backend(), {"t": TenantSpec("t", TOKEN, 1 << 30)})
         self.pool.loop = self.loop
-        self.issued: dict[int, int] = {}                 # seq -> the value sent under it
+        self.issued: dict[int, int | str] = {}           # seq -> the value sent under it ("finish": a finish)
         self.driver = DriverState()
         self.host = HOSTS[0]                             # where the guest runs now
         self.conn = self._connect(self.host)
@@ -145,8 +151,21 @@ class PoolModel(RuleBasedStateMachine):
     # -- plumbing ------------------------------------------------------------------
     def _execute(self, session, command):
         with self.executed_lock:
-            self.executed.setdefault(command.seq, []).append(command.header.get("v"))
+            self.executed.setdefault(command.seq, []).append(command.header.get("v", command.op.value))
         return self._real_execute(session, command)
+
+    def _finish_inline(self, session, command):
+        event("a finish answered on the pool's loop")
+        with self.executed_lock:
+            self.executed.setdefault(command.seq, []).append("finish")
+        return self._real_finish_inline(session, command)
+
+    def _command(self, seq: int, value) -> dict:
+        """The frame of command ``seq`` as issued: an info carrying ``value``, or a finish."""
+        d = self.driver
+        if value == "finish":
+            return {"op": "finish", "seq": seq, "epoch": d.epoch, "ack": d.last_seen}
+        return {"op": "info", "seq": seq, "epoch": d.epoch, "ack": d.last_seen, "v": value}
 
     def _connect(self, host: str) -> ModelConnection:
         conn = ModelConnection(self.pool, host)
@@ -253,11 +272,10 @@ class PoolModel(RuleBasedStateMachine):
 
     # -- commands --------------------------------------------------------------------
     @precondition(lambda self: self.connected)
-    @rule(value=st.integers(0, 1000))
+    @rule(value=st.one_of(st.integers(0, 1000), st.just("finish")))
     def send(self, value):
         d = self.driver
-        self._frame(self.conn, {"op": "info", "seq": d.next_seq, "epoch": d.epoch,
-                                "ack": d.last_seen, "v": value})
+        self._frame(self.conn, self._command(d.next_seq, value))
         self.issued[d.next_seq] = value
         d.next_seq += 1
         self.sends += 1
@@ -285,8 +303,7 @@ class PoolModel(RuleBasedStateMachine):
         if answered > d.last_seen:
             event("resent commands answered from the log")
         for seq in range(d.last_seen + 1, d.next_seq):
-            self._frame(self.conn, {"op": "info", "seq": seq, "epoch": d.epoch,
-                                    "ack": d.last_seen, "v": self.issued[seq]})
+            self._frame(self.conn, self._command(seq, self.issued[seq]))
 
     @precondition(lambda self: self.connected)
     @rule()
@@ -425,6 +442,7 @@ class PoolModel(RuleBasedStateMachine):
             assert self.driver.last_seen == len(self.issued)
         finally:
             session_module.execute = self._real_execute
+            session_module.Session._finish_inline = self._real_finish_inline
             for session in list(self.pool.sessions.values()):
                 self.pool._release(session, "model over")
                 session.wait_released(5)

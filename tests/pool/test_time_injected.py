@@ -42,6 +42,9 @@ class _Context:
     def finish(self):
         pass
 
+    def finish_is_noop(self) -> bool:   # nothing ever runs on it: the pool answers a finish on its loop
+        return True
+
     def info(self):
         return {"name": "clock device"}
 

@@ -1,0 +1,105 @@
+"""The data plane's hot path keeps its meaning (issue 11, item 1).
+
+Real pools, real PoCL, real device processes.  A finish with nothing in
+flight is answered on the pool's loop, without the session's worker and
+without a round trip to the tenant's device process; a finish after work
+still goes to the device and waits for it; a finish on a device process
+the pool knows dead still says ``KILLED``.  Pipelined launches are corked
+into few writes to the device process: they still run exactly once each,
+in order, across cuts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from accelmig.agent.driver import connect
+from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.wire.errors import AccelmigError
+from tests.support.wait import wait_for
+
+# order matters: a[i] = 3 a[i] + n is not the same result in another order
+ADVANCE = ("__kernel void advance(__global uint *a, uint n) "
+           "{ a[get_global_id(0)] = a[get_global_id(0)] * 3u + n; }")
+TENANTS = {"hot": ("hot-token-000001", "1GiB")}
+TOKEN = TENANTS["hot"][0]
+
+
+def calls_started(pool) -> int:
+    """Calls the pool sent to the tenant's device process so far."""
+    return pool.call(lambda: pool.pool.backend._tenants["hot"].calls_started)
+
+
+def expected(start: np.ndarray, ns) -> np.ndarray:
+    a = start.astype(np.uint64)
+    for n in ns:
+        a = (a * 3 + n) % (1 << 32)
+    return a.astype(np.uint32)
+
+
+def test_an_idle_finish_skips_the_device_process_and_one_after_work_does_not():
+    with PoolThread(tenants=TENANTS) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            buf = dev.upload(np.arange(64, dtype=np.uint32).tobytes())
+            prog = dev.build(ADVANCE)
+            before = calls_started(pool)
+            prog.launch("advance", 64, None, buf, np.uint32(1))
+            dev.finish()                       # after a launch: the device is asked
+            assert calls_started(pool) == before + 2
+            commands = pool.session(dev.sid)["counters"]["commands"]
+            for _ in range(50):
+                dev.finish()                   # nothing ran since: answered by the pool
+            assert calls_started(pool) == before + 2
+            assert pool.session(dev.sid)["counters"]["commands"] == commands + 50
+            prog.launch("advance", 64, None, buf, np.uint32(2))
+            dev.finish()                       # work again: launch and finish both go
+            assert calls_started(pool) == before + 4
+            assert (np.frombuffer(dev.read(buf), np.uint32)
+                    == expected(np.arange(64, dtype=np.uint32), [1, 2])).all()
+
+
+def test_an_idle_finish_on_a_device_process_that_died_says_killed():
+    with PoolThread(tenants=TENANTS) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            dev.upload(bytes(64))
+            dev.finish()
+            dev.finish()                       # quiet now: this one was answered by the pool
+            pid = pool.pool.backend.processes()["hot"]
+            os.kill(pid, signal.SIGKILL)       # the tenant's own process, started by this pool
+            wait_for(lambda: "hot" not in pool.pool.backend.processes(), 20,
+                     "the pool to notice its device process died")
+            with pytest.raises(AccelmigError) as killed:
+                dev.finish()
+            assert killed.value.code.value == "KILLED", killed.value
+
+
+def test_pipelined_launches_run_once_each_in_order_with_finishes_between_and_cuts():
+    with PoolThread(tenants=TENANTS) as pool:
+        proxy = CutProxy(pool.endpoint)
+        try:
+            with connect(proxy.endpoint, TOKEN, agent=False, timeout=60) as dev:
+                start = np.arange(256, dtype=np.uint32)
+                buf = dev.upload(start.tobytes())
+                prog = dev.build(ADVANCE)
+                ns = [(i * 7919) % 1000 for i in range(3000)]
+                cuts = 0
+                for i, n in enumerate(ns, 1):
+                    prog.launch("advance", 256, None, buf, np.uint32(n))
+                    if i % 500 == 0:
+                        dev.finish()
+                    if i % 1000 == 250:
+                        assert proxy.cut() == 1
+                        cuts += 1
+                        wait_for(lambda: dev.stats["resumes"] >= cuts, 20,
+                                 f"the driver's resume after cut {cuts}", interval=0.01)
+                got = np.frombuffer(dev.read(buf), np.uint32)
+                assert (got == expected(start, ns)).all()
+                counters = pool.session(dev.sid)["counters"]
+                assert counters["launches"] == len(ns)
+                assert dev.stats["resumes"] >= 3
+        finally:
+            proxy.close()
