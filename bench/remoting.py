@@ -2,6 +2,13 @@
 through the driver and a real pool process, beside a raw asyncio socket
 server on the same loopback path (the baseline), in one run.
 
+Then transfers of any size (``--big-gib``, 2 by default): an ``upload()``,
+writes and read-backs of a 2 GiB array, which the driver sends in chunks,
+checked bit-exact, against the raw socket moving the same bytes in the
+same run (table ``remoting-big``), and against the driver's own 64 MiB
+transfer of this run (table ``remoting-chunked``: is a chunked transfer
+as fast per byte as one frame?).
+
 The baseline server is a separate process, like the pool: an asyncio
 BufferedProtocol that echoes 64-byte messages, sinks uploads with recv_into
 a preallocated buffer and serves downloads from one.  Its client uses a
@@ -158,6 +165,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--pipelined", type=int, default=10000)
     parser.add_argument("--no-tls", action="store_true", help="skip the TLS-versus-plain table")
+    parser.add_argument("--big-gib", type=int, default=2,
+                        help="size of the chunked transfer rows in GiB (0: skip them; needs about "
+                             "3x this in free memory, and a tenant quota of it)")
+    parser.add_argument("--big-repeat", type=int, default=3, help="samples of each chunked transfer")
     args = parser.parse_args(argv)
     import numpy as np
     from accelmig.agent.driver import connect
@@ -204,8 +215,10 @@ def main(argv=None) -> None:
         dev_pipe, _ = median_of(launches, args.repeat)
         table.add(f"pipelined small commands ({count})", count / raw_pipe, count / dev_pipe,
                   "ops/s", "higher")
-        dev.close()
         report(table, "remoting", {"args": vars(args)})
+        if args.big_gib:
+            big_transfers(args, raw, dev, {"upload": dev_up, "download": dev_down})
+        dev.close()
         if not args.no_tls:
             plain = {"finish": dev_rt / n, "read": dev_read / n, "upload": dev_up, "download": dev_down,
                      "pipelined": dev_pipe}
@@ -215,6 +228,48 @@ def main(argv=None) -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def big_transfers(args, raw: RawClient, dev, one_frame: dict) -> None:
+    """``--big-gib`` through the driver (in chunks) and the raw socket, in
+    GiB/s; ``one_frame``: the driver's ``--bulk-mib`` write and read of this
+    run, in seconds."""
+    import numpy as np
+    size = args.big_gib << 30
+    big = np.frombuffer(np.random.default_rng(0).bytes(size), dtype=np.uint8)
+    back = np.empty_like(big)
+    gib = size / (1 << 30)
+    piece = 64 * MIB                      # the raw server serves at most this per request
+
+    def raw_download():
+        for start in range(0, size, piece):
+            raw.download(memoryview(back)[start:start + piece])
+
+    raw_up, _ = median_of(lambda: raw.upload(big), args.big_repeat)
+    raw_down, _ = median_of(raw_download, args.big_repeat)
+    holder = []
+    dev_upload, _ = median_of(lambda: holder.append(dev.upload(big)), 1)   # alloc + chunked write
+    buf = holder[0]
+    dev_write, _ = median_of(lambda: dev.write(buf, big), args.big_repeat)
+    back[:] = 0
+    dev_read, _ = median_of(lambda: dev.read_into(buf, back), args.big_repeat)
+    if not np.array_equal(back, big):
+        raise SystemExit(f"the {args.big_gib} GiB read-back differs from what was uploaded")
+    dev.free(buf)
+    dev.finish()
+    chunks = -(-size // dev.chunk)
+    table = Table(f"transfers of any size ({args.big_gib} GiB, {chunks} chunks of {dev.chunk // MIB} MiB, "
+                  f"bit-exact)", "raw socket", "accelmig")
+    table.add(f"upload() {args.big_gib} GiB", gib / raw_up, gib / dev_upload, "GiB/s", "higher")
+    table.add(f"write {args.big_gib} GiB", gib / raw_up, gib / dev_write, "GiB/s", "higher")
+    table.add(f"read_into {args.big_gib} GiB", gib / raw_down, gib / dev_read, "GiB/s", "higher")
+    report(table, "remoting-big", {"args": vars(args), "chunk": dev.chunk})
+    small_gib = args.bulk_mib / 1024
+    rate = Table(f"a chunked {args.big_gib} GiB transfer vs one {args.bulk_mib} MiB frame (the driver, "
+                 "same run)", f"{args.bulk_mib} MiB", f"{args.big_gib} GiB")
+    rate.add("write", small_gib / one_frame["upload"], gib / dev_write, "GiB/s", "higher")
+    rate.add("read_into", small_gib / one_frame["download"], gib / dev_read, "GiB/s", "higher")
+    report(rate, "remoting-chunked", {"args": vars(args), "chunk": dev.chunk})
 
 
 def driver_figures(endpoint: str, args, **connect_options) -> dict:
