@@ -178,7 +178,7 @@ def test_a_chunk_refused_mid_way_is_reported_once_saying_what_was_done():
                         dev.write(buf, data)
                     except NoSuchObject as exc:
                         failure.append(exc)
-                writer = threading.Thread(target=write)
+                writer = threading.Thread(target=write, daemon=True)
                 writer.start()
                 wait_for(lambda: dev.describe()["pending"] >= MAX_IN_FLIGHT, 10, "a full flight of chunks")
                 dev.free(buf)                                # lands after the first flight
@@ -207,7 +207,7 @@ def _transfer_in_thread(dev, direction: str, buf, data: np.ndarray, out: np.ndar
                 dev.read_into(buf, out)
         except BaseException as exc:         # reported by the test, not lost in a thread
             errors.append(exc)
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, errors
 
@@ -233,6 +233,7 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
     out = np.zeros_like(data)
     relay = CutProxy(hosts.a.endpoint)
     domain = str(uuid.uuid4())
+    dev = None
     try:
         dev = connect(relay.endpoint, ALICE, agent=False, timeout=30, auto_reconnect=False)
         hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
@@ -278,7 +279,8 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
         assert after["duplicates"] == 0
         state = small.session(dev.sid)
         assert state["bound_host"] == ("hostB" if move == "rehome" else "hostA")
-        dev.close()
     finally:
+        if dev is not None:
+            dev.close()
         relay.close()
 
