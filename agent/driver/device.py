@@ -279,7 +279,8 @@ class Device:
             self._submit(Op.WRITE, {"buf": buffer.handle, "offset": offset}, bytes(view), wait=False)
 
     def read(self, buffer: Buffer, nbytes: int | None = None, offset: int = 0) -> bytes:
-        """``nbytes`` (default: the rest of the buffer) from ``offset``."""
+        """``nbytes`` (default: the rest of the buffer) from ``offset``, of any
+        size (past ``chunk``, in chunks; ``read_into`` spares the copy into bytes)."""
         self._own(buffer, "buffer")
         if nbytes is None:
             nbytes = buffer.size - offset
@@ -293,7 +294,8 @@ class Device:
 
     def read_into(self, buffer: Buffer, out, offset: int = 0) -> None:
         """Read ``len(out)`` bytes straight into ``out`` (a writable buffer, e.g.
-        a numpy array): no intermediate copy for large reads."""
+        a numpy array): no intermediate copy for large reads; any size, each
+        chunk landing in its slice of ``out``."""
         self._own(buffer, "buffer")
         view = as_bytes_view(out)
         if view.readonly:
