@@ -248,6 +248,7 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
         # what the pool holds at the cut, once it ran all it accepted, before anything is re-sent
         at_cut = wait_for(lambda: _quiet(small.session(dev.sid)), 10, "the pool to run what it accepted")
         seen = dev.last_seen
+        on_wire = dict(relay.relayed)             # (a resume on this host goes through the relay again)
         if move == "cut":
             result = dev.resume()
         else:
@@ -255,6 +256,7 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
             result = dev.resume(hosts.b.endpoint, tickets[dev.sid])
         thread.join(30)
         assert not thread.is_alive() and errors == []
+        since = {way: relay.relayed[way] - on_wire[way] for way in on_wire}
         if direction == "write":
             assert bytes(dev.read(buf)) == data.tobytes()
         else:
@@ -269,6 +271,8 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
             assert result["resent"] <= chunks - accepted
             # ...and each chunk ran once
             assert after["bytes_uploaded"] - before["bytes_uploaded"] == size
+            if move == "cut":        # on the wire too: the payload after the cut is what the pool lacked
+                assert since["up"] <= size - accepted * LIMIT + chunks * 512 + 4096
         else:
             answered = at_cut["highest_reply"] - seen        # answered, not yet seen by the driver
             assert seen >= first_chunk, "no chunk had arrived before the cut"
@@ -276,6 +280,9 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
             assert after["bytes_downloaded"] - before["bytes_downloaded"] == size
             # the reply log never held the transfer: at most a flight of chunks
             assert at_cut["reply_bytes"] <= (MAX_IN_FLIGHT + 1) * (LIMIT + 64)
+            if move == "cut":        # on the wire too: the chunks after the cut are those not seen
+                seen_chunks = seen - first_chunk + 1
+                assert since["down"] <= (chunks - seen_chunks) * (LIMIT + 512) + 4096
         assert after["duplicates"] == 0
         state = small.session(dev.sid)
         assert state["bound_host"] == ("hostB" if move == "rehome" else "hostA")
