@@ -2,6 +2,13 @@
 through the driver and a real pool process, beside a raw asyncio socket
 server on the same loopback path (the baseline), in one run.
 
+Then transfers of any size (``--big-gib``, 2 by default): an ``upload()``,
+writes and read-backs of a 2 GiB array, which the driver sends in chunks,
+checked bit-exact, against the raw socket moving the same bytes in the
+same run (table ``remoting-big``), and against the driver's own 64 MiB
+transfer, measured in turn with it (table ``remoting-chunked``: is a
+chunked transfer as fast per byte as one frame?).
+
 The baseline server is a separate process, like the pool: an asyncio
 BufferedProtocol that echoes 64-byte messages, sinks uploads with recv_into
 a preallocated buffer and serves downloads from one.  Its client uses a
@@ -158,6 +165,10 @@ def main(argv=None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--pipelined", type=int, default=10000)
     parser.add_argument("--no-tls", action="store_true", help="skip the TLS-versus-plain table")
+    parser.add_argument("--big-gib", type=int, default=2,
+                        help="size of the chunked transfer rows in GiB (0: skip them; needs about "
+                             "3x this in free memory, and a tenant quota of it)")
+    parser.add_argument("--big-repeat", type=int, default=3, help="samples of each chunked transfer")
     args = parser.parse_args(argv)
     import numpy as np
     from accelmig.agent.driver import connect
@@ -204,13 +215,15 @@ def main(argv=None) -> None:
         dev_pipe, _ = median_of(launches, args.repeat)
         table.add(f"pipelined small commands ({count})", count / raw_pipe, count / dev_pipe,
                   "ops/s", "higher")
-        dev.close()
         report(table, "remoting", {"args": vars(args)})
         local_pipe = local_launches(count, args.repeat)
         launch_table = Table(f"pipelined launches of a trivial kernel ({count}, then a finish)",
                              "local pyopencl", "accelmig")
         launch_table.add(f"launches ({count})", count / local_pipe, count / dev_pipe, "ops/s", "higher")
         report(launch_table, "remoting-launches", {"args": vars(args)})
+        if args.big_gib:
+            big_transfers(args, raw, dev, dbuf, bulk)
+        dev.close()
         if not args.no_tls:
             plain = {"finish": dev_rt / n, "read": dev_read / n, "upload": dev_up, "download": dev_down,
                      "pipelined": dev_pipe}
@@ -244,6 +257,61 @@ def local_launches(count: int, repeat: int, device: int = 0) -> float:
         queue.finish()
     launches()      # warm up
     return median_of(launches, repeat)[0]
+def big_transfers(args, raw: RawClient, dev, dbuf, bulk) -> None:
+    """``--big-gib`` through the driver (in chunks) and the raw socket, in
+    GiB/s, and the driver's one-frame ``--bulk-mib`` transfer (``dbuf``,
+    ``bulk``).  The samples are interleaved, one of each per round, so that
+    a shared machine's load weighs on all of them alike."""
+    import statistics
+    import time
+    import numpy as np
+    size = args.big_gib << 30
+    big = np.frombuffer(np.random.default_rng(0).bytes(size), dtype=np.uint8)
+    back = np.empty_like(big)
+    small_back = np.empty_like(bulk)
+    piece = 64 * MIB                      # the raw server serves at most this per request
+
+    def raw_download():
+        for start in range(0, size, piece):
+            raw.download(memoryview(back)[start:start + piece])
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    buf = dev.upload(big)                 # alloc (a zeroed 2 GiB buffer) + chunked write
+    upload = time.perf_counter() - start
+    rounds: dict = {"raw_up": [], "raw_down": [], "write": [], "read": [], "write_1": [], "read_1": []}
+    for _ in range(args.big_repeat):
+        rounds["raw_up"].append(timed(lambda: raw.upload(big)))
+        rounds["write"].append(timed(lambda: dev.write(buf, big)))
+        rounds["write_1"].append(statistics.median(timed(lambda: dev.write(dbuf, bulk)) for _ in range(3)))
+        rounds["raw_down"].append(timed(raw_download))
+        back[:] = 0
+        rounds["read"].append(timed(lambda: dev.read_into(buf, back)))
+        rounds["read_1"].append(statistics.median(timed(lambda: dev.read_into(dbuf, small_back))
+                                                  for _ in range(3)))
+        if not np.array_equal(back, big):
+            raise SystemExit(f"the {args.big_gib} GiB read-back differs from what was uploaded")
+    dev.free(buf)
+    dev.finish()
+    med = {name: statistics.median(samples) for name, samples in rounds.items()}
+    gib, small_gib = size / (1 << 30), bulk.nbytes / (1 << 30)
+    chunks = -(-size // dev.chunk)
+    extra = {"args": vars(args), "chunk": dev.chunk, "samples": rounds, "upload_s": upload}
+    table = Table(f"transfers of any size ({args.big_gib} GiB, {chunks} chunks of {dev.chunk // MIB} MiB, "
+                  f"bit-exact)", "raw socket", "accelmig")
+    table.add(f"upload() {args.big_gib} GiB (1 sample)", gib / med["raw_up"], gib / upload, "GiB/s", "higher")
+    table.add(f"write {args.big_gib} GiB", gib / med["raw_up"], gib / med["write"], "GiB/s", "higher")
+    table.add(f"read_into {args.big_gib} GiB", gib / med["raw_down"], gib / med["read"], "GiB/s", "higher")
+    report(table, "remoting-big", extra)
+    rate = Table(f"a chunked {args.big_gib} GiB transfer vs one {args.bulk_mib} MiB frame (the driver, "
+                 "interleaved)", f"{args.bulk_mib} MiB", f"{args.big_gib} GiB")
+    rate.add("write", small_gib / med["write_1"], gib / med["write"], "GiB/s", "higher")
+    rate.add("read_into", small_gib / med["read_1"], gib / med["read"], "GiB/s", "higher")
+    report(rate, "remoting-chunked", extra)
 
 
 def driver_figures(endpoint: str, args, **connect_options) -> dict:

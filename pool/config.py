@@ -200,7 +200,8 @@ class PoolConfig:
         "doc": "Largest data-plane frame header; a bigger frame closes that connection.",
         "type": "size"})
     max_payload: int = dataclasses.field(default=1 << 30, metadata={
-        "doc": "Largest data-plane frame payload (one write or read).", "type": "size"})
+        "doc": "Largest data-plane frame payload, told to drivers at hello; they send larger "
+               "writes and reads as chunks of at most this (and at most 64 MiB).", "type": "size"})
     max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
         "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
                "driver's acknowledgements.", "type": "size"})

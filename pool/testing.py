@@ -136,7 +136,10 @@ class CutProxy:
     lose a driver's connection for real without touching either end; or
     held (``hold()``: what the client sends waits in the relay until
     ``release()``), to make the far end slow for real.  ``record``: keep
-    every byte relayed, both ways, in ``recorded`` (a passive tap)."""
+    every byte relayed, both ways, in ``recorded`` (a passive tap).
+    ``relayed`` counts the bytes relayed each way (``"up"``: client to
+    target, ``"down"``: back); ``cut_after`` arms a cut at an exact byte
+    count, to cut in the middle of a transfer without a race."""
 
     def __init__(self, target: str, listen: str = "127.0.0.1:0", *, record: bool = False):
         import socket
@@ -154,7 +157,21 @@ class CutProxy:
         self._closed = False
         self._flowing = threading.Event()
         self._flowing.set()
+        self.relayed = {"up": 0, "down": 0}
+        self._trip: tuple[str, int] | None = None      # (direction, cut when relayed reaches this)
+        self.tripped = threading.Event()
         threading.Thread(target=self._accept, name="cut-proxy", daemon=True).start()
+
+    def cut_after(self, nbytes: int, direction: str = "up") -> None:
+        """Cut every connection once ``nbytes`` more bytes went ``direction``
+        (``"up"`` or ``"down"``): that many are relayed, not a byte more,
+        then a reset (which may lose the last of them still in the socket);
+        ``tripped`` is set then."""
+        if direction not in self.relayed:
+            raise ValueError(f"direction {direction!r} is not 'up' or 'down'")
+        with self._lock:
+            self.tripped.clear()
+            self._trip = (direction, self.relayed[direction] + nbytes)
 
     def hold(self) -> None:
         """Stop forwarding what clients send (their bytes wait here)."""
@@ -178,10 +195,10 @@ class CutProxy:
                 continue
             with self._lock:
                 self._pairs.append((client, upstream))
-            for a, b, gate in ((client, upstream, self._flowing), (upstream, client, None)):
-                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
+            for a, b, gate, way in ((client, upstream, self._flowing, "up"), (upstream, client, None, "down")):
+                threading.Thread(target=self._pump, args=(a, b, gate, way), daemon=True).start()
 
-    def _pump(self, src, dst, gate: threading.Event | None) -> None:
+    def _pump(self, src, dst, gate: threading.Event | None, way: str) -> None:
         buf = bytearray(1 << 20)
         view = memoryview(buf)
         try:
@@ -191,10 +208,20 @@ class CutProxy:
                     break
                 if gate is not None:
                     gate.wait()
-                if self.recorded is not None:
-                    with self._lock:
+                with self._lock:
+                    trip = self._trip
+                    if trip is not None and trip[0] == way:
+                        n = min(n, trip[1] - self.relayed[way])   # up to the trip, not a byte more
+                    self.relayed[way] += n
+                    if self.recorded is not None:
                         self.recorded += view[:n]
                 dst.sendall(view[:n])
+                if trip is not None and trip[0] == way and self.relayed[way] >= trip[1]:
+                    with self._lock:
+                        self._trip = None
+                    self.cut()
+                    self.tripped.set()
+                    break
         except OSError:
             pass
         for s in (src, dst):

@@ -25,6 +25,7 @@ This package is the façade; inside it:
 - ``session``: the connection's state machine, resume, tickets, housekeeping;
 - ``link``: the socket, corking, the reader, replies to the window;
 - ``window``: the commands not yet answered, kept for replay;
+- ``transfer``: writes and reads of any size, as chunks of one frame each;
 - ``registry``: the driver's side of the guest agent's socket.
 """
 

@@ -6,6 +6,16 @@ each); reads, ``finish``, builds and large writes wait for their reply.  A
 pipelined command that fails raises at the next call that waits.  Writes of
 ``ZERO_COPY_WRITE`` bytes or more are sent from the caller's memory and wait
 for their reply (nothing is copied); smaller writes are copied and pipelined.
+
+Transfers of any size: a write, upload, read or ``read_into`` larger than
+one chunk (64 MiB, or the pool's frame limit when smaller) goes as
+consecutive chunks (``accelmig.agent.driver.transfer``), each an ordinary
+command: a cut or a migration in the middle re-sends only the chunks the
+pool never got.  Its range is checked once, before any byte travels.  A
+transfer's chunks are consecutive commands of the thread that issued it;
+another thread's commands on the same ``Device`` may fall between them, as
+between two writes: order them yourself if they touch the same bytes.
+``copy`` needs no chunks: it carries no payload, whatever its size.
 """
 
 from __future__ import annotations
@@ -13,12 +23,13 @@ from __future__ import annotations
 import logging
 import os
 
+from accelmig.agent.driver import transfer
 from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg
 from accelmig.agent.driver.registry import AgentRegistration, domain_of_this_guest, endpoint_from_agent
 from accelmig.agent.driver.session import LinkState, Session
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
-from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
+from accelmig.wire.errors import AccelmigError, BadRequest, ConfigInvalid, Unavailable
 
 LOG = logging.getLogger(__name__)
 
@@ -230,16 +241,45 @@ class Device:
         self._submit(Op.ALLOC, {"buf": handle, "size": nbytes}, wait=False)
         return Buffer(self, handle, nbytes)
 
+    @property
+    def chunk(self) -> int:
+        """The largest transfer that goes as one command (larger ones go in
+        chunks of this size): ``TRANSFER_CHUNK`` or the pool's frame limit."""
+        return transfer.chunk_size(self._session.max_payload)
+
     def upload(self, data) -> Buffer:
-        """A new buffer holding ``data`` (bytes, memoryview or numpy array)."""
+        """A new buffer holding ``data`` (bytes, memoryview or numpy array), of any size."""
         view = as_bytes_view(data)
-        buf = self.alloc(view.nbytes)
-        self.write(buf, view)
+        if view.nbytes <= self.chunk:
+            buf = self.alloc(view.nbytes)
+            self.write(buf, view)
+            return buf
+        # Chunked: the quota is checked once, before any byte travels (a
+        # refused alloc sends no chunk, and no chunk is refused for quota).
+        handle = self._session.new_handle()
+        self._submit(Op.ALLOC, {"buf": handle, "size": view.nbytes}, wait=True)
+        buf = Buffer(self, handle, view.nbytes)
+        try:
+            self.write(buf, view)
+        except AccelmigError:
+            self._free_quietly(buf)      # the caller never gets it: give it back
+            raise
         return buf
 
     def write(self, buffer: Buffer, data, offset: int = 0) -> None:
+        """Write ``data`` at ``offset`` (any size: chunked past ``chunk``)."""
         self._own(buffer, "buffer")
         view = as_bytes_view(data)
+        chunk = self.chunk
+        if view.nbytes > chunk:
+            transfer.check_range("write", buffer.handle, buffer.size, offset, view.nbytes)
+            # Chunks are sent from the caller's memory, and all are answered
+            # before this returns: that memory stays stable for any replay.
+            transfer.run(self._session, Op.WRITE, view.nbytes, chunk,
+                         lambda start, end: ({"buf": buffer.handle, "offset": offset + start},
+                                             view[start:end], None),
+                         what=f"write to buffer {buffer.handle}")
+            return
         if view.nbytes >= ZERO_COPY_WRITE:
             # Sent from the caller's memory; waiting keeps that memory stable
             # for as long as a replay might need it.
@@ -248,21 +288,30 @@ class Device:
             self._submit(Op.WRITE, {"buf": buffer.handle, "offset": offset}, bytes(view), wait=False)
 
     def read(self, buffer: Buffer, nbytes: int | None = None, offset: int = 0) -> bytes:
-        """``nbytes`` (default: the rest of the buffer) from ``offset``."""
+        """``nbytes`` (default: the rest of the buffer) from ``offset``, of any
+        size (past ``chunk``, in chunks; ``read_into`` spares the copy into bytes)."""
         self._own(buffer, "buffer")
         if nbytes is None:
             nbytes = buffer.size - offset
+        if nbytes > self.chunk:
+            out = bytearray(nbytes)        # (read_into spares the copy to bytes)
+            self._read_chunks(buffer, memoryview(out), offset)
+            return bytes(out)
         cmd = self._submit(Op.READ, {"buf": buffer.handle, "offset": offset, "size": nbytes}, wait=True)
         payload = cmd.reply_payload
         return payload if isinstance(payload, bytes) else bytes(payload)
 
     def read_into(self, buffer: Buffer, out, offset: int = 0) -> None:
         """Read ``len(out)`` bytes straight into ``out`` (a writable buffer, e.g.
-        a numpy array): no intermediate copy for large reads."""
+        a numpy array): no intermediate copy for large reads; any size, each
+        chunk landing in its slice of ``out``."""
         self._own(buffer, "buffer")
         view = as_bytes_view(out)
         if view.readonly:
             raise BadRequest(reason="read_into needs a writable buffer")
+        if view.nbytes > self.chunk:
+            self._read_chunks(buffer, view, offset)
+            return
         cmd = self._submit(Op.READ, {"buf": buffer.handle, "offset": offset, "size": view.nbytes},
                            wait=True, sink=view)
         if cmd.reply_payload is not view and cmd.reply_payload is not None:
@@ -270,6 +319,25 @@ class Device:
             got = memoryview(cmd.reply_payload).cast("B")
             if got.obj is not view.obj:
                 view[:] = got
+
+    def _read_chunks(self, buffer: Buffer, view: memoryview, offset: int) -> None:
+        """A read larger than a chunk, each chunk straight into its slice of ``view``."""
+        transfer.check_range("read", buffer.handle, buffer.size, offset, view.nbytes)
+
+        def landed(cmd, start, end):
+            if cmd.reply_payload is not cmd.sink:      # the reader could not put it in place
+                view[start:end] = memoryview(cmd.reply_payload).cast("B")
+
+        transfer.run(self._session, Op.READ, view.nbytes, self.chunk,
+                     lambda start, end: ({"buf": buffer.handle, "offset": offset + start,
+                                          "size": end - start}, b"", view[start:end]),
+                     what=f"read of buffer {buffer.handle}", on_done=landed)
+
+    def _free_quietly(self, buffer: Buffer) -> None:
+        try:
+            self.free(buffer)
+        except AccelmigError as exc:       # the session itself is gone: so is the buffer
+            LOG.debug("free of buffer %d after a failed upload: %s", buffer.handle, exc)
 
     def copy(self, src: Buffer, dst: Buffer, nbytes: int | None = None, src_offset: int = 0,
              dst_offset: int = 0) -> None:

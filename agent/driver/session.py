@@ -245,10 +245,17 @@ class Session:
             self._next_handle += 1
             return handle
 
+    @property
+    def max_payload(self) -> int:
+        """The largest payload one frame may carry (the pool said at hello)."""
+        return self._max_payload
+
     def submit(self, op: Op, fields: dict, payload=b"", *, wait: bool, sink=None,
-               timeout: float | None = None) -> PendingCommand:
+               timeout: float | None = None, defer: bool = False) -> PendingCommand:
         """Number a command, keep it in the window and send it; with ``wait``,
-        block for its reply (and raise a pipelined command's failure)."""
+        block for its reply (and raise a pipelined command's failure).  With
+        ``defer`` it is sent at once and the caller waits later
+        (``wait_reply``): its failure is the caller's, not a pipelined one."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         nbytes = len(payload)
@@ -265,7 +272,7 @@ class Session:
                         continue   # lost it between the two locks: wait again
                     header = {"op": op.value, "epoch": self.epoch, "ack": self.window.last_seen}
                     header.update(fields)
-                    cmd = self.window.add(header, payload, waited=wait, sink=sink)
+                    cmd = self.window.add(header, payload, waited=wait or defer, sink=sink)
                     sock, gen = link.sock, link.gen
                     link.acked_sent = max(link.acked_sent, header["ack"])
                 link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
@@ -294,7 +301,13 @@ class Session:
                                    f"last error: {self.last_error}")
             self.cond.wait(remaining)
 
-    def _wait_reply(self, cmd: PendingCommand, deadline: float) -> PendingCommand:
+    def wait_reply(self, cmd: PendingCommand, *, pipelined_errors: bool = True) -> PendingCommand:
+        """Block for a deferred command's reply (``submit(defer=True)``);
+        raise its failure, and with ``pipelined_errors`` a pipelined one's."""
+        return self._wait_reply(cmd, time.monotonic() + self.timeout, pipelined_errors)
+
+    def _wait_reply(self, cmd: PendingCommand, deadline: float,
+                    pipelined_errors: bool = True) -> PendingCommand:
         with self.cond:
             while cmd.reply is None:
                 state = self.states.state
@@ -311,6 +324,8 @@ class Session:
                 self.cond.wait(remaining)
             if not cmd.reply.get("ok", False):
                 raise from_wire(cmd.reply.get("error", {}))
+            if not pipelined_errors:
+                return cmd
             errors, self.pipeline_errors = self.pipeline_errors, []
         if errors:
             first = errors[0]

@@ -163,11 +163,13 @@ def test_payload_limit_is_enforced_by_driver_and_pool():
     with PoolThread({"t": ("tenant-token-001", "1GiB")}, max_payload=1 << 20) as small:
         with connect(small.endpoint, "tenant-token-001", timeout=5) as dev:
             buf = dev.alloc(2 << 20)
-            # the driver learned the limit at hello: refused before sending
+            # the driver learned the limit at hello: a payload it cannot
+            # split is refused before sending; a write goes in chunks
             with pytest.raises(FrameTooLarge, match="2097152 bytes exceeds the limit of 1048576"):
-                dev.write(buf, bytes(2 << 20))
-            dev.write(buf, bytes(1 << 20))
-            dev.finish()
+                dev.build_binary(bytes(2 << 20))
+            dev.write(buf, b"x" * (2 << 20))
+            assert dev.read(buf, 8, (2 << 20) - 8) == b"x" * 8
+            assert small.session(dev.sid)["counters"]["commands"] == 1 + 2 + 1   # alloc, two chunks, read
         # a peer that ignores it is cut off by the pool
         sock = _raw_session(small.endpoint, "tenant-token-001")
         sock.sendall(PREFIX.pack(MAGIC, 1, 0, 2, (1 << 20) + 1) + b"{}")
