@@ -20,7 +20,8 @@ import time
 from bench import common
 
 #: the order of the report (others, if any, follow by name)
-ORDER = ["remoting", "remoting-big", "remoting-chunked", "remoting-tls", "resume", "storm", "blackout", "isolation"]
+ORDER = ["remoting", "remoting-launches", "remoting-big", "remoting-chunked", "remoting-tls", "resume", "storm",
+         "blackout", "isolation", "devices", "placement"]
 #: how many hours older than the newest result one may be before it is flagged
 STALE_HOURS = 24.0
 

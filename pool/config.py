@@ -52,7 +52,7 @@ import shlex
 import stat
 import tomllib
 
-from accelmig.wire.dataplane import parse_endpoint, parse_listen_list
+from accelmig.wire.dataplane import MIN_PAYLOAD_LIMIT, parse_endpoint, parse_listen_list
 from accelmig.wire.errors import BadRequest, ConfigInvalid
 from accelmig.wire.logs import level_number
 
@@ -201,7 +201,7 @@ class PoolConfig:
         "type": "size"})
     max_payload: int = dataclasses.field(default=1 << 30, metadata={
         "doc": "Largest data-plane frame payload, told to drivers at hello; they send larger "
-               "writes and reads as chunks of at most this (and at most 64 MiB).", "type": "size"})
+               "writes and reads as chunks of at most this (and at most 64 MiB); at least 4 KiB.", "type": "size"})
     max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
         "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
                "driver's acknowledgements.", "type": "size"})
@@ -263,6 +263,9 @@ class PoolConfig:
         if config.device and config.devices.strip() != "all":
             raise ConfigInvalid(source=path or "flags", reason="device (one device) and devices "
                                                               "(several): choose one")
+        if config.max_payload < MIN_PAYLOAD_LIMIT:
+            raise ConfigInvalid(source=path or "flags", reason=f"max_payload must be at least "
+                                                              f"{MIN_PAYLOAD_LIMIT} bytes (drivers refuse less)")
         if config.device_isolation not in ("process", "none"):
             raise ConfigInvalid(source=path or "flags", reason="device_isolation is process or none")
         if config.log_format not in ("json", "text"):

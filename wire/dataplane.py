@@ -118,6 +118,25 @@ def parse_op(header: dict) -> Op:
 #: binding fails in ways it cannot explain (std::bad_cast), not BAD_REQUEST
 MAX_INT = (1 << 63) - 1
 
+#: The smallest frame payload limit a pool may announce at hello (and an
+#: operator may configure): a driver splits transfers into chunks of the
+#: announced limit, so a pool announcing a few bytes would turn one upload
+#: into millions of commands.
+MIN_PAYLOAD_LIMIT = 4096
+
+
+def announced_payload_limit(welcome: dict, own_limit: int) -> int:
+    """The frame payload limit of a pool's ``welcome``: at most the driver's
+    own; a missing one is the driver's; BadRequest for one that is not an
+    integer of at least ``MIN_PAYLOAD_LIMIT``."""
+    value = welcome.get("max_payload")
+    if value is None:
+        return own_limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_PAYLOAD_LIMIT:
+        raise BadRequest(reason=f"the pool announced max_payload {str(value)[:40]!r}: it must be an "
+                                f"integer of at least {MIN_PAYLOAD_LIMIT}")
+    return min(value, own_limit)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT

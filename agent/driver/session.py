@@ -183,7 +183,7 @@ class Session:
         sock, reader, welcome, after = self.link.dial(endpoint, timeout, then)
         self.pool_instance = welcome.get("instance")
         self._challenge = welcome.get("challenge", "")
-        self._max_payload = int(welcome.get("max_payload") or self.link.limits.max_payload)
+        self._max_payload = dp.announced_payload_limit(welcome, self.link.limits.max_payload)
         if then is None:
             return sock, reader
         return sock, reader, after

@@ -100,3 +100,24 @@ def test_a_record_view_lists_inline_while_short_and_counts_always():
     assert old.session_count == old.resumed_count == 1 and old.rehomed
     with pytest.raises(ProtocolError, match="all of them or none"):
         RecordView.from_wire(dict(base, sessions=["s1"], session_count=5))
+
+
+def test_a_pools_announced_payload_limit_is_bounded_below():
+    """A driver chunks transfers to the pool's limit: a pool announcing a
+    few bytes must not turn one upload into millions of commands."""
+    from accelmig.wire import dataplane as dp
+    own = 1 << 30
+    assert dp.announced_payload_limit({}, own) == own
+    assert dp.announced_payload_limit({"max_payload": 256 << 10}, own) == 256 << 10
+    assert dp.announced_payload_limit({"max_payload": 1 << 40}, own) == own       # never above ours
+    assert dp.announced_payload_limit({"max_payload": dp.MIN_PAYLOAD_LIMIT}, own) == dp.MIN_PAYLOAD_LIMIT
+    for hostile in (1, 0, -5, dp.MIN_PAYLOAD_LIMIT - 1, "1GiB", 1.5e9, True, [1]):
+        with pytest.raises(BadRequest, match="the pool announced max_payload"):
+            dp.announced_payload_limit({"max_payload": hostile}, own)
+
+
+def test_a_pool_configured_below_the_floor_is_refused():
+    from accelmig.pool.config import PoolConfig
+    from accelmig.wire.errors import ConfigInvalid
+    with pytest.raises(ConfigInvalid, match="max_payload must be at least 4096"):
+        PoolConfig.load(None, {"max_payload": "1KiB"})
