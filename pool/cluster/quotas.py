@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from accelmig.pool.cluster.store import PREFIX, ClusterStore, check_name
+from accelmig.pool.cluster.keys import PREFIX, check_name
+from accelmig.pool.cluster.store import ClusterStore
 from accelmig.wire.errors import QuotaExceeded, Unavailable
 
 LOG = logging.getLogger("accelmig.pool.cluster")

@@ -18,9 +18,10 @@ import re
 import threading
 import time
 
-from accelmig.pool.cluster.store import PREFIX, ClusterStore, check_name
+from accelmig.pool.cluster.keys import PREFIX, check_name
+from accelmig.pool.cluster.store import ClusterStore
 from accelmig.wire.dataplane import parse_endpoint
-from accelmig.wire.errors import Conflict, Unavailable
+from accelmig.wire.errors import BadRequest, Conflict, Unavailable
 
 LOG = logging.getLogger("accelmig.pool.cluster")
 
@@ -102,7 +103,7 @@ def live_nodes(store: ClusterStore) -> dict[str, NodeView]:
     for key, value, meta in store.range(NODES, limit=1024)[0]:
         try:
             view = NodeView.parse(key, value, meta["lease"])
-        except ValueError as exc:
+        except (ValueError, BadRequest) as exc:     # BadRequest: an endpoint that does not parse
             LOG.warning("etcd: skipping node record %s: %s", key[:120], exc)
             continue
         nodes[view.name] = view

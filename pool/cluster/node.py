@@ -1,0 +1,50 @@
+"""This pool node joining the pool's cluster: what ``accelmig-pool serve
+--cluster etcd://...`` adds to a single node (its registration and its part
+of the quota ledger), and nothing else."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+from accelmig.pool.cluster.keys import check_name, parse_cluster_url
+from accelmig.pool.cluster.quotas import QuotaLedger
+from accelmig.pool.cluster.registry import NodeRegistration, NodeView, device_summary
+from accelmig.pool.cluster.store import ClusterStore
+from accelmig.wire.errors import ConfigInvalid
+
+LOG = logging.getLogger("accelmig.pool.cluster")
+
+
+class ClusterNode:
+    def __init__(self, store: ClusterStore, registration: NodeRegistration, ledger: QuotaLedger):
+        self.store, self.registration, self.ledger = store, registration, ledger
+
+    @property
+    def name(self) -> str:
+        return self.registration.view.name
+
+    @classmethod
+    def join(cls, config, server) -> "ClusterNode":
+        """Register ``server`` (started: its endpoints are known) in etcd.
+        Blocking: run it off the pool's loop."""
+        pool = server.pool
+        try:
+            name = check_name(config.node_name or socket.gethostname().split(".")[0], "node_name")
+        except ValueError as exc:
+            raise ConfigInvalid(source="node_name", reason=str(exc)) from None
+        store = ClusterStore(parse_cluster_url(config.cluster, "cluster"))
+        # the backend's info() today; a list so that every device of a node fits
+        view = NodeView(name=name, instance=pool.instance, data=server.endpoints["data"],
+                        control=server.endpoints.get("control"),
+                        devices=(device_summary(pool.backend.info()),), sessions=0)
+        ledger = QuotaLedger(store, name)
+        # read from the lease thread: len() of a dict is one atomic step
+        registration = NodeRegistration(store, view, int(config.cluster_ttl),
+                                        load=lambda: sum(1 for s in list(pool.sessions.values()) if s.live),
+                                        on_lease=ledger.follow_lease)
+        registration.start()
+        return cls(store, registration, ledger)
+
+    def leave(self) -> None:
+        self.registration.stop()

@@ -1,0 +1,223 @@
+"""Many pool nodes on a real etcd (Debian's etcd-server on loopback): nodes
+under a lease, a dead node's lease running out, a node that comes back as a
+new instance, tenant quotas that hold across nodes, and a store that lies.
+Real ``accelmig-pool serve`` processes, no mock."""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytest.importorskip("etcd3gw", reason="the cluster extra (pip install 'accelmig[cluster]')")
+
+from accelmig.agent.driver import connect  # noqa: E402
+from accelmig.pool.cluster.quotas import QuotaLedger, tenant_prefix  # noqa: E402
+from accelmig.pool.cluster.registry import NODES, live_nodes, node_key  # noqa: E402
+from accelmig.pool.cluster.store import ClusterStore  # noqa: E402
+from accelmig.wire.errors import QuotaExceeded, SessionLost, Unavailable  # noqa: E402
+from tests.support.etcd import etcd_server  # noqa: E402,F401  (the fixture)
+from tests.support.processes import PoolProcess, tenants_toml  # noqa: E402
+from tests.support.tenants import run_cli  # noqa: E402
+
+MiB = 1 << 20
+
+
+def store_of(etcd) -> ClusterStore:
+    return ClusterStore([("127.0.0.1", etcd.client_port)])
+
+
+def node(tmp_path, etcd, name: str, *extra) -> PoolProcess:
+    directory = tmp_path / f"{name}-{len(list(tmp_path.glob(name + '-*')))}"
+    directory.mkdir()
+    return PoolProcess(directory, tenants_toml(alice="alice-token-0001"),
+                       extra=("--cluster", etcd.url, "--node-name", name, "--cluster-ttl", "2",
+                              "--device-isolation", "none", *extra))
+
+
+class Deletions:
+    """The keys etcd deletes under a prefix, as its watch reports them."""
+
+    def __init__(self, store: ClusterStore, prefix: str):
+        self.deleted: queue.Queue = queue.Queue()
+        _, revision = store.range(prefix)
+        self.events, self.cancel = store.watch_prefix(prefix, start_revision=revision + 1)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for event in self.events:
+            if event.get("type") == "DELETE":
+                self.deleted.put(event["kv"]["key"].decode())
+
+    def wait(self, key: str, timeout: float = 30.0) -> None:
+        while True:
+            try:
+                if self.deleted.get(timeout=timeout) == key:
+                    return
+            except queue.Empty:
+                raise AssertionError(f"etcd did not delete {key} within {timeout} s") from None
+
+
+def test_a_node_registers_endpoints_devices_and_instance_under_a_lease_and_leaves_on_stop(tmp_path, etcd_server):
+    store = store_of(etcd_server)
+    pool = node(tmp_path, etcd_server, "n1")
+    try:
+        assert pool.ready["node"] == "n1"
+        nodes = live_nodes(store)
+        assert set(nodes) == {"n1"}
+        view = nodes["n1"]
+        assert view.instance == pool.ready["instance"]
+        assert view.data == pool.endpoint and view.control == pool.control_endpoint
+        assert view.devices and view.devices[0]["name"] and view.devices[0]["global_mem_size"] > 0
+        assert view.lease != 0
+        assert store.keepalive(view.lease) > 0           # a live lease, its key under it
+        pool.wait_log(lambda e: e["msg"].startswith("node n1 (instance"))
+    finally:
+        assert pool.stop() == 0
+    assert live_nodes(store) == {}                       # revoked at a clean stop, not left to expire
+    assert store.keepalive(view.lease) == -1
+
+
+def test_a_killed_node_leaves_when_its_lease_runs_out_and_returns_as_a_new_instance(tmp_path, etcd_server):
+    store = store_of(etcd_server)
+    first = node(tmp_path, etcd_server, "n1")
+    other = node(tmp_path, etcd_server, "n2")
+    try:
+        dev = connect(first.endpoint, "alice-token-0001", agent=False, timeout=5, auto_reconnect=False)
+        dev.upload(b"device memory that dies with its node")
+        dev.finish()
+        old_instance = first.ready["instance"]
+        deletions = Deletions(store, NODES)
+        first.signal(signal.SIGKILL)                     # no deregistration: only the TTL removes it
+        first.proc.wait(10)
+        deletions.wait(node_key("n1"))
+        deletions.cancel()
+        assert set(live_nodes(store)) == {"n2"}          # the other node is untouched
+
+        again = node(tmp_path, etcd_server, "n1")        # same name, new process
+        try:
+            nodes = live_nodes(store)
+            assert nodes["n1"].instance == again.ready["instance"] != old_instance
+            # the old instance's session is not the new one's: lost, never re-created
+            with pytest.raises(SessionLost, match="the pool restarted"):
+                dev.resume(again.endpoint)
+        finally:
+            again.stop()
+    finally:
+        first.stop()
+        other.stop()
+
+
+def test_a_second_node_with_a_live_nodes_name_is_refused(tmp_path, etcd_server):
+    pool = node(tmp_path, etcd_server, "n1")
+    try:
+        out = run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
+                      "--admin-socket", "", "--insecure", "--tokens", pool.tokens, "--cluster", etcd_server.url,
+                      "--node-name", "n1", "--cluster-ttl", "2", "--device-isolation", "none",
+                      "--log-format", "text", timeout=60)
+        assert out.returncode == 2
+        assert "node name n1 is held in etcd by instance " + pool.ready["instance"] in out.stderr
+        assert live_nodes(store_of(etcd_server))["n1"].instance == pool.ready["instance"]
+    finally:
+        pool.stop()
+
+
+def test_two_nodes_racing_for_a_tenants_quota_never_exceed_it_together(etcd_server):
+    """Each node tries 12 reservations of 1 MiB at once against a 10 MiB quota."""
+    quota, attempts = 10 * MiB, 12
+    ledgers = []
+    for name in ("n1", "n2"):
+        store = store_of(etcd_server)
+        ledgers.append(QuotaLedger(store, name, store.grant(30)))
+    start = threading.Barrier(2)
+    granted = {"n1": 0, "n2": 0}
+    refused = {"n1": 0, "n2": 0}
+
+    def race(ledger):
+        start.wait()
+        for i in range(attempts):
+            try:
+                ledger.reserve("alice", f"s-{i}", MiB, quota)
+                granted[ledger.node] += 1
+            except QuotaExceeded:
+                refused[ledger.node] += 1
+
+    threads = [threading.Thread(target=race, args=(ledger,)) for ledger in ledgers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert granted["n1"] + granted["n2"] == 10, (granted, refused)
+    assert refused["n1"] + refused["n2"] == 2 * attempts - 10
+    used, _ = ledgers[0].used("alice")
+    assert used == quota
+    # node 1 dies: its reservations go with its lease, node 2's stay
+    ledgers[0].store.revoke(ledgers[0].lease)
+    assert ledgers[1].used("alice")[0] == granted["n2"] * MiB
+    ledgers[1].reserve("alice", "after", granted["n1"] * MiB, quota)     # the freed bytes are usable
+    with pytest.raises(QuotaExceeded, match="would use 10485760 of its 10485760-byte"):
+        ledgers[1].reserve("alice", "one-too-many", 1, quota)
+    ledgers[1].release("alice", "after")
+    assert ledgers[1].used("alice")[0] == granted["n2"] * MiB
+
+
+def test_what_a_hostile_store_holds_costs_bounded_memory_and_a_clear_error(etcd_server):
+    store = store_of(etcd_server)
+    raw = store.client
+    good = {"name": "ok", "instance": "abcd1234", "data": "127.0.0.1:7070", "control": None,
+            "devices": [{"name": "cpu", "global_mem_size": 1}], "sessions": 0}
+    store.put(node_key("ok"), good)
+    raw.put(NODES + "not-json", b"\xff{not json")
+    raw.put(NODES + "a-list", b"[1, 2, 3]")
+    store.put(node_key("other-name"), dict(good))                       # key and name disagree
+    store.put(node_key("bad-endpoint"), dict(good, name="bad-endpoint", data="no port"))
+    store.put(node_key("many-devices"), dict(good, name="many-devices", devices=[{}] * 65))
+    store.put(node_key("bad-load"), dict(good, name="bad-load", sessions=True))
+    assert set(live_nodes(store)) == {"ok"}
+    # a reservation without a byte count counts as nothing, never as a crash
+    raw.put(tenant_prefix("alice") + "x/evil", b'{"bytes": "lots"}')
+    assert QuotaLedger(store, "n1").used("alice")[0] == 0
+    # an answer past the bound (8 MiB) is refused before it is held: values of
+    # 1 MiB each (etcd takes up to 1.5 MiB a request), 8 of them
+    for i in range(8):
+        raw.put(NODES + f"huge-{i}", b"x" * MiB)
+    with pytest.raises(Unavailable, match="an answer of more than"):
+        live_nodes(store)
+
+
+def test_no_etcd_answering_is_a_clear_error_at_start(tmp_path):
+    (tmp_path / "tokens.toml").write_text(tenants_toml(alice="alice-token-0001"))
+    out = run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
+                  "--admin-socket", "", "--insecure", "--tokens", tmp_path / "tokens.toml",
+                  "--cluster", "etcd://127.0.0.1:1", "--device-isolation", "none", "--log-format", "text",
+                  timeout=60)
+    assert out.returncode == 2
+    assert "cannot join the cluster at etcd://127.0.0.1:1" in out.stderr
+    assert "no endpoint answered" in out.stderr
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("http://127.0.0.1:2379", "cluster must be etcd://HOST:PORT"),
+    ("etcd://", "cluster: ''"),
+    ("etcd://127.0.0.1:99999", "cluster: '127.0.0.1:99999'"),
+])
+def test_a_bad_cluster_url_is_refused_before_anything_starts(tmp_path, value, reason):
+    out = run_cli("accelmig-pool", "serve", "--insecure", "--cluster", value, "--tokens", tmp_path / "none")
+    assert out.returncode == 2
+    assert reason in out.stderr
+
+
+def test_a_single_node_never_imports_the_etcd_client():
+    code = ("import sys\n"
+            "from accelmig.pool.config import PoolConfig\n"
+            "import accelmig.pool.cli, accelmig.pool.listeners, accelmig.pool.state\n"
+            "PoolConfig.load(None, {'insecure': True})\n"
+            "assert 'etcd3gw' not in sys.modules and 'accelmig.pool.cluster.store' not in sys.modules\n"
+            "PoolConfig.load(None, {'insecure': True, 'cluster': 'etcd://127.0.0.1:2379'})\n"
+            "assert 'etcd3gw' not in sys.modules, 'checking the config imported the client'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
