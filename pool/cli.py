@@ -104,6 +104,8 @@ def main():
               "register this node in etcd under a lease [config: cluster; default: a single node, no etcd].")
 @click.option("--node-name", metavar="NAME", help="This node's name in the cluster [default: the short "
               "host name].")
+@click.option("--cluster-advertise", metavar="HOST:PORT", help="The data endpoint other nodes redirect "
+              "drivers to [default: the first --listen address].")
 @click.option("--cluster-ttl", type=float, metavar="SECONDS", help="The node's etcd lease: a node that "
               "dies leaves the pool this long after its last renewal [default 10].")
 @click.option("--log-format", type=click.Choice(["json", "text"]), help="Log lines on stderr "

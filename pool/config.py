@@ -205,6 +205,10 @@ class PoolConfig:
     node_name: str = dataclasses.field(default="", metadata={
         "doc": "This node's name in the cluster (unique among the pool's nodes); `\"\"`: the "
                "short host name.", "example": "pool-1"})
+    cluster_advertise: str = dataclasses.field(default="", metadata={
+        "doc": "The data-plane endpoint other nodes redirect drivers to, HOST:PORT as drivers reach "
+               "it; `\"\"`: the first `listen` address (which must then not be 0.0.0.0 or ::).",
+        "example": "10.0.0.21:7070"})
     cluster_ttl: float = dataclasses.field(default=10.0, metadata={
         "doc": "Seconds of the node's etcd lease: a node that dies disappears from the pool "
                "(and its quota reservations with it) this long after its last renewal.",
@@ -265,6 +269,8 @@ class PoolConfig:
             if config.cluster:
                 from accelmig.pool.cluster.keys import parse_cluster_url   # without the etcd client
                 parse_cluster_url(config.cluster, path or "flags")
+            if config.cluster_advertise:
+                parse_endpoint(config.cluster_advertise)
             parse_listen_list(config.listen)
             for key in ("control_listen", "metrics_listen"):      # "" disables these two
                 if getattr(config, key):

@@ -68,6 +68,7 @@ class Pool:
         # descriptor from the tenants.
         self._unauthenticated: dict[str, set] = {}
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
+        self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()

@@ -184,12 +184,13 @@ class Session:
             return sock, reader
         return sock, reader, after
 
-    def _open(self, token: str) -> None:
+    def _open(self, token: str, placed: dict | None = None) -> None:
         # the open goes with the hello (it needs nothing of the welcome)
         sock, reader, after = self._dial(self.endpoint, self.connect_timeout, then={
             "op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
             "client": {"name": self.name, "pid": os.getpid()},
-            **({"domain": self.domain} if self.domain else {})})
+            **({"domain": self.domain} if self.domain else {}),
+            **({"placed": placed} if placed else {})})
         try:
             if after:
                 answer, leftovers = after[0].header, after[1:]
@@ -200,6 +201,16 @@ class Session:
         except BaseException:
             sock.close()
             raise
+        if answer.get("op") == Op.REDIRECT.value:
+            # a pool of several nodes placed the session on another node: once, at open
+            sock.close()
+            if placed is not None:
+                raise ProtocolError(reason=f"redirected again by {self.endpoint}: a session is placed once")
+            target = dp.parse_redirect(answer)
+            LOG.info("open at %s redirected to node %s at %s", self.endpoint, target["node"], target["endpoint"])
+            self.endpoint = target["endpoint"]
+            self._open(token, {"node": target["node"], "instance": target["instance"]})
+            return
         if answer.get("op") != Op.OPENED.value:
             sock.close()
             raise ProtocolError(reason=f"expected opened, got {answer.get('op')!r}")

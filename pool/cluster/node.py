@@ -4,13 +4,16 @@ of the quota ledger), and nothing else."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 
 from accelmig.pool.cluster.keys import check_name, parse_cluster_url
+from accelmig.pool.cluster.placement import Placement
 from accelmig.pool.cluster.quotas import QuotaLedger
 from accelmig.pool.cluster.registry import NodeRegistration, NodeView, device_summary
 from accelmig.pool.cluster.store import ClusterStore
+from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import ConfigInvalid
 
 LOG = logging.getLogger("accelmig.pool.cluster")
@@ -33,9 +36,15 @@ class ClusterNode:
             name = check_name(config.node_name or socket.gethostname().split(".")[0], "node_name")
         except ValueError as exc:
             raise ConfigInvalid(source="node_name", reason=str(exc)) from None
+        data = config.cluster_advertise or server.endpoints["data"]
+        host, _ = parse_endpoint(data)
+        if _is_address(host) and ipaddress.ip_address(host).is_unspecified:
+            raise ConfigInvalid(source="cluster_advertise", reason=(
+                f"the data plane listens on {data}, which no driver can dial: give cluster_advertise "
+                f"(--cluster-advertise HOST:PORT), the address drivers reach this node at"))
         store = ClusterStore(parse_cluster_url(config.cluster, "cluster"))
         # the backend's info() today; a list so that every device of a node fits
-        view = NodeView(name=name, instance=pool.instance, data=server.endpoints["data"],
+        view = NodeView(name=name, instance=pool.instance, data=data,
                         control=server.endpoints.get("control"),
                         devices=(device_summary(pool.backend.info()),), sessions=0)
         ledger = QuotaLedger(store, name)
@@ -44,7 +53,16 @@ class ClusterNode:
                                         load=lambda: sum(1 for s in list(pool.sessions.values()) if s.live),
                                         on_lease=ledger.follow_lease)
         registration.start()
+        pool.placement = Placement(store, view)     # opens are placed from now on
         return cls(store, registration, ledger)
 
     def leave(self) -> None:
         self.registration.stop()
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True

@@ -221,3 +221,124 @@ def test_a_single_node_never_imports_the_etcd_client():
             "assert 'etcd3gw' not in sys.modules, 'checking the config imported the client'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def raw_open(endpoint: str, **fields) -> dict:
+    """hello + open on a bare socket: the pool's first answer after welcome."""
+    import socket as _socket
+
+    from accelmig.wire.errors import AccelmigError
+
+    from accelmig.agent.driver.link import read_answer
+    from accelmig.wire.dataplane import parse_endpoint
+    from accelmig.wire.frames import FrameReader, Limits, encode_frame
+    sock = _socket.create_connection(parse_endpoint(endpoint), timeout=10)
+    try:
+        sock.sendall(encode_frame({"op": "hello", "versions": [1]})
+                     + encode_frame({"op": "open", "token": "alice-token-0001", "secret": "ab" * 16, **fields}))
+        reader = FrameReader(Limits(max_header=65536, max_payload=0))
+        welcome, rest = read_answer(sock, reader)
+        assert welcome["op"] == "welcome"
+        if rest:
+            return rest[0].header
+        try:
+            return read_answer(sock, reader)[0]
+        except AccelmigError as exc:        # an error frame: read_answer raises it
+            return {"op": "error", "error": exc.to_wire()}
+    finally:
+        sock.close()
+
+
+def test_an_open_at_any_node_is_placed_on_the_least_loaded_live_node_and_redirected_once(tmp_path, etcd_server):
+    n1 = node(tmp_path, etcd_server, "n1")
+    n2 = node(tmp_path, etcd_server, "n2")
+    try:
+        here = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        assert here.endpoint == n1.endpoint                 # both idle: the node reached keeps it
+        placed = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        assert placed.endpoint == n2.endpoint               # n1 holds one, n2 none: placed on n2
+        assert placed.pool_instance == n2.ready["instance"]
+        entry = n1.wait_log(lambda e: "redirected to" in e["msg"])
+        assert entry["node"] == "n2" and entry["instance"] == n2.ready["instance"]
+        buf = placed.upload(b"computed where it was placed")
+        assert placed.read(buf) == b"computed where it was placed"
+        assert [e for e in n2.entries() if "redirected" in e["msg"]] == []   # placed once, never again
+        here.close()
+        placed.close()
+    finally:
+        n1.stop()
+        n2.stop()
+
+
+def test_a_placed_open_opens_only_at_the_node_and_instance_it_was_placed_on(tmp_path, etcd_server):
+    n1 = node(tmp_path, etcd_server, "n1")
+    try:
+        stale = raw_open(n1.endpoint, placed={"node": "n1", "instance": "0000aaaa"})
+        assert stale["op"] == "error" and stale["error"]["code"] == "UNAVAILABLE"
+        assert "the node the session was placed on restarted" in stale["error"]["message"]
+        elsewhere = raw_open(n1.endpoint, placed={"node": "n9", "instance": n1.ready["instance"]})
+        assert elsewhere["error"]["code"] == "UNAVAILABLE" and "is not here" in elsewhere["error"]["message"]
+        bad = raw_open(n1.endpoint, placed={"node": "n1/../x", "instance": "zz"})
+        assert bad["error"]["code"] == "BAD_REQUEST"
+        right = raw_open(n1.endpoint, placed={"node": "n1", "instance": n1.ready["instance"]})
+        assert right["op"] == "opened"
+        stranger = raw_open(n1.endpoint, token="not-a-tenant-token")
+        assert stranger["error"]["code"] == "AUTH_FAILED"      # before any etcd read
+    finally:
+        n1.stop()
+
+
+class FakePool:
+    """A listener that answers every open with the redirects given, in turn:
+    a hostile or broken node, seen from the driver."""
+
+    def __init__(self, answers: list[dict]):
+        import socket as _socket
+        self.answers = list(answers)
+        self.listener = _socket.create_server(("127.0.0.1", 0))
+        self.endpoint = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        from accelmig.wire.frames import encode_frame
+        while self.answers:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)            # hello and open (small: one segment on loopback)
+                conn.sendall(encode_frame({"op": "welcome", "version": 1, "instance": "feed", "challenge": "c"})
+                             + encode_frame(self.answers.pop(0)))
+
+    def close(self):
+        self.listener.close()
+
+
+@pytest.mark.parametrize("redirect, error", [
+    ({"endpoint": "no port here", "node": "n2", "instance": "abcd"}, "BAD_REQUEST"),
+    ({"endpoint": "127.0.0.1:1", "node": "n2/x", "instance": "abcd"}, "BAD_REQUEST"),
+    ({"endpoint": "127.0.0.1:1", "node": "n2", "instance": "not hex"}, "BAD_REQUEST"),
+    ({"endpoint": ["127.0.0.1:1"], "node": "n2", "instance": "abcd"}, "BAD_REQUEST"),
+])
+def test_the_driver_checks_a_redirect_before_it_dials_anything(redirect, error):
+    from accelmig.wire.errors import AccelmigError
+    fake = FakePool([{"op": "redirect", **redirect}])
+    try:
+        with pytest.raises(AccelmigError) as raised:
+            connect(fake.endpoint, "alice-token-0001", agent=False, timeout=5, auto_reconnect=False)
+        assert raised.value.code.value == error
+    finally:
+        fake.close()
+
+
+def test_the_driver_follows_a_redirect_once_never_twice():
+    from accelmig.wire.errors import ProtocolError
+    second = FakePool([{"op": "redirect", "endpoint": "127.0.0.1:1", "node": "n3", "instance": "abcd"}])
+    first = FakePool([{"op": "redirect", "endpoint": second.endpoint, "node": "n2", "instance": "abcd"}])
+    try:
+        with pytest.raises(ProtocolError, match="redirected again by " + second.endpoint):
+            connect(first.endpoint, "alice-token-0001", agent=False, timeout=5, auto_reconnect=False)
+    finally:
+        first.close()
+        second.close()

@@ -1,0 +1,63 @@
+"""Where a new session goes: the live node that fits, least loaded.
+
+A driver may open at any node; the node it reached asks etcd which nodes
+are live now (their keys are under live leases) and either opens the
+session itself or answers ``redirect`` with the chosen node's endpoint and
+instance.  The driver follows once, with ``placed`` naming that node and
+instance; the chosen node opens it only if that is itself, the same
+instance (never one that restarted since), and never redirects it again.
+A node only ever redirects to a node it just read live in etcd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from accelmig.pool.cluster.registry import NodeView, live_nodes
+from accelmig.pool.cluster.store import ClusterStore
+from accelmig.wire import dataplane as dp
+from accelmig.wire.errors import BadRequest, Unavailable
+
+LOG = logging.getLogger("accelmig.pool.cluster")
+
+
+def node_fits(node: NodeView, selector) -> bool:
+    """Does one of ``node``'s devices fit the session's ``selector``?  The
+    hook the device selector (issue 12, "one node, all its devices") plugs
+    into; until it lands every session asks for no selector and every live
+    node fits."""
+    return selector is None
+
+
+class Placement:
+    def __init__(self, store: ClusterStore, me: NodeView):
+        self.store = store
+        self.me = me
+
+    def decide(self, header: dict, local_sessions: int) -> NodeView | None:
+        """Blocking (run off the pool's loop): None to open here, or the node
+        to redirect to.  etcd unreachable: here (this node is live; a
+        session is better placed badly than refused)."""
+        placed = header.get("placed")
+        if placed is not None:
+            node, instance = dp.placement_claim(placed)
+            if (node, instance) != (self.me.name, self.me.instance):
+                raise Unavailable(what=f"node {node} instance {instance}", reason=(
+                    f"this is node {self.me.name} instance {self.me.instance}: the node the session was "
+                    f"placed on {'restarted' if node == self.me.name else 'is not here'}; open again"))
+            return None
+        selector = header.get("device")
+        try:
+            nodes = live_nodes(self.store)
+        except Unavailable as exc:
+            LOG.warning("placement: etcd unavailable, opening here: %s", exc)
+            return None
+        # this node by its own count, live whatever etcd's copy says
+        nodes[self.me.name] = dataclasses.replace(self.me, sessions=local_sessions)
+        fitting = [node for node in nodes.values() if node_fits(node, selector)]
+        if not fitting:
+            raise BadRequest(reason=f"open: no live node has a device that fits {str(selector)[:80]!r} "
+                                    f"(nodes: {', '.join(sorted(nodes))[:200]})")
+        best = min(fitting, key=lambda n: (n.sessions, n.name != self.me.name, n.name))
+        return None if best.name == self.me.name else best
