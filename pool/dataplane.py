@@ -261,6 +261,9 @@ class DataConnection(asyncio.BufferedProtocol):
                 self._place(header)
             elif op is Op.OPEN:
                 self._open(header)
+            elif op is Op.RESUME and self.pool.placement is not None and \
+                    not str(header.get("sid")).startswith(f"s-{self.pool.instance}-"):
+                self._off_loop(self.pool.placement.locate, header.get("sid"), header=header)
             elif op is Op.RESUME:
                 session, replay = self.pool.resume_session(self, header)
                 self._attach(session)
@@ -319,9 +322,13 @@ class DataConnection(asyncio.BufferedProtocol):
         token = header.get("token")
         if not isinstance(token, str) or token not in self.pool.tenants:
             raise AuthFailed(reason="unknown tenant token")
-        self.state = ConnState.PLACING
         local = sum(1 for s in self.pool.sessions.values() if s.live)
-        future = asyncio.get_running_loop().run_in_executor(None, self.pool.placement.decide, header, local)
+        self._off_loop(self.pool.placement.decide, header, local, header=header)
+
+    def _off_loop(self, fn, *args, header: dict) -> None:
+        """``fn(*args)`` (an etcd read) on a thread; ``_placed`` takes its answer."""
+        self.state = ConnState.PLACING
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         future.add_done_callback(lambda done: self._placed(done, header))
 
     def _placed(self, done, header: dict) -> None:
@@ -330,6 +337,8 @@ class DataConnection(asyncio.BufferedProtocol):
         self.state = ConnState.READY
         try:
             target = done.result()
+            if dp.parse_op(header) is not Op.OPEN:         # locate answers only by raising
+                raise ProtocolError(reason="internal error: a resume was located")
             if target is None:
                 self._open(header)
                 return

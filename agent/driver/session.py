@@ -141,6 +141,11 @@ class Session:
         self._preempt = threading.Event()      # an explicit resume is on its way: background, step aside
         self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
         self._used_tickets: set[str] = set()
+        # the node that redirected the open (a pool of several nodes): while the
+        # session's own node does not answer, every other reconnect asks it, and
+        # it says whether that node is gone (SESSION_LOST) or elsewhere
+        self.placed_by: str | None = None
+        self._ask_placer = False
         # the housekeeping thread starts when it first has work (replies to
         # acknowledge, a lost link), the link's flusher with the first corked
         # frame: an open starts one thread (its reader), not three
@@ -208,6 +213,7 @@ class Session:
                 raise ProtocolError(reason=f"redirected again by {self.endpoint}: a session is placed once")
             target = dp.parse_redirect(answer)
             LOG.info("open at %s redirected to node %s at %s", self.endpoint, target["node"], target["endpoint"])
+            self.placed_by = self.endpoint
             self.endpoint = target["endpoint"]
             self._open(token, {"node": target["node"], "instance": target["instance"]})
             return
@@ -438,6 +444,12 @@ class Session:
         return result
 
     # -- housekeeping -----------------------------------------------------------------
+    def _reconnect_endpoint(self) -> str:
+        if self.placed_by is None or self.placed_by == self.endpoint:
+            return self.endpoint
+        self._ask_placer = not self._ask_placer
+        return self.placed_by if self._ask_placer else self.endpoint
+
     def _housekeep(self) -> None:
         """Acknowledges when idle; reconnects with backoff (a thread for the
         session's life).  It waits for work rather than polling: replies to
@@ -463,7 +475,7 @@ class Session:
                 try:
                     if self.states.state is LinkState.DISCONNECTED:
                         self.stats["reconnect_attempts"] += 1
-                        endpoint, ticket = self._target or (self.endpoint, None)
+                        endpoint, ticket = self._target or (self._reconnect_endpoint(), None)
                         self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout))
                 except AccelmigError as exc:
                     backoff = min(backoff * 2, longest)

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
 from accelmig.pool.cluster.registry import NodeView, live_nodes
 from accelmig.pool.cluster.store import ClusterStore
 from accelmig.wire import dataplane as dp
-from accelmig.wire.errors import BadRequest, Unavailable
+from accelmig.wire.errors import BadRequest, SessionLost, Unavailable
 
 LOG = logging.getLogger("accelmig.pool.cluster")
+
+#: a session id names the instance that made it (``Pool._new_sid``)
+_SID = re.compile(r"s-([0-9a-f]{4,32})-[0-9]{1,19}-[0-9a-f]{1,16}")
 
 
 def node_fits(node: NodeView, selector) -> bool:
@@ -61,3 +65,23 @@ class Placement:
                                     f"(nodes: {', '.join(sorted(nodes))[:200]})")
         best = min(fitting, key=lambda n: (n.sessions, n.name != self.me.name, n.name))
         return None if best.name == self.me.name else best
+
+    def locate(self, sid) -> None:
+        """Blocking: a resume at this node of a session another instance
+        made.  Its node is live (same instance): ``Unavailable`` naming it
+        (the driver retries there); no live node is that instance (it died,
+        its lease ran out, or it restarted): ``SESSION_LOST``, never a new
+        session elsewhere — the device memory is gone with the node."""
+        match = _SID.fullmatch(sid) if isinstance(sid, str) else None
+        if match is None:
+            raise SessionLost(sid=str(sid)[:80], instance=self.me.instance)
+        instance = match.group(1)
+        for node in live_nodes(self.store).values():      # etcd unavailable: Unavailable, retried
+            if node.instance == instance:
+                raise Unavailable(what=f"session {sid}", reason=(
+                    f"it lives on node {node.name} at {node.data}, not on node {self.me.name}: "
+                    f"resume there"))
+        LOG.info("resume of %s refused: no live node is instance %s", sid, instance)
+        raise SessionLost(f"session {sid} is lost: no live node of the pool is instance {instance}, "
+                          f"which held it (that node died or restarted): its device state is gone",
+                          sid=sid, instance=instance)

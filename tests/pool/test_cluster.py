@@ -5,6 +5,7 @@ Real ``accelmig-pool serve`` processes, no mock."""
 
 from __future__ import annotations
 
+import json
 import queue
 import signal
 import subprocess
@@ -19,10 +20,12 @@ from accelmig.agent.driver import connect  # noqa: E402
 from accelmig.pool.cluster.quotas import QuotaLedger, tenant_prefix  # noqa: E402
 from accelmig.pool.cluster.registry import NODES, live_nodes, node_key  # noqa: E402
 from accelmig.pool.cluster.store import ClusterStore  # noqa: E402
+from accelmig.agent.driver.session import LinkState  # noqa: E402
 from accelmig.wire.errors import QuotaExceeded, SessionLost, Unavailable  # noqa: E402
 from tests.support.etcd import etcd_server  # noqa: E402,F401  (the fixture)
 from tests.support.processes import PoolProcess, tenants_toml  # noqa: E402
 from tests.support.tenants import run_cli  # noqa: E402
+from tests.support.wait import wait_for  # noqa: E402
 
 MiB = 1 << 20
 
@@ -103,7 +106,7 @@ def test_a_killed_node_leaves_when_its_lease_runs_out_and_returns_as_a_new_insta
             nodes = live_nodes(store)
             assert nodes["n1"].instance == again.ready["instance"] != old_instance
             # the old instance's session is not the new one's: lost, never re-created
-            with pytest.raises(SessionLost, match="the pool restarted"):
+            with pytest.raises(SessionLost, match="no live node of the pool is instance " + old_instance):
                 dev.resume(again.endpoint)
         finally:
             again.stop()
@@ -223,8 +226,9 @@ def test_a_single_node_never_imports_the_etcd_client():
     assert out.returncode == 0, out.stderr
 
 
-def raw_open(endpoint: str, **fields) -> dict:
-    """hello + open on a bare socket: the pool's first answer after welcome."""
+def raw_open(endpoint: str, op: str = "open", **fields) -> dict:
+    """hello + open (or another first frame) on a bare socket: the pool's
+    first answer after welcome."""
     import socket as _socket
 
     from accelmig.wire.errors import AccelmigError
@@ -235,7 +239,8 @@ def raw_open(endpoint: str, **fields) -> dict:
     sock = _socket.create_connection(parse_endpoint(endpoint), timeout=10)
     try:
         sock.sendall(encode_frame({"op": "hello", "versions": [1]})
-                     + encode_frame({"op": "open", "token": "alice-token-0001", "secret": "ab" * 16, **fields}))
+                     + encode_frame({"op": op, **({"token": "alice-token-0001", "secret": "ab" * 16} if op == "open" else {}),
+                                      **fields}))
         reader = FrameReader(Limits(max_header=65536, max_payload=0))
         welcome, rest = read_answer(sock, reader)
         assert welcome["op"] == "welcome"
@@ -342,3 +347,35 @@ def test_the_driver_follows_a_redirect_once_never_twice():
     finally:
         first.close()
         second.close()
+
+
+def test_a_session_whose_node_died_is_lost_clearly_never_recreated_elsewhere(tmp_path, etcd_server):
+    store = store_of(etcd_server)
+    n1 = node(tmp_path, etcd_server, "n1")
+    n2 = node(tmp_path, etcd_server, "n2")
+    try:
+        keeper = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        dev = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10)      # reconnects on its own
+        assert dev.endpoint == n2.endpoint
+        buf = dev.upload(b"held in n2's device memory")
+        dev.finish()
+        # n2 live: a resume of its session at n1 is told where it lives, not that it is lost
+        there = raw_open(n1.endpoint, "resume", sid=dev.sid, epoch=0, last_seen=0, proof="x")
+        assert there["error"]["code"] == "UNAVAILABLE"
+        assert f"it lives on node n2 at {n2.endpoint}" in there["error"]["message"]
+
+        deletions = Deletions(store, NODES)
+        n2.signal(signal.SIGKILL)
+        n2.proc.wait(10)
+        deletions.wait(node_key("n2"))
+        deletions.cancel()
+        wait_for(lambda: dev.state is LinkState.FAILED, 30, "the driver to learn its session is lost")
+        with pytest.raises(SessionLost, match="no live node of the pool is instance " + n2.ready["instance"]):
+            dev.read(buf)
+        listing = run_cli("accelmig-pool", "sessions", "--admin-socket", n1.tokens.parent / "pool.sock", "--json")
+        sids = [row["sid"] for row in json.loads(listing.stdout)["sessions"]]
+        assert sids == [keeper.sid]               # nothing re-created on n1: only its own session
+        keeper.close()
+    finally:
+        n1.stop()
+        n2.stop()
