@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation"]
+BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "placement"]
 
 
 def main(argv: list[str]) -> int:
