@@ -30,6 +30,10 @@ MAX_DEVICES = 64
 #: what a node publishes of each device: what placement may select on, never device data
 DEVICE_FIELDS = {"spec": str, "name": str, "vendor": str, "type": str, "global_mem_size": int}
 _INSTANCE = re.compile(r"^[0-9a-f]{4,32}$")
+#: how often the node's load is looked at, and put in etcd when it changed:
+#: placement reads it, and a storm of opens at one node must not pile onto
+#: another whose load etcd shows from a TTL ago
+LOAD_PERIOD = 0.25
 
 
 def node_key(name: str) -> str:
@@ -183,16 +187,20 @@ class NodeRegistration:
 
     def _keep_alive(self) -> None:
         published = None
-        while not self._stop.wait(self.ttl / 3):
+        renewed = time.monotonic()
+        while not self._stop.wait(min(LOAD_PERIOD, self.ttl / 3)):
             try:
                 if self.state is RegistrationState.LEASE_LOST:
                     self._register(0)
+                    published, renewed = None, time.monotonic()
                     continue
-                if self.store.keepalive(self.lease) < 0:
-                    LOG.warning("node %s: etcd expired its lease %x (unreachable past %d s): "
-                                "registering again", self.view.name, self.lease, self.ttl)
-                    self._to(RegistrationState.LEASE_LOST)
-                    continue
+                if time.monotonic() - renewed >= self.ttl / 3:
+                    if self.store.keepalive(self.lease) < 0:
+                        LOG.warning("node %s: etcd expired its lease %x (unreachable past %d s): "
+                                    "registering again", self.view.name, self.lease, self.ttl)
+                        self._to(RegistrationState.LEASE_LOST)
+                        continue
+                    renewed = time.monotonic()
                 sessions = self.load()
                 if sessions != published:        # the load, when it changed
                     view = dataclasses.replace(self.view, sessions=sessions)
