@@ -379,3 +379,21 @@ def test_a_session_whose_node_died_is_lost_clearly_never_recreated_elsewhere(tmp
     finally:
         n1.stop()
         n2.stop()
+
+
+def test_an_etcd_restart_loses_no_node_and_placement_goes_on(tmp_path, etcd_server):
+    n1 = node(tmp_path, etcd_server, "n1")
+    n2 = node(tmp_path, etcd_server, "n2")
+    try:
+        before = live_nodes(store_of(etcd_server))
+        etcd_server.restart()                           # same data, same ports
+        after = live_nodes(store_of(etcd_server))
+        assert {n: v.instance for n, v in after.items()} == {n: v.instance for n, v in before.items()}
+        keeper = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        placed = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        assert {keeper.endpoint, placed.endpoint} == {n1.endpoint, n2.endpoint}
+        keeper.close()
+        placed.close()
+    finally:
+        n1.stop()
+        n2.stop()
