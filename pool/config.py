@@ -24,6 +24,10 @@ metadata below by ``python docs/configref.py``)::
     max_payload = "1GiB"
     max_reply_bytes = "256MiB"         # per session, before execution waits for acks
     log_format = "json"                # or "text"
+    # cluster = "etcd://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
+    # node_name = "pool-1"             # default: the short host name
+    # cluster_advertise = "10.0.0.21:7070"  # what other nodes redirect drivers to
+    # cluster_ttl = 10.0               # s of the node's etcd lease
 
 ``tokens.toml``: one table per tenant::
 

@@ -16,6 +16,11 @@ a time and waits for the answer, frames carry no payload and a header of at
 most 4 KiB, and the whole handshake must end within the pool's
 ``handshake_timeout``.  Only then do the negotiated limits apply.
 
+In a pool of several nodes an ``open`` may be answered ``redirect``
+(``endpoint``, ``node``, ``instance``): the node reached placed the session
+on another one.  The driver opens there, once, with ``placed`` naming that
+node and instance (``parse_redirect``, ``placement_claim``).
+
 Handles of buffers and programs are chosen by the driver, so a re-sent
 command names the same object and stays idempotent.
 
