@@ -397,3 +397,20 @@ def test_an_etcd_restart_loses_no_node_and_placement_goes_on(tmp_path, etcd_serv
     finally:
         n1.stop()
         n2.stop()
+
+
+def test_a_node_whose_lease_etcd_expired_registers_again_as_the_same_instance(tmp_path, etcd_server):
+    """What a node cut off from etcd past its TTL finds when it comes back:
+    its lease gone (revoked here, as etcd's expiry would), its key with it."""
+    store = store_of(etcd_server)
+    pool = node(tmp_path, etcd_server, "n1")
+    try:
+        first = live_nodes(store)["n1"]
+        store.revoke(first.lease)
+        pool.wait_log(lambda e: "etcd expired its lease" in e["msg"])
+        pool.wait_log(lambda e: e["msg"].startswith("node n1 (instance"))
+        again = live_nodes(store)["n1"]
+        assert again.instance == first.instance == pool.ready["instance"]    # the process did not restart
+        assert again.lease != first.lease and store.keepalive(again.lease) > 0
+    finally:
+        pool.stop()
