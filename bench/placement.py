@@ -95,10 +95,14 @@ def main(argv: list[str]) -> None:
         single = Node(workdir, "single")
         nodes.append(single)
         cluster = ("--cluster", f"etcd://{etcd.endpoint}", "--cluster-ttl", "10")
-        n1 = Node(workdir, "n1", *cluster, "--node-name", "n1")
-        nodes.append(n1)
         n2 = Node(workdir, "n2", *cluster, "--node-name", "n2")
         nodes.append(n2)
+        # n2, alone yet, keeps 3 sessions: from now on every open at n1 stays
+        # there and every open at n2 goes to n1 (whose load is 0 or 1, one
+        # session at a time, however late etcd shows it)
+        holders = [connect(n2.endpoint, TOKEN, agent=False, auto_reconnect=False) for _ in range(3)]
+        n1 = Node(workdir, "n1", *cluster, "--node-name", "n1")
+        nodes.append(n1)
 
         def open_close(endpoint: str, expect: str):
             dev = connect(endpoint, TOKEN, agent=False, auto_reconnect=False)
@@ -107,10 +111,9 @@ def main(argv: list[str]) -> None:
 
         direct, _ = median_of(lambda: open_close(single.endpoint, single.endpoint), args.repeat)
         kept, _ = median_of(lambda: open_close(n1.endpoint, n1.endpoint), args.repeat)
-        # n2 holds one session: every open at n2 is placed on idle n1
-        holder = connect(n2.endpoint, TOKEN, agent=False, auto_reconnect=False)
         redirected, _ = median_of(lambda: open_close(n2.endpoint, n1.endpoint), args.repeat)
-        holder.close()
+        for holder in holders:
+            holder.close()
 
         def storm(endpoint: str) -> tuple[float, dict]:
             start = time.perf_counter()
