@@ -60,6 +60,7 @@ class Tenant:
         # every session of the pool
         self.live_sessions = 0
         self._lock = threading.Lock()
+        self.ledger = None      # pool.cluster.quotas.QuotaLedger: in a cluster the quota holds pool-wide
 
     def session_made(self) -> None:
         with self._lock:
@@ -74,10 +75,19 @@ class Tenant:
             if self.used + nbytes > self.quota:
                 raise QuotaExceeded(tenant=self.name, size=nbytes, used=self.used, quota=self.quota)
             self.used += nbytes
+        if self.ledger is not None and nbytes:
+            try:
+                self.ledger.take(self.name, nbytes, self.quota)
+            except BaseException:
+                with self._lock:
+                    self.used = max(0, self.used - nbytes)
+                raise
 
     def give_back(self, nbytes: int) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
+        if self.ledger is not None and nbytes:
+            self.ledger.give(self.name, nbytes)
 
 
 @dataclasses.dataclass

@@ -53,11 +53,16 @@ class ClusterNode:
                                         load=lambda: sum(1 for s in list(pool.sessions.values()) if s.live),
                                         on_lease=ledger.follow_lease)
         registration.start()
+        # tenants' device memory counts pool-wide from now on (joined before ready: none is held yet)
+        pool.quota_ledger = ledger
+        for tenant in list(pool.tenants.values()):
+            tenant.ledger = ledger
         pool.placement = Placement(store, view)     # opens are placed from now on
         return cls(store, registration, ledger)
 
     def leave(self) -> None:
-        self.registration.stop()
+        self.registration.stop()          # its reservations go with its lease
+        self.ledger.close()
 
 
 def _is_address(host: str) -> bool:

@@ -14,6 +14,7 @@ is refused.  A stale read can only miss a release, so it errs on refusing.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 
 from accelmig.pool.cluster.keys import PREFIX, check_name
@@ -41,7 +42,11 @@ class QuotaLedger:
         self.node = check_name(node, "node name")
         self.lease = lease
         self._mine: dict[str, tuple[str, int]] = {}     # key -> (tenant, bytes): to put back on a new lease
+        self._held: dict[str, int] = {}                  # tenant -> this node's bytes (take, give)
         self._lock = threading.Lock()
+        self._take_lock = threading.Lock()
+        self._gives: queue.Queue | None = None
+        self.given = threading.Event()                   # set after each give is written (tests wait on it)
 
     def _key(self, tenant: str, rid: str) -> str:
         if not isinstance(rid, str) or not rid or len(rid) > MAX_ID or "/" in rid:
@@ -85,6 +90,62 @@ class QuotaLedger:
         self.store.delete(key)
         with self._lock:
             self._mine.pop(key, None)
+
+    # -- a node's device memory, per tenant (what Tenant.reserve and give_back call) --------
+    def take(self, tenant: str, nbytes: int, quota: int) -> None:
+        """Blocking (a session's worker thread): this node's bytes of
+        ``tenant`` grow by ``nbytes`` if the pool-wide total stays within
+        ``quota``; ``QuotaExceeded`` otherwise.  One key per tenant and node
+        (``.../<node>/held``), one change at a time on this node."""
+        key = self._key(tenant, "held")
+        with self._take_lock:
+            for _ in range(MAX_ROUNDS):
+                with self._lock:
+                    held = self._held.get(tenant, 0)
+                used, revision = self.used(tenant)
+                if used + nbytes > quota:
+                    raise QuotaExceeded(tenant=tenant, size=nbytes, used=used, quota=quota,
+                                        details={"pool_wide": True})
+                ok, _ = self.store.txn([self.store.unchanged_since(tenant_prefix(tenant), revision)],
+                                       [self.store.op_put(key, {"bytes": held + nbytes}, self.lease or None)])
+                if ok:
+                    with self._lock:
+                        self._held[tenant] = self._held.get(tenant, 0) + nbytes
+                        self._mine[key] = (tenant, self._held[tenant])
+                    return
+        raise Unavailable(what="the pool-wide quota ledger", reason=(
+            f"tenant {tenant}: {MAX_ROUNDS} reservations in a row lost to other nodes' (try again)"))
+
+    def give(self, tenant: str, nbytes: int) -> None:
+        """Non-blocking (the pool's loop calls it too): written by the
+        ledger's own thread.  Until then the pool-wide total counts the
+        bytes still: late errs on refusing, never on exceeding."""
+        if self._gives is None:
+            self._gives = queue.Queue()
+            threading.Thread(target=self._give_loop, name="cluster-quota", daemon=True).start()
+        self._gives.put((tenant, nbytes))
+
+    def _give_loop(self) -> None:
+        while True:
+            item = self._gives.get()
+            if item is None:
+                return
+            tenant, nbytes = item
+            key = self._key(tenant, "held")
+            with self._take_lock:
+                with self._lock:
+                    held = self._held[tenant] = max(0, self._held.get(tenant, 0) - nbytes)
+                    self._mine[key] = (tenant, held)
+                try:
+                    self.store.put(key, {"bytes": held}, self.lease or None)
+                except Unavailable as exc:       # the next take or give writes the total again
+                    LOG.warning("node %s: giving back %d bytes of tenant %s in etcd failed: %s",
+                                self.node, nbytes, tenant, exc)
+            self.given.set()
+
+    def close(self) -> None:
+        if self._gives is not None:
+            self._gives.put(None)
 
     def follow_lease(self, lease: int) -> None:
         """The node's lease changed (the old one expired while etcd was

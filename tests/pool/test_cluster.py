@@ -414,3 +414,65 @@ def test_a_node_whose_lease_etcd_expired_registers_again_as_the_same_instance(tm
         assert again.lease != first.lease and store.keepalive(again.lease) > 0
     finally:
         pool.stop()
+
+
+class Puts:
+    """The values etcd's watch reports put under a prefix."""
+
+    def __init__(self, store: ClusterStore, prefix: str):
+        self.seen: queue.Queue = queue.Queue()
+        _, revision = store.range(prefix)
+        self.events, self.cancel = store.watch_prefix(prefix, start_revision=revision + 1)
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self):
+        for event in self.events:
+            self.seen.put((event.get("type", "PUT"), event["kv"]["key"].decode(), event["kv"].get("value", b"")))
+
+    def wait(self, predicate, timeout: float = 30.0):
+        while True:
+            try:
+                kind, key, value = self.seen.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"no such etcd event within {timeout} s") from None
+            if predicate(kind, key, json.loads(value) if value else None):
+                return
+
+
+def test_a_tenants_device_memory_quota_holds_across_two_pool_nodes(tmp_path, etcd_server):
+    """alice's quota is 64 MiB for the whole pool, not per node."""
+    store = store_of(etcd_server)
+    n1 = node(tmp_path, etcd_server, "n1")
+    n2 = node(tmp_path, etcd_server, "n2")
+    held = tenant_prefix("alice")
+    try:
+        on_n1 = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        on_n2 = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        assert (on_n1.endpoint, on_n2.endpoint) == (n1.endpoint, n2.endpoint)
+        first = on_n1.alloc(40 * MiB)
+        on_n1.finish()
+        on_n2.alloc(30 * MiB)        # 70 MiB > 64 MiB, on two nodes: refused pool-wide
+        with pytest.raises(QuotaExceeded, match="would use 41943040 of its 67108864-byte") as refused:
+            on_n2.finish()
+        assert refused.value.details.get("pool_wide") is True
+        puts = Puts(store, held)
+        first.free()
+        on_n1.finish()
+        puts.wait(lambda kind, key, value: key == held + "n1/held" and value == {"bytes": 0})
+        puts.cancel()
+        on_n2.alloc(30 * MiB)        # given back on n1: now it fits
+        on_n2.finish()
+        assert QuotaLedger(store, "reader").used("alice")[0] == 30 * MiB
+        # n2 dies: its bytes leave the ledger with its lease
+        gone = Deletions(store, held)
+        n2.signal(signal.SIGKILL)
+        n2.proc.wait(10)
+        gone.wait(held + "n2/held")
+        gone.cancel()
+        assert QuotaLedger(store, "reader").used("alice")[0] == 0
+        on_n1.alloc(60 * MiB)
+        on_n1.finish()
+        on_n1.close()
+    finally:
+        n1.stop()
+        n2.stop()
