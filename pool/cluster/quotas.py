@@ -13,6 +13,7 @@ is refused.  A stale read can only miss a release, so it errs on refusing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -31,7 +32,13 @@ MAX_ROUNDS = 32
 
 
 def tenant_prefix(tenant: str) -> str:
-    return QUOTA + check_name(tenant, "tenant name") + "/"
+    """A tenant's keys; a name that is no plain key part (TOML allows any
+    string) goes by its digest, marked with '~', which no plain name has."""
+    try:
+        part = check_name(tenant, "tenant name")
+    except ValueError:
+        part = "~" + hashlib.sha256(str(tenant).encode()).hexdigest()[:32]
+    return QUOTA + part + "/"
 
 
 class QuotaLedger:

@@ -158,6 +158,11 @@ def test_two_nodes_racing_for_a_tenants_quota_never_exceed_it_together(etcd_serv
     assert refused["n1"] + refused["n2"] == 2 * attempts - 10
     used, _ = ledgers[0].used("alice")
     assert used == quota
+    # a tenant name that is no plain key part (TOML allows any) has keys of its own
+    odd = "alice/../bob twin"
+    assert tenant_prefix(odd).startswith("/accelmig/v1/quota/~") and tenant_prefix(odd) != tenant_prefix("alice")
+    ledgers[0].take(odd, MiB, quota)
+    assert ledgers[1].used(odd)[0] == MiB and ledgers[1].used("alice")[0] == quota
     # node 1 dies: its reservations go with its lease, node 2's stay
     ledgers[0].store.revoke(ledgers[0].lease)
     assert ledgers[1].used("alice")[0] == granted["n2"] * MiB
