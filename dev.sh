@@ -19,6 +19,7 @@ APT_PACKAGES=(
   pocl-opencl-icd ocl-icd-libopencl1 ocl-icd-opencl-dev
   iproute2 procps util-linux openssl libxml2-utils openssh-server openssh-client
   ruby
+  etcd-server
   libvirt-dev
   qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients busybox-static
 )
@@ -53,7 +54,7 @@ install_venv() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing accelmig, accelmig-lab (the local lab: lab/) and their dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
-    "$VENV/bin/pip" install -q -e ".[pool,host,dev,nova-test,fleet]" -e ./lab
+    "$VENV/bin/pip" install -q -e ".[pool,host,dev,nova-test,fleet,cluster]" -e ./lab
     # The wheels of every dependency of a host and a pool node, for 'accelmig
     # fleet deploy' in the tests (lab nodes reach no package index); the
     # accelmig wheel itself is built from the checkout by each test run.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices"]
+BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement"]
 
 
 def main(argv: list[str]) -> int:

@@ -104,6 +104,14 @@ def main():
               "migration record [default 30].")
 @click.option("--ticket-ttl", type=float, metavar="SECONDS", help="Lifetime of a resume "
               "ticket [default 300].")
+@click.option("--cluster", metavar="etcd://HOST:PORT[,...]", help="Join the pool's other nodes: "
+              "register this node in etcd under a lease [config: cluster; default: a single node, no etcd].")
+@click.option("--node-name", metavar="NAME", help="This node's name in the cluster [default: the short "
+              "host name].")
+@click.option("--cluster-advertise", metavar="HOST:PORT", help="The data endpoint other nodes redirect "
+              "drivers to [default: the first --listen address].")
+@click.option("--cluster-ttl", type=float, metavar="SECONDS", help="The node's etcd lease: a node that "
+              "dies leaves the pool this long after its last renewal [default 10].")
 @click.option("--log-format", type=click.Choice(["json", "text"]), help="Log lines on stderr "
               "[default json].")
 @click.option("--log-level", type=click.Choice(logs.LEVELS, case_sensitive=False),
@@ -152,10 +160,22 @@ def serve(config_path, **flags):
         except (OSError, AccelmigError) as exc:
             LOG.error("cannot listen: %s", exc)
             raise SystemExit(2)
+        cluster = None
+        if config.cluster:
+            from accelmig.pool.cluster.node import ClusterNode
+            try:
+                cluster = await loop.run_in_executor(None, ClusterNode.join, config, server)
+            except AccelmigError as exc:
+                LOG.error("cannot join the cluster at %s: %s", config.cluster, exc)
+                await server.stop()
+                raise SystemExit(2)
         # A line a supervisor (or a test) can wait for.
-        print(json.dumps({"ready": True, "instance": pool.instance, **server.endpoints}), flush=True)
+        print(json.dumps({"ready": True, "instance": pool.instance, **server.endpoints,
+                          **({"node": cluster.name} if cluster else {})}), flush=True)
         await stop.wait()
         LOG.info("signal received: stopping")
+        if cluster is not None:          # first: no placement sends a session here any more
+            await loop.run_in_executor(None, cluster.leave)
         await server.stop()
 
     try:

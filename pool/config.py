@@ -25,6 +25,10 @@ metadata below by ``python docs/configref.py``)::
     max_payload = "1GiB"
     max_reply_bytes = "256MiB"         # per session, before execution waits for acks
     log_format = "json"                # or "text"
+    # cluster = "etcd://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
+    # node_name = "pool-1"             # default: the short host name
+    # cluster_advertise = "10.0.0.21:7070"  # what other nodes redirect drivers to
+    # cluster_ttl = 10.0               # s of the node's etcd lease
 
 ``tokens.toml``: one table per tenant::
 
@@ -213,12 +217,27 @@ class PoolConfig:
         "doc": "Live sessions one tenant may hold at once (each has a worker thread), unless "
                "its `[tenants.NAME] max_sessions` says otherwise; one more open is refused "
                "with QUOTA_EXCEEDED.", "type": "integer"})
+    cluster: str = dataclasses.field(default="", metadata={
+        "doc": "etcd endpoints that make several pool nodes one pool, `etcd://HOST:PORT[,HOST:PORT...]`: "
+               "the node registers there under a lease (docs/DESIGN.md, Pool: many nodes). "
+               "`\"\"`: a single node, no etcd.", "example": "etcd://10.0.0.5:2379"})
+    node_name: str = dataclasses.field(default="", metadata={
+        "doc": "This node's name in the cluster (unique among the pool's nodes); `\"\"`: the "
+               "short host name.", "example": "pool-1"})
+    cluster_advertise: str = dataclasses.field(default="", metadata={
+        "doc": "The data-plane endpoint other nodes redirect drivers to, HOST:PORT as drivers reach "
+               "it; `\"\"`: the first `listen` address (which must then not be 0.0.0.0 or ::).",
+        "example": "10.0.0.21:7070"})
+    cluster_ttl: float = dataclasses.field(default=10.0, metadata={
+        "doc": "Seconds of the node's etcd lease: a node that dies disappears from the pool "
+               "(and its quota reservations with it) this long after its last renewal.",
+        "type": "number (seconds)"})
     log_format: str = dataclasses.field(default="json", metadata={
         "doc": "Log lines on stderr.", "type": "string: json | text"})
     log_level: str = dataclasses.field(default="INFO", metadata={
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
-    _FLOATS = ("grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
+    _FLOATS = ("cluster_ttl", "grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
                "device_time_limit")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
@@ -272,6 +291,11 @@ class PoolConfig:
             raise ConfigInvalid(source=path or "flags", reason="log_format is json or text")
         try:
             level_number(config.log_level)
+            if config.cluster:
+                from accelmig.pool.cluster.keys import parse_cluster_url   # without the etcd client
+                parse_cluster_url(config.cluster, path or "flags")
+            if config.cluster_advertise:
+                parse_endpoint(config.cluster_advertise)
             parse_listen_list(config.listen)
             for key in ("control_listen", "metrics_listen"):      # "" disables these two
                 if getattr(config, key):

@@ -20,7 +20,7 @@ import asyncio
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
-from accelmig.wire.errors import (AccelmigError, BadRequest, FrameError, ProtocolError,
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameError, ProtocolError,
                                   SessionDiverged, StaleEpoch)
 from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
 from accelmig.pool.sequencing import StoredReply, Verdict
@@ -37,6 +37,7 @@ PREAUTH_LIMITS = Limits(max_header=4096, max_payload=0, direct_threshold=0)
 class ConnState(enum.Enum):
     HELLO = "hello"
     READY = "ready"
+    PLACING = "placing"      # an open waits for the cluster's placement (an etcd read, off the loop)
     ATTACHED = "attached"
     CLOSED = "closed"
 
@@ -258,12 +259,16 @@ class DataConnection(asyncio.BufferedProtocol):
                        "max_header": self.pool.config.max_header,
                        "peer_host": self.peer_host})
             return
+        if self.state is ConnState.PLACING:
+            raise ProtocolError(reason=f"{op.value} before the open was answered: one frame at a time")
         if self.state is ConnState.READY:
-            if op is Op.OPEN:
-                session = self.pool.open_session(self, header)
-                self._attach(session)
-                self.send({"op": Op.OPENED.value, "sid": session.sid, "epoch": session.epoch,
-                           "bound_host": session.bound_host, "device": session.device.id})
+            if op is Op.OPEN and self.pool.placement is not None:
+                self._place(header)
+            elif op is Op.OPEN:
+                self._open(header)
+            elif op is Op.RESUME and self.pool.placement is not None and \
+                    not str(header.get("sid")).startswith(f"s-{self.pool.instance}-"):
+                self._off_loop(self.pool.placement.locate, header.get("sid"), header=header)
             elif op is Op.RESUME:
                 session, replay = self.pool.resume_session(self, header)
                 self._attach(session)
@@ -308,6 +313,51 @@ class DataConnection(asyncio.BufferedProtocol):
                 f"under that sequence number"), details={"seq": seq})
         else:
             raise ProtocolError(reason=f"sequence gap: got {seq}, expected {session.log.next_seq}")
+
+    def _open(self, header: dict) -> None:
+        session = self.pool.open_session(self, header)
+        self._attach(session)
+        self.send({"op": Op.OPENED.value, "sid": session.sid, "epoch": session.epoch,
+                   "bound_host": session.bound_host, "device": session.device.id})
+
+    def _place(self, header: dict) -> None:
+        """In a cluster: the token first (a stranger costs no etcd read),
+        then the placement off the loop; this connection takes no frame
+        meanwhile."""
+        token = header.get("token")
+        if not isinstance(token, str) or token not in self.pool.tenants:
+            raise AuthFailed(reason="unknown tenant token")
+        local = sum(1 for s in self.pool.sessions.values() if s.live)
+        self._off_loop(self.pool.placement.decide, header, local, header=header)
+
+    def _off_loop(self, fn, *args, header: dict) -> None:
+        """``fn(*args)`` (an etcd read) on a thread; ``_placed`` takes its answer."""
+        self.state = ConnState.PLACING
+        future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        future.add_done_callback(lambda done: self._placed(done, header))
+
+    def _placed(self, done, header: dict) -> None:
+        if self.state is not ConnState.PLACING:        # closed meanwhile
+            return
+        self.state = ConnState.READY
+        try:
+            target = done.result()
+            if dp.parse_op(header) is not Op.OPEN:         # locate answers only by raising
+                raise ProtocolError(reason="internal error: a resume was located")
+            if target is None:
+                self._open(header)
+                return
+            LOG.info("open from %s placed on node %s (instance %s): redirected to %s", self.peer[0],
+                     target.name, target.instance, target.data,
+                     extra={"node": target.name, "instance": target.instance})
+            self.send({"op": Op.REDIRECT.value, "endpoint": target.data, "node": target.name,
+                       "instance": target.instance})
+            self.close()
+        except AccelmigError as exc:
+            self.fail(exc)
+        except Exception as exc:  # a bug must cost one connection, not the pool
+            LOG.exception("data plane: placement failed for %s", self.peer)
+            self.fail(ProtocolError(reason=f"internal error: {type(exc).__name__}"))
 
     def _acknowledge(self, session, ack) -> None:
         if not isinstance(ack, int) or isinstance(ack, bool) or ack < 0:

@@ -65,6 +65,7 @@ class Tenant:
         # every session of the pool
         self.live_sessions = 0
         self._lock = threading.Lock()
+        self.ledger = None      # pool.cluster.quotas.QuotaLedger: in a cluster the quota holds pool-wide
 
     def session_made(self) -> None:
         with self._lock:
@@ -87,12 +88,23 @@ class Tenant:
             self.used += nbytes
             if device_type:
                 self.used_by_type[device_type] = held + nbytes
+        if self.ledger is not None and nbytes:
+            try:
+                self.ledger.take(self.name, nbytes, self.quota)
+            except BaseException:
+                with self._lock:
+                    self.used = max(0, self.used - nbytes)
+                    if device_type:
+                        self.used_by_type[device_type] = max(0, self.used_by_type.get(device_type, 0) - nbytes)
+                raise
 
     def give_back(self, nbytes: int, device_type: str | None = None) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
             if device_type and device_type in self.used_by_type:
                 self.used_by_type[device_type] = max(0, self.used_by_type[device_type] - nbytes)
+        if self.ledger is not None and nbytes:
+            self.ledger.give(self.name, nbytes)
 
 
 @dataclasses.dataclass

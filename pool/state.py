@@ -80,6 +80,8 @@ class Pool:
         # descriptor from the tenants.
         self._unauthenticated: dict[str, set] = {}
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
+        self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
+        self.quota_ledger = None    # pool.cluster.quotas.QuotaLedger: likewise (every Tenant holds it)
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
@@ -183,6 +185,7 @@ class Pool:
             tenant = by_name.pop(spec.name, None)
             if tenant is None:
                 tenant = Tenant(spec.name, spec.token, spec.quota, spec.max_sessions, spec.quota_by_type)
+                tenant.ledger = self.quota_ledger
                 out["tenants"]["added"].append(spec.name)
             elif (tenant.token, tenant.quota, tenant.max_sessions, tenant.quota_by_type) != \
                     (spec.token, spec.quota, spec.max_sessions, spec.quota_by_type):

@@ -18,6 +18,11 @@ a time and waits for the answer, frames carry no payload and a header of at
 most 4 KiB, and the whole handshake must end within the pool's
 ``handshake_timeout``.  Only then do the negotiated limits apply.
 
+In a pool of several nodes an ``open`` may be answered ``redirect``
+(``endpoint``, ``node``, ``instance``): the node reached placed the session
+on another one.  The driver opens there, once, with ``placed`` naming that
+node and instance (``parse_redirect``, ``placement_claim``).
+
 Handles of buffers and programs are chosen by the driver, so a re-sent
 command names the same object and stays idempotent.
 
@@ -51,6 +56,7 @@ class Op(str, enum.Enum):
     WELCOME = "welcome"      # answer to hello
     OPENED = "opened"        # answer to open
     RESUMED = "resumed"      # answer to resume, replayed replies follow
+    REDIRECT = "redirect"    # answer to open in a cluster: open at that node instead (once)
     REPLY = "reply"          # answer to one sequenced command
     DONE = "done"            # plain success of commands "from".."to" (coalesced replies)
     ERROR = "error"          # connection-level error; the pool closes after it
@@ -334,6 +340,35 @@ def domain_claim(value) -> str | None:
                                 f"absent, not {str(value)[:40]!r}" if isinstance(value, str)
                          else f"open: domain must be a UUID string or absent, not {type(value).__name__}")
     return text
+
+
+#: a pool node's name and instance, as a redirect and a placed open carry them
+_NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}")
+_INSTANCE = re.compile(r"[0-9a-f]{4,32}")
+
+
+def placement_claim(value) -> tuple[str, str]:
+    """``open``'s ``placed`` (``{"node", "instance"}``): the node a redirect
+    sent this open to.  The node opens it only if that is itself, the same
+    instance: never one that restarted since it was chosen."""
+    if not isinstance(value, dict) or set(value) != {"node", "instance"}:
+        raise BadRequest(reason="open: placed must be {node, instance}")
+    node, instance = value["node"], value["instance"]
+    if not isinstance(node, str) or not _NODE_NAME.fullmatch(node) or \
+            not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
+        raise BadRequest(reason="open: placed names no node (name, 4-32 hex digit instance)")
+    return node, instance
+
+
+def parse_redirect(header: dict) -> dict:
+    """A ``redirect`` answer, checked before the driver dials anything: the
+    endpoint to open at and the node (name, instance) it names."""
+    node, instance = placement_claim({"node": header.get("node"), "instance": header.get("instance")})
+    endpoint = header.get("endpoint")
+    if not isinstance(endpoint, str) or len(endpoint) > 300:
+        raise BadRequest(reason="redirect: endpoint must be HOST:PORT")
+    parse_endpoint(endpoint)
+    return {"endpoint": endpoint, "node": node, "instance": instance}
 
 
 _HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})?")

@@ -145,6 +145,11 @@ class Session:
         self._preempt = threading.Event()      # an explicit resume is on its way: background, step aside
         self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
         self._used_tickets: set[str] = set()
+        # the node that redirected the open (a pool of several nodes): while the
+        # session's own node does not answer, every other reconnect asks it, and
+        # it says whether that node is gone (SESSION_LOST) or elsewhere
+        self.placed_by: str | None = None
+        self._ask_placer = False
         # the housekeeping thread starts when it first has work (replies to
         # acknowledge, a lost link), the link's flusher with the first corked
         # frame: an open starts one thread (its reader), not three
@@ -188,13 +193,14 @@ class Session:
             return sock, reader
         return sock, reader, after
 
-    def _open(self, token: str) -> None:
+    def _open(self, token: str, placed: dict | None = None) -> None:
         # the open goes with the hello (it needs nothing of the welcome)
         sock, reader, after = self._dial(self.endpoint, self.connect_timeout, then={
             "op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
             "client": {"name": self.name, "pid": os.getpid()},
             **({"domain": self.domain} if self.domain else {}),
-            **({"device": self.selector} if self.selector else {})})
+            **({"device": self.selector} if self.selector else {}),
+            **({"placed": placed} if placed else {})})
         try:
             if after:
                 answer, leftovers = after[0].header, after[1:]
@@ -205,6 +211,17 @@ class Session:
         except BaseException:
             sock.close()
             raise
+        if answer.get("op") == Op.REDIRECT.value:
+            # a pool of several nodes placed the session on another node: once, at open
+            sock.close()
+            if placed is not None:
+                raise ProtocolError(reason=f"redirected again by {self.endpoint}: a session is placed once")
+            target = dp.parse_redirect(answer)
+            LOG.info("open at %s redirected to node %s at %s", self.endpoint, target["node"], target["endpoint"])
+            self.placed_by = self.endpoint
+            self.endpoint = target["endpoint"]
+            self._open(token, {"node": target["node"], "instance": target["instance"]})
+            return
         if answer.get("op") != Op.OPENED.value:
             sock.close()
             raise ProtocolError(reason=f"expected opened, got {answer.get('op')!r}")
@@ -451,6 +468,12 @@ class Session:
         return result
 
     # -- housekeeping -----------------------------------------------------------------
+    def _reconnect_endpoint(self) -> str:
+        if self.placed_by is None or self.placed_by == self.endpoint:
+            return self.endpoint
+        self._ask_placer = not self._ask_placer
+        return self.placed_by if self._ask_placer else self.endpoint
+
     def _housekeep(self) -> None:
         """Acknowledges when idle; reconnects with backoff (a thread for the
         session's life).  It waits for work rather than polling: replies to
@@ -476,7 +499,7 @@ class Session:
                 try:
                     if self.states.state is LinkState.DISCONNECTED:
                         self.stats["reconnect_attempts"] += 1
-                        endpoint, ticket = self._target or (self.endpoint, None)
+                        endpoint, ticket = self._target or (self._reconnect_endpoint(), None)
                         self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout))
                 except AccelmigError as exc:
                     backoff = min(backoff * 2, longest)

@@ -92,8 +92,9 @@ def describe_briefly(views: list) -> str:
     """``"cpu-1a2b3c4d-0 (cpu, pthread-..., 5 GiB); ..."``: what an error names."""
     if not views:
         return "no device"
-    return "; ".join(f"{v['id']} ({v['type']}, {v['name']}, vendor {v['vendor']}, "
-                     f"{int(v['global_mem_size']) >> 20} MiB)" for v in views)
+    # (.get: the views of other nodes come from etcd, each field checked but optional)
+    return "; ".join(f"{v.get('id', '?')} ({v.get('type', '?')}, {v.get('name', '?')}, vendor "
+                     f"{v.get('vendor', '?')}, {int(v.get('global_mem_size', 0)) >> 20} MiB)" for v in views)
 
 
 class DeviceSet:
