@@ -50,7 +50,9 @@ install_venv() {
   fi
   local stamp="$VENV/.accelmig-installed"
   local want
-  want=$(cat setup.cfg pyproject.toml lab/pyproject.toml | sha256sum | cut -d' ' -f1)
+  # a pool node joining etcd needs the cluster extra's client (etcd3gw) in the wheelhouse too
+  local wheel_extras="host,pool,cluster"
+  want=$( (cat setup.cfg pyproject.toml lab/pyproject.toml; echo "wheelhouse: $wheel_extras") | sha256sum | cut -d' ' -f1)
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing accelmig, accelmig-lab (the local lab: lab/) and their dependencies into $VENV"
     "$VENV/bin/pip" install -q --upgrade pip setuptools wheel
@@ -60,7 +62,7 @@ install_venv() {
     # accelmig wheel itself is built from the checkout by each test run.
     say "building the dependencies' wheelhouse $VENV/wheelhouse"
     rm -rf "$VENV/wheelhouse"
-    "$VENV/bin/pip" wheel -q -w "$VENV/wheelhouse" ".[host,pool]"
+    "$VENV/bin/pip" wheel -q -w "$VENV/wheelhouse" ".[$wheel_extras]"
     rm -f "$VENV"/wheelhouse/accelmig-*.whl
     echo "$want" > "$stamp"
   fi

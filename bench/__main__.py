@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement"]
+BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement", "etcd_tls"]
 
 
 def main(argv: list[str]) -> int:

@@ -92,7 +92,7 @@ class Wheelhouse:
         if len(ours) != 1:
             raise ConfigInvalid(source=source, reason=(
                 f"install.wheelhouse must hold exactly one accelmig wheel, found "
-                f"{', '.join(ours) or 'none'} (build it: pip wheel -w DIR '.[host,pool]' in a checkout)"))
+                f"{', '.join(ours) or 'none'} (build it: pip wheel -w DIR '.[host,pool,cluster]' in a checkout)"))
         self.wheel = ours[0]
         self.version = WHEEL.match(self.wheel)["version"]
         self.sha256 = {name: _sha256(path) for name, path in self.files.items()}
@@ -137,7 +137,13 @@ class NodeDeploy:
 
     @property
     def venv_tag(self) -> str:
-        return f"{self.deployer.wheelhouse.tag}-{self.node.role}"
+        return f"{self.deployer.wheelhouse.tag}-{self.extras.replace(',', '-')}"
+
+    @property
+    def extras(self) -> str:
+        """What this node installs: its side, and etcd's client for a pool
+        node that joins a cluster (a venv of its own: its tag says so)."""
+        return "pool,cluster" if self.node.role == "pool" and self.node.settings.get("cluster") else self.node.role
 
     @property
     def venv_dir(self) -> str:
@@ -208,7 +214,7 @@ class NodeDeploy:
         if complete and link == target:
             self.step("venv", UNCHANGED, f"{self.prefix}/venv -> {target}")
             return
-        extra = self.node.role
+        extra = self.extras
         if not complete and not self.dry_run:
             version = self.deployer.wheelhouse.version
             self.remote.run(["rm", "-rf", self.venv_dir], check="removing an incomplete venv")
@@ -216,7 +222,7 @@ class NodeDeploy:
             self.remote.run([f"{self.venv_dir}/bin/pip", "install", "--quiet", "--no-index",
                              "--disable-pip-version-check", "--no-cache-dir", "--find-links", f"{self.prefix}/wheels",
                              f"accelmig[{extra}]=={version}"], check=f"pip install accelmig[{extra}]")
-            said = self.remote.run([f"{self.venv_dir}/bin/{SIDES[extra][0]}", "--version"],
+            said = self.remote.run([f"{self.venv_dir}/bin/{SIDES[self.node.role][0]}", "--version"],
                                    check="the installed command").text.strip()
             if not said.endswith(version):
                 raise AccelmigError(f"the new environment says {said!r}, not version {version}")

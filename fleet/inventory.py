@@ -25,6 +25,15 @@ deployment, how to reach them and what each one runs.
     cert = "pki/pool.pem"
     key = "pki/pool.key"
 
+    [pool.cluster]                 # optional: this pool node joins others on etcd
+    url = "etcds://10.88.0.5:2379" # etcds:// (TLS, client certificate) or etcd:// (plain, test rigs)
+    node_name = "pool-1"           # default: [pool] name
+    advertise = "10.88.0.10:7070"  # default: the endpoint guests use
+    ttl = 10.0
+    ca = "pki/etcd-ca.pem"         # etcds:// only: etcd's CA, this node's client cert and key,
+    cert = "pki/pool-etcd.pem"     # uploaded to /etc/accelmig/tls/etcd-*.pem like the pool's own
+    key = "pki/pool-etcd.key"
+
     [tenants.alice]
     quota = "8GiB"
 
@@ -95,6 +104,7 @@ class Node:
     # pool only
     settings: dict = dataclasses.field(default_factory=dict)   # pool.toml [pool] keys
     endpoint: str | None = None            # the data plane as guests reach it
+    cluster_tls: tuple[str, str, str] | None = None   # local etcd CA, client cert, key: uploaded
 
     @property
     def sudo(self) -> bool:
@@ -314,7 +324,7 @@ class _Reader:
 
     def pool(self, table: dict, ssh: SshSettings, insecure: bool) -> Node:
         known = {"name", "address", "ssh_port", "ssh_user", "cert", "key", "listen", "control_listen",
-                 "endpoint", "device", "devices", "settings"}
+                 "endpoint", "device", "devices", "settings", "cluster"}
         self.only(table, "pool", known)
         name = self.string(table, "name", "pool", default="pool")
         if not NAME.match(name):
@@ -325,6 +335,10 @@ class _Reader:
         for reserved in ("tls_cert", "tls_key", "tls_client_ca", "insecure", "tokens", "hosts"):
             if reserved in settings:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [tls], [tenants], [hosts])")
+        for reserved in ("cluster", "node_name", "cluster_advertise", "cluster_ttl", "cluster_tls_ca",
+                         "cluster_tls_cert", "cluster_tls_key"):
+            if reserved in settings:
+                raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [pool.cluster])")
         settings["listen"] = self.string(table, "listen", "pool", required=True)
         settings["control_listen"] = self.string(table, "control_listen", "pool", required=True)
         # devices (default: every device of the node) or the older one-device form;
@@ -340,8 +354,29 @@ class _Reader:
         self.endpoint(endpoint, "pool.endpoint" if "endpoint" in table else "pool.listen (the "
                       "endpoint guests use, unless pool.endpoint says another)", listen=False)
         self.endpoint(settings["control_listen"], "pool.control_listen (what hosts call)", listen=False)
+        cluster_tls = self.cluster(self.table(table, "pool.cluster"), settings, name, endpoint)
         return Node(name=name, role="pool", address=self.address(table, "pool"), port=port, user=user,
-                    cert=cert, key=key, settings=settings, endpoint=endpoint)
+                    cert=cert, key=key, settings=settings, endpoint=endpoint, cluster_tls=cluster_tls)
+
+    def cluster(self, table: dict, settings: dict, name: str, endpoint: str) -> tuple[str, str, str] | None:
+        """``[pool.cluster]`` into the pool's ``cluster*`` settings; the local
+        etcd TLS files (uploaded by render), or None.  Which URL needs which
+        files is the pool's own loader's rule, applied at render."""
+        if not table:
+            return None
+        self.only(table, "pool.cluster", {"url", "node_name", "advertise", "ttl", "ca", "cert", "key"})
+        settings["cluster"] = self.string(table, "url", "pool.cluster", required=True)
+        settings["node_name"] = self.string(table, "node_name", "pool.cluster", default=name)
+        settings["cluster_advertise"] = self.string(table, "advertise", "pool.cluster", default=endpoint)
+        self.endpoint(settings["cluster_advertise"], "pool.cluster.advertise", listen=False)
+        settings["cluster_ttl"] = self.number(table, "ttl", "pool.cluster", 10.0, 1, 3600)
+        files = tuple(self.local_file(table, key, "pool.cluster") for key in ("ca", "cert", "key"))
+        if not any(files):
+            return None
+        if not all(files):
+            raise self.error("pool.cluster", "ca, cert and key go together (etcds://: etcd's CA, this "
+                                             "node's client certificate and its key)")
+        return files
 
     def endpoint(self, value: str, where: str, listen: bool) -> None:
         try:

@@ -24,6 +24,8 @@ HOST_SECRET = f"{ETC}/host.secret"
 POOL_CONFIG = f"{ETC}/pool.toml"
 POOL_HOSTS = f"{ETC}/hosts.toml"
 POOL_TOKENS = f"{ETC}/tokens.toml"
+#: the etcd CA, the pool node's client certificate and key for etcds:// ([pool.cluster])
+CLUSTER_TLS_FILES = (f"{TLS_DIR}/etcd-ca.pem", f"{TLS_DIR}/etcd-client.pem", f"{TLS_DIR}/etcd-client.key")
 #: the pool's service user (pool/data/accelmig-pool.sysusers)
 POOL_USER = "accelmig-pool"
 
@@ -50,14 +52,21 @@ def _toml(inventory: Inventory, what: str, data: dict) -> bytes:
 
 def tls_files(inventory: Inventory, node: Node, group: str = "root") -> list[RemoteFile]:
     """The CA and the node's certificate and key (key: 0600, or 0640 to
-    the service's group)."""
-    if inventory.insecure:
-        return []
-    stem = "pool" if node.role == "pool" else "host"
+    the service's group); a pool node on etcds:// also gets etcd's CA and
+    its etcd client certificate and key (etcd's TLS is its own: not tied
+    to [tls] insecure, which is about the pool's planes)."""
     key_mode = 0o640 if group != "root" else 0o600
-    return [RemoteFile(f"{TLS_DIR}/ca.pem", _read(inventory.ca)),
-            RemoteFile(f"{TLS_DIR}/{stem}.pem", _read(node.cert)),
-            RemoteFile(f"{TLS_DIR}/{stem}.key", _read(node.key), mode=key_mode, group=group, secret=True)]
+    out = []
+    if not inventory.insecure:
+        stem = "pool" if node.role == "pool" else "host"
+        out += [RemoteFile(f"{TLS_DIR}/ca.pem", _read(inventory.ca)),
+                RemoteFile(f"{TLS_DIR}/{stem}.pem", _read(node.cert)),
+                RemoteFile(f"{TLS_DIR}/{stem}.key", _read(node.key), mode=key_mode, group=group, secret=True)]
+    if node.role == "pool" and node.cluster_tls:
+        ca, cert, key = node.cluster_tls
+        out += [RemoteFile(CLUSTER_TLS_FILES[0], _read(ca)), RemoteFile(CLUSTER_TLS_FILES[1], _read(cert)),
+                RemoteFile(CLUSTER_TLS_FILES[2], _read(key), mode=key_mode, group=group, secret=True)]
+    return out
 
 
 def _read(path: str) -> bytes:
@@ -94,6 +103,8 @@ def pool_config(inventory: Inventory) -> RemoteFile:
     else:
         section.update(tls_cert=f"{TLS_DIR}/pool.pem", tls_key=f"{TLS_DIR}/pool.key",
                        tls_client_ca=f"{TLS_DIR}/ca.pem")
+    if inventory.pool.cluster_tls:      # where tls_files uploads them
+        section.update(zip(("cluster_tls_ca", "cluster_tls_cert", "cluster_tls_key"), CLUSTER_TLS_FILES))
     try:
         PoolConfig.load(None, overrides=section)
     except ConfigInvalid as exc:

@@ -104,8 +104,18 @@ def main():
               "migration record [default 30].")
 @click.option("--ticket-ttl", type=float, metavar="SECONDS", help="Lifetime of a resume "
               "ticket [default 300].")
-@click.option("--cluster", metavar="etcd://HOST:PORT[,...]", help="Join the pool's other nodes: "
-              "register this node in etcd under a lease [config: cluster; default: a single node, no etcd].")
+@click.option("--cluster", metavar="etcds://HOST:PORT[,...]", help="Join the pool's other nodes: "
+              "register this node in etcd under a lease [config: cluster; default: a single node, no etcd]. "
+              "etcds:// is TLS with this node's client certificate (--cluster-tls-ca and --cluster-tls-cert "
+              "required); etcd:// is plain HTTP, unauthenticated (test rigs), and takes no --cluster-tls-* "
+              "file; http(s):// is refused. Checked before serving: a missing file, a key other users may "
+              "read, or an etcd that refuses this node stops the pool with exit status 2.")
+@click.option("--cluster-tls-ca", metavar="FILE", help="etcds://: CA (PEM) etcd's certificate must verify "
+              "against (it must name each endpoint's host) [config: cluster_tls_ca].")
+@click.option("--cluster-tls-cert", metavar="FILE", help="etcds://: this node's client certificate (PEM) "
+              "for etcd --client-cert-auth [config: cluster_tls_cert].")
+@click.option("--cluster-tls-key", metavar="FILE", help="Its private key (PEM), mode 0600 or 0640 "
+              "[config: cluster_tls_key; default: in --cluster-tls-cert].")
 @click.option("--node-name", metavar="NAME", help="This node's name in the cluster [default: the short "
               "host name].")
 @click.option("--cluster-advertise", metavar="HOST:PORT", help="The data endpoint other nodes redirect "
@@ -140,6 +150,7 @@ def serve(config_path, **flags):
         tenants = load_tenants(config.tokens)
         hosts = load_hosts(config.hosts)
         config.check_tls(config_path or "flags")
+        config.check_cluster_tls_files(config_path or "flags")
         devices = devices_for(config)
     except AccelmigError as exc:
         _fail(exc)
@@ -152,6 +163,16 @@ def serve(config_path, **flags):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, server.reload)    # never the default: it kills
+        store = None
+        if config.cluster:
+            # before listening: a node etcd refuses (TLS, certificate) never serves a session
+            from accelmig.pool.cluster.store import ClusterStore
+            try:
+                store = ClusterStore.from_config(config)
+                await loop.run_in_executor(None, store.probe)
+            except AccelmigError as exc:
+                LOG.error("cannot join the cluster at %s: %s", config.cluster, exc)
+                raise SystemExit(2)
         try:
             await server.start()
         except AlreadyRunning as exc:
@@ -164,7 +185,7 @@ def serve(config_path, **flags):
         if config.cluster:
             from accelmig.pool.cluster.node import ClusterNode
             try:
-                cluster = await loop.run_in_executor(None, ClusterNode.join, config, server)
+                cluster = await loop.run_in_executor(None, ClusterNode.join, config, server, store)
             except AccelmigError as exc:
                 LOG.error("cannot join the cluster at %s: %s", config.cluster, exc)
                 await server.stop()

@@ -25,7 +25,10 @@ metadata below by ``python docs/configref.py``)::
     max_payload = "1GiB"
     max_reply_bytes = "256MiB"         # per session, before execution waits for acks
     log_format = "json"                # or "text"
-    # cluster = "etcd://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
+    # cluster = "etcds://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
+    # cluster_tls_ca = "/etc/accelmig/etcd-ca.crt"   # etcds://: the CA that signs etcd's certificate
+    # cluster_tls_cert = "/etc/accelmig/etcd-client.crt"  # etcds://: this node's client certificate
+    # cluster_tls_key = "/etc/accelmig/etcd-client.key"   # its key (not readable by others)
     # node_name = "pool-1"             # default: the short host name
     # cluster_advertise = "10.0.0.21:7070"  # what other nodes redirect drivers to
     # cluster_ttl = 10.0               # s of the node's etcd lease
@@ -218,9 +221,25 @@ class PoolConfig:
                "its `[tenants.NAME] max_sessions` says otherwise; one more open is refused "
                "with QUOTA_EXCEEDED.", "type": "integer"})
     cluster: str = dataclasses.field(default="", metadata={
-        "doc": "etcd endpoints that make several pool nodes one pool, `etcd://HOST:PORT[,HOST:PORT...]`: "
-               "the node registers there under a lease (docs/DESIGN.md, Pool: many nodes). "
-               "`\"\"`: a single node, no etcd.", "example": "etcd://10.0.0.5:2379"})
+        "doc": "etcd endpoints that make several pool nodes one pool: `etcds://HOST:PORT[,HOST:PORT...]` "
+               "(TLS, this node authenticated by its client certificate: `cluster_tls_*`) or "
+               "`etcd://...` (plain HTTP, no authentication: anyone who reaches etcd can redirect "
+               "drivers and erase quotas; a test rig only). The node registers there under a lease "
+               "(docs/DESIGN.md, Pool: many nodes). `http://`/`https://` are refused. `\"\"`: a single "
+               "node, no etcd.", "example": "etcds://10.0.0.5:2379"})
+    cluster_tls_ca: str = dataclasses.field(default="", metadata={
+        "doc": "`etcds://` only (required): CA certificate(s) (PEM) etcd's server certificate must "
+               "verify against; the certificate must name the host of each endpoint (an IP SAN "
+               "for an address).", "example": "/etc/accelmig/etcd-ca.crt"})
+    cluster_tls_cert: str = dataclasses.field(default="", metadata={
+        "doc": "`etcds://` only (required): this node's client certificate (PEM) for etcd "
+               "(`etcd --client-cert-auth --trusted-ca-file`).",
+        "example": "/etc/accelmig/etcd-client.crt"})
+    cluster_tls_key: str = dataclasses.field(default="", metadata={
+        "doc": "`etcds://` only: the client certificate's private key (PEM); `\"\"`: it is in "
+               "`cluster_tls_cert`. The file holding the key must not be readable by other users "
+               "(mode 0600 or 0640): the pool refuses to start otherwise.",
+        "example": "/etc/accelmig/etcd-client.key"})
     node_name: str = dataclasses.field(default="", metadata={
         "doc": "This node's name in the cluster (unique among the pool's nodes); `\"\"`: the "
                "short host name.", "example": "pool-1"})
@@ -294,6 +313,7 @@ class PoolConfig:
             if config.cluster:
                 from accelmig.pool.cluster.keys import parse_cluster_url   # without the etcd client
                 parse_cluster_url(config.cluster, path or "flags")
+            config.check_cluster_tls_keys(path or "flags")
             if config.cluster_advertise:
                 parse_endpoint(config.cluster_advertise)
             parse_listen_list(config.listen)
@@ -319,6 +339,43 @@ class PoolConfig:
             value = getattr(self, key)
             if value and not os.path.isfile(value):
                 raise ConfigInvalid(source=source, reason=f"{key}: {value} is not a file")
+
+    def check_cluster_tls_keys(self, source: str = "config") -> None:
+        """TLS files exactly when the cluster URL says TLS: a config never
+        half-says it (files given for plain ``etcd://`` would be ignored)."""
+        from accelmig.pool.cluster.keys import cluster_uses_tls
+        given = [k for k in ("cluster_tls_ca", "cluster_tls_cert", "cluster_tls_key") if getattr(self, k)]
+        if not self.cluster:
+            if given:
+                raise ConfigInvalid(source=source, reason=f"{', '.join(given)} without cluster: they "
+                                                          f"are for etcds:// only")
+        elif not cluster_uses_tls(self.cluster):
+            if given:
+                raise ConfigInvalid(source=source, reason=f"cluster {self.cluster} is plain etcd:// but "
+                                                          f"{', '.join(given)} given: write etcds:// "
+                                                          f"for TLS to etcd, or drop them")
+        else:
+            missing = [k for k in ("cluster_tls_ca", "cluster_tls_cert") if not getattr(self, k)]
+            if missing:
+                raise ConfigInvalid(source=source, reason=f"cluster {self.cluster} is etcds:// (TLS): "
+                                                          f"give {' and '.join(missing)} "
+                                                          f"(--{' --'.join(m.replace('_', '-') for m in missing)})")
+
+    def check_cluster_tls_files(self, source: str = "config") -> None:
+        """The etcd TLS files exist and the private key is no other user's
+        to read (checked by ``serve`` before it listens)."""
+        for key in ("cluster_tls_ca", "cluster_tls_cert", "cluster_tls_key"):
+            value = getattr(self, key)
+            if value and not os.path.isfile(value):
+                raise ConfigInvalid(source=source, reason=f"{key}: {value} is not a file")
+        secret = self.cluster_tls_key or self.cluster_tls_cert
+        if secret:
+            mode = os.stat(secret).st_mode
+            if mode & stat.S_IRWXO:
+                what = "cluster_tls_key" if self.cluster_tls_key else "cluster_tls_cert (it holds the key)"
+                raise ConfigInvalid(source=source, reason=(
+                    f"{what}: {secret} is mode {stat.S_IMODE(mode):04o}, other users may read the "
+                    f"key that authenticates this node to etcd: chmod 0600 {shlex.quote(secret)} (or 0640)"))
 
 
 def _read_toml(path: str) -> dict:

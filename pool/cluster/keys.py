@@ -27,13 +27,27 @@ def check_name(value, what: str) -> str:
     return value
 
 
+#: the two spellings of a cluster URL: plain HTTP, or TLS with a client certificate
+PLAIN_SCHEME, TLS_SCHEME = "etcd://", "etcds://"
+
+
+def cluster_uses_tls(text: str) -> bool:
+    """``etcds://...``: TLS to etcd with this node's client certificate."""
+    return isinstance(text, str) and text.startswith(TLS_SCHEME)
+
+
 def parse_cluster_url(text: str, source: str = "config") -> list[tuple[str, int]]:
-    """``etcd://host:port[,host:port...]`` -> endpoints, tried in order."""
-    if not isinstance(text, str) or not text.startswith("etcd://"):
-        raise ConfigInvalid(source=source, reason=f"cluster must be etcd://HOST:PORT[,HOST:PORT...] "
-                                                  f"(got {text!r:.80})")
+    """``etcd://`` or ``etcds://`` ``host:port[,host:port...]`` -> endpoints,
+    tried in order.  ``http(s)://`` is refused: one spelling per meaning, so
+    a config never leaves it to a reader whether TLS is on."""
+    if isinstance(text, str) and text.startswith(("http://", "https://")):
+        raise ConfigInvalid(source=source, reason=f"cluster {text!r:.80}: write etcds://HOST:PORT for TLS "
+                                                  f"to etcd, etcd://HOST:PORT for plain HTTP (not http/https)")
+    if not isinstance(text, str) or not text.startswith((PLAIN_SCHEME, TLS_SCHEME)):
+        raise ConfigInvalid(source=source, reason=f"cluster must be etcd://HOST:PORT[,HOST:PORT...] or "
+                                                  f"etcds://... for TLS (got {text!r:.80})")
     out = []
-    for item in text[len("etcd://"):].split(","):
+    for item in text.split("://", 1)[1].split(","):
         try:
             out.append(parse_endpoint(item.strip(), 2379))
         except Exception as exc:
@@ -41,5 +55,3 @@ def parse_cluster_url(text: str, source: str = "config") -> list[tuple[str, int]
     if not out or len(out) > 16:
         raise ConfigInvalid(source=source, reason="cluster names 1 to 16 etcd endpoints")
     return out
-
-

@@ -1,5 +1,5 @@
 """This pool node joining the pool's cluster: what ``accelmig-pool serve
---cluster etcd://...`` adds to a single node (its registration and its part
+--cluster etcds://...`` (or plain ``etcd://``) adds to a single node (its registration and its part
 of the quota ledger), and nothing else."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ipaddress
 import logging
 import socket
 
-from accelmig.pool.cluster.keys import check_name, parse_cluster_url
+from accelmig.pool.cluster.keys import check_name
 from accelmig.pool.cluster.placement import Placement
 from accelmig.pool.cluster.quotas import QuotaLedger
 from accelmig.pool.cluster.registry import NodeRegistration, NodeView, device_summary
@@ -28,9 +28,10 @@ class ClusterNode:
         return self.registration.view.name
 
     @classmethod
-    def join(cls, config, server) -> "ClusterNode":
-        """Register ``server`` (started: its endpoints are known) in etcd.
-        Blocking: run it off the pool's loop."""
+    def join(cls, config, server, store: ClusterStore | None = None) -> "ClusterNode":
+        """Register ``server`` (started: its endpoints are known) in etcd
+        (``store``: the one ``serve`` probed before listening).  Blocking:
+        run it off the pool's loop."""
         pool = server.pool
         try:
             name = check_name(config.node_name or socket.gethostname().split(".")[0], "node_name")
@@ -42,7 +43,7 @@ class ClusterNode:
             raise ConfigInvalid(source="cluster_advertise", reason=(
                 f"the data plane listens on {data}, which no driver can dial: give cluster_advertise "
                 f"(--cluster-advertise HOST:PORT), the address drivers reach this node at"))
-        store = ClusterStore(parse_cluster_url(config.cluster, "cluster"))
+        store = store or ClusterStore.from_config(config)
         # every device the node serves: placement picks a node one of whose devices fits
         view = NodeView(name=name, instance=pool.instance, data=data,
                         control=server.endpoints.get("control"),

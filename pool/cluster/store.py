@@ -7,31 +7,77 @@ error, never a traceback.  So every answer is read at most
 ``MAX_ANSWER_BYTES``, a range at most ``limit`` keys, each value at most
 ``MAX_VALUE_BYTES`` of a JSON object; a value that is none of that is
 skipped with a log line (``StoredValue`` checks the fields its reader needs).
+
+``etcds://`` is TLS to etcd: etcd's certificate is verified against
+``cluster_tls_ca`` and must name the endpoint's host, and the node presents
+its client certificate (etcd ``--client-cert-auth``): only holders of a
+certificate the etcd CA signed may write node records or quota reservations.
+A handshake that fails is an ``Unavailable`` that says which side refused.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
+import ssl
 
 import requests
 from etcd3gw.client import Etcd3Client
 from etcd3gw import exceptions as etcd_errors
 
-from accelmig.pool.cluster.keys import MAX_ANSWER_BYTES, MAX_RANGE_KEYS, MAX_VALUE_BYTES, PREFIX, check_name, parse_cluster_url  # noqa: F401
+from accelmig.pool.cluster.keys import (MAX_ANSWER_BYTES, MAX_RANGE_KEYS, MAX_VALUE_BYTES, PREFIX,  # noqa: F401
+                                        check_name, cluster_uses_tls, parse_cluster_url)
 from accelmig.wire.errors import Unavailable
 
 LOG = logging.getLogger("accelmig.pool.cluster")
 
-class _BoundedSession(requests.Session):
-    """Every answer but a watch stream is read at most ``limit`` bytes."""
+@dataclasses.dataclass(frozen=True)
+class ClusterTLS:
+    """The files of ``etcds://``: the CA etcd's certificate must verify
+    against, this node's client certificate and its key (``""``: in ``cert``)."""
 
-    def __init__(self, limit: int):
+    ca: str
+    cert: str | None
+    key: str = ""
+
+
+class TLSRefused(etcd_errors.ConnectionFailedError):
+    """A TLS handshake with etcd failed (``detail_text`` says why)."""
+
+
+class _BoundedSession(requests.Session):
+    """Every answer but a watch stream is read at most ``limit`` bytes;
+    with ``tls``, every request verifies etcd and presents this node's
+    certificate (etcd3gw ignores its own TLS arguments given a session)."""
+
+    def __init__(self, limit: int, tls: ClusterTLS | None = None):
         super().__init__()
         self.limit = limit
+        # no REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE (they would replace cluster_tls_ca by a bundle of
+        # public CAs), no proxy and no .netrc from the environment: etcd is reached as configured
+        self.trust_env = False
+        if tls is not None:
+            self.verify = tls.ca
+            if tls.cert:
+                self.cert = (tls.cert, tls.key) if tls.key else tls.cert
 
     def request(self, method, url, **kwargs):
+        try:
+            return self._request(method, url, **kwargs)
+        except requests.exceptions.ConnectionError as exc:
+            reason = _tls_failure(exc, url)
+            if reason is not None:
+                raise TLSRefused(reason) from None
+            if url.startswith("http:") and "Connection aborted" in str(exc):
+                # an etcd that speaks only TLS hangs up on (or resets) plain HTTP
+                raise etcd_errors.ConnectionFailedError(
+                    f"{str(exc)[:200]}: etcd closed a plain HTTP request (one that serves only TLS? "
+                    f"then etcds://)") from None
+            raise
+
+    def _request(self, method, url, **kwargs):
         if kwargs.get("stream"):            # a watch: etcd3gw reads it event by event
             return super().request(method, url, **kwargs)
         kwargs["stream"] = True
@@ -48,6 +94,47 @@ class _BoundedSession(requests.Session):
         return response
 
 
+def _tls_failure(exc: BaseException, url: str) -> str | None:
+    """An operator's sentence for a failed TLS handshake with etcd, or None:
+    ``exc`` is no TLS failure (requests buries the ``ssl`` error in its chain)."""
+    seen, todo, found = set(), [exc], None
+    while todo and found is None:
+        item = todo.pop()
+        if id(item) in seen or not isinstance(item, BaseException):
+            continue
+        seen.add(id(item))
+        if isinstance(item, ssl.SSLError):
+            found = item
+            break
+        todo.extend([item.__cause__, item.__context__, getattr(item, "reason", None), *item.args])
+    if found is None:
+        return None
+    where = url.split("/v3/")[0].split("/version")[0]
+    text = str(found)
+    if isinstance(found, ssl.SSLCertVerificationError):
+        return (f"etcd's certificate at {where} does not verify ({found.verify_message}): not signed by "
+                f"cluster_tls_ca, or it names no such host (an IP SAN is needed for an address)")
+    if isinstance(found, ssl.SSLEOFError):     # Go's TLS server hangs up on a certificate it refuses
+        return (f"etcd at {where} closed the TLS handshake: it refused this node's client certificate "
+                f"(none given, or cluster_tls_cert is not signed by a CA etcd trusts: its "
+                f"--trusted-ca-file)")
+    if "CERTIFICATE_REQUIRED" in text.upper().replace(" ", "_"):
+        return f"etcd at {where} requires a client certificate (cluster_tls_cert) and got none"
+    if any(word in text.upper().replace(" ", "_") for word in ("UNKNOWN_CA", "BAD_CERTIFICATE",
+                                                               "CERTIFICATE_UNKNOWN")):
+        return (f"etcd at {where} refused this node's client certificate (none given, or "
+                f"cluster_tls_cert is not signed by a CA etcd trusts: its --trusted-ca-file): {text[:200]}")
+    if "WRONG_VERSION_NUMBER" in text.upper().replace(" ", "_"):
+        return f"etcd at {where} does not speak TLS (use etcd:// for a plain etcd): {text[:200]}"
+    return f"TLS with etcd at {where} failed: {text[:300]}"
+
+
+def _reason(exc: Exception) -> str:
+    """etcd3gw's exceptions keep their text in ``detail_text``, not in ``str()``."""
+    return " ".join(str(part) for part in (getattr(exc, "detail_text", None), *exc.args) if part) \
+        or type(exc).__name__
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -60,13 +147,28 @@ def prefix_end(prefix: str) -> str:
 class ClusterStore:
     """A few etcd operations, bounded; ``Unavailable`` when no endpoint answers."""
 
-    def __init__(self, endpoints: list[tuple[str, int]], *, timeout: float = 5.0):
+    def __init__(self, endpoints: list[tuple[str, int]], *, timeout: float = 5.0,
+                 tls: ClusterTLS | None = None):
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls
         self._current = 0
-        self._clients = [Etcd3Client(host, port, timeout=timeout, api_path="/v3/",
-                                     session=_BoundedSession(MAX_ANSWER_BYTES))
+        self._clients = [Etcd3Client(host, port, protocol="https" if tls else "http", timeout=timeout,
+                                     api_path="/v3/", session=_BoundedSession(MAX_ANSWER_BYTES, tls))
                          for host, port in self.endpoints]
+
+    @classmethod
+    def from_config(cls, config) -> "ClusterStore":
+        """The store a pool's ``cluster`` and ``cluster_tls_*`` keys name."""
+        tls = None
+        if cluster_uses_tls(config.cluster):
+            tls = ClusterTLS(config.cluster_tls_ca, config.cluster_tls_cert, config.cluster_tls_key)
+        return cls(parse_cluster_url(config.cluster, "cluster"), tls=tls)
+
+    def probe(self) -> int:
+        """One read, to learn before serving that etcd answers and accepts
+        this node (TLS, client certificate); the store's revision."""
+        return self.range(PREFIX + "nodes/", limit=MAX_RANGE_KEYS)[1]
 
     @property
     def client(self) -> Etcd3Client:
@@ -80,10 +182,10 @@ class ClusterStore:
             try:
                 result = fn(self._clients[index])
             except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as exc:
-                errors.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: {exc}"[:300])
+                errors.append(f"{self.endpoints[index][0]}:{self.endpoints[index][1]}: {_reason(exc)}"[:400])
                 continue
             except etcd_errors.Etcd3Exception as exc:
-                raise Unavailable(what="etcd", reason=f"{what}: {exc}"[:500]) from None
+                raise Unavailable(what="etcd", reason=f"{what}: {_reason(exc)}"[:500]) from None
             except (ValueError, KeyError, TypeError) as exc:      # an answer that is no gateway's
                 raise Unavailable(what="etcd", reason=f"{what}: a malformed answer ({exc})"[:500]) from None
             self._current = index

@@ -63,3 +63,22 @@ def test_a_failed_removal_is_said_too(node_deploy):
     node_deploy.probe = {"paths": {deploy.HOOK: None}}
     with pytest.raises(RemoteFailed, match="removing the hook it added failed too: permission denied"):
         node_deploy.hook()
+
+
+def test_a_pool_node_that_joins_etcd_installs_the_cluster_extra_in_a_venv_of_its_own(tmp_path):
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / "accelmig-0.1.0-py3-none-any.whl").write_bytes(b"wheel")
+    data = {"install": {"wheelhouse": "dist"}, "tls": {"insecure": True}, "tenants": {"t": {"quota": "1GiB"}},
+            "pool": {"address": "pool", "listen": "10.0.0.1:7070", "control_listen": "10.0.0.1:7071"},
+            "hosts": {"hostA": {"address": "hosta"}}}
+    (tmp_path / "fleet.toml").write_bytes(tomli_w.dumps(data).encode())
+    single = Inventory.load(tmp_path / "fleet.toml")
+    data["pool"]["cluster"] = {"url": "etcd://10.0.0.5:2379"}
+    (tmp_path / "fleet.toml").write_bytes(tomli_w.dumps(data).encode())
+    joined = Inventory.load(tmp_path / "fleet.toml")
+    alone = deploy.NodeDeploy(deploy.Deployer(single), single.pool)
+    member = deploy.NodeDeploy(deploy.Deployer(joined), joined.pool)
+    assert alone.extras == "pool" and member.extras == "pool,cluster"
+    assert deploy.NodeDeploy(deploy.Deployer(joined), joined.node("hostA")).extras == "host"
+    # an existing single-node venv lacks etcd3gw: joining gets a new one, never reuses it
+    assert member.venv_tag != alone.venv_tag and member.venv_tag.endswith("-pool-cluster")

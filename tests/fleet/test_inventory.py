@@ -10,7 +10,7 @@ import tomli_w
 from accelmig.fleet import render
 from accelmig.fleet.deploy import Wheelhouse
 from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
-from accelmig.pool.config import load_tenants
+from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.wire.errors import ConfigInvalid
 
 
@@ -166,3 +166,64 @@ def test_the_wheelhouse_holds_exactly_one_accelmig_wheel(tmp_path):
         Wheelhouse((str(tmp_path / "a"), str(tmp_path / "b")), "fleet.toml")
     with pytest.raises(ConfigInvalid, match="is not a directory"):
         Wheelhouse((str(tmp_path / "none"),), "fleet.toml")
+
+
+def test_a_pool_node_on_etcds_gets_its_cluster_settings_and_etcd_files(write, tmp_path):
+    for name in ("pki/etcd-ca.pem", "pki/pool-etcd.pem", "pki/pool-etcd.key"):
+        (tmp_path / name).write_text(f"{name}\n")
+    data = valid()
+    data["pool"]["cluster"] = {"url": "etcds://10.88.0.5:2379,10.88.0.6:2379", "ttl": 5,
+                               "ca": "pki/etcd-ca.pem", "cert": "pki/pool-etcd.pem", "key": "pki/pool-etcd.key"}
+    inventory = Inventory.load(write(data))
+    config = render.pool_config(inventory)
+    (tmp_path / "pool.toml").write_bytes(config.data)
+    loaded = PoolConfig.load(str(tmp_path / "pool.toml"))          # what the pool itself will read
+    assert loaded.cluster == "etcds://10.88.0.5:2379,10.88.0.6:2379" and loaded.cluster_ttl == 5.0
+    assert loaded.node_name == "pool" and loaded.cluster_advertise == "10.88.0.10:7070"
+    assert (loaded.cluster_tls_ca, loaded.cluster_tls_cert, loaded.cluster_tls_key) == render.CLUSTER_TLS_FILES
+    files = {f.path: f for f in render.tls_files(inventory, inventory.pool, "accelmig-pool")}
+    assert files[render.CLUSTER_TLS_FILES[0]].data == b"pki/etcd-ca.pem\n"
+    key = files[render.CLUSTER_TLS_FILES[2]]
+    assert key.data == b"pki/pool-etcd.key\n" and key.secret and key.mode == 0o640 and key.group == "accelmig-pool"
+    # etcd's TLS is its own: the pool's planes may be plain in a test rig, etcd's files still go
+    data["tls"] = {"insecure": True}
+    for side in ("pool", "hosts"):
+        for node in ([data["pool"]] if side == "pool" else data["hosts"].values()):
+            node.pop("cert"), node.pop("key")
+    inventory = Inventory.load(write(data))
+    assert [f.path for f in render.tls_files(inventory, inventory.pool)] == list(render.CLUSTER_TLS_FILES)
+    assert render.tls_files(inventory, inventory.node("hostA")) == []
+
+
+@pytest.mark.parametrize("cluster, words", [
+    ({"url": "etcds://10.88.0.5:2379"}, ["[pool]", "give cluster_tls_ca and cluster_tls_cert"]),
+    ({"url": "etcd://10.88.0.5:2379", "ca": "pki/ca.pem", "cert": "pki/pool.pem", "key": "pki/pool.key"},
+     ["[pool]", "is plain etcd:// but cluster_tls_ca, cluster_tls_cert, cluster_tls_key given"]),
+    ({"url": "https://10.88.0.5:2379"}, ["[pool]", "write etcds://"]),
+])
+def test_cluster_settings_the_pool_would_refuse_are_refused_at_render(write, cluster, words):
+    data = valid()
+    data["pool"]["cluster"] = cluster
+    with pytest.raises(ConfigInvalid) as caught:
+        render.pool_config(Inventory.load(write(data)))
+    for word in words:
+        assert word in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda c: c.pop("url"), ["pool.cluster.url", "missing"]),
+    (lambda c: c.pop("key"), ["pool.cluster", "ca, cert and key go together"]),
+    (lambda c: c.update(cert="pki/none.pem"), ["pool.cluster.cert", "is not a file"]),
+    (lambda c: c.update(advertise="0.0.0.0:7070"), ["pool.cluster.advertise", "wildcard"]),
+    (lambda c: c.update(ttl=0), ["pool.cluster.ttl"]),
+    (lambda c: c.update(endpoints="x"), ["pool.cluster", "unknown key(s) endpoints"]),
+])
+def test_cluster_mistakes_are_named_by_their_key(write, change, words):
+    data = valid()
+    data["pool"]["cluster"] = {"url": "etcds://10.88.0.5:2379", "ca": "pki/ca.pem", "cert": "pki/pool.pem",
+                               "key": "pki/pool.key"}
+    change(data["pool"]["cluster"])
+    refused(write, data, *words)
+    data = valid()
+    data["pool"]["settings"] = {"cluster": "etcd://10.88.0.5:2379"}
+    refused(write, data, "pool.settings.cluster", "[pool.cluster]")

@@ -209,7 +209,8 @@ def test_no_etcd_answering_is_a_clear_error_at_start(tmp_path):
 
 
 @pytest.mark.parametrize("value, reason", [
-    ("http://127.0.0.1:2379", "cluster must be etcd://HOST:PORT"),
+    ("http://127.0.0.1:2379", "write etcds://HOST:PORT for TLS to etcd, etcd://HOST:PORT for plain"),
+    ("etcdx://127.0.0.1:2379", "cluster must be etcd://HOST:PORT"),
     ("etcd://", "cluster: ''"),
     ("etcd://127.0.0.1:99999", "cluster: '127.0.0.1:99999'"),
 ])

@@ -7,10 +7,15 @@ not a sleep); always stopped by its PID.
 
     with EtcdServer(tmp_path) as etcd:
         ClusterStore([etcd.endpoint])
+
+With ``tls`` (an ``EtcdPKI``: ``make_etcd_pki(directory)``), it listens on
+https only and requires a client certificate of its CA (``--client-cert-auth``),
+as a deployment's etcd does; ``url`` is then ``etcds://``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -22,6 +27,8 @@ import threading
 
 import pytest
 
+from accelmig.lab.certs import Issued, issue, make_ca
+
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
@@ -31,12 +38,38 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class EtcdPKI:
+    """etcd's CA (``ca``), etcd's certificate (``server``: IP SAN 127.0.0.1
+    only, so ``localhost`` is the wrong name), a pool node's client
+    certificate (``client``) and one signed by another CA (``stranger``)."""
+
+    ca: object
+    server: Issued
+    client: Issued
+    other_ca: object
+    stranger: Issued
+
+
+def make_etcd_pki(directory) -> EtcdPKI:
+    from pathlib import Path
+    directory = Path(directory)
+    ca, ca_key = make_ca(directory / "etcd-ca", "etcd test CA")
+    other, other_key = make_ca(directory / "other-ca", "some other CA")
+    return EtcdPKI(ca=ca, server=issue(directory / "etcd-ca", ca, ca_key, "etcd", addresses=("127.0.0.1",),
+                                                  server_and_client=True),
+                   client=issue(directory / "etcd-ca", ca, ca_key, "pool-node", client=True),
+                   other_ca=other, stranger=issue(directory / "other-ca", other, other_key, "stranger",
+                                                  client=True))
+
+
 class EtcdServer:
-    def __init__(self, directory):
+    def __init__(self, directory, tls: EtcdPKI | None = None):
         if not os.access(ETCD, os.X_OK):
             pytest.skip("etcd is not installed (Debian: etcd-server; ./dev.sh setup installs it)")
         self.data_dir = os.path.join(str(directory), "etcd-data")
         self.client_port, self.peer_port = _free_port(), _free_port()
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
         self.log: list[dict] = []
 
@@ -47,16 +80,19 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"etcd://{self.endpoint}"
+        return f"{'etcds' if self.tls else 'etcd'}://{self.endpoint}"
 
     def start(self, timeout: float = 30.0) -> "EtcdServer":
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls = [] if self.tls is None else [
+            "--cert-file", self.tls.server.cert, "--key-file", self.tls.server.key,
+            "--trusted-ca-file", self.tls.ca, "--client-cert-auth"]
         self.proc = subprocess.Popen(
             [ETCD, "--name", "test", "--data-dir", self.data_dir,
              "--listen-client-urls", client, "--advertise-client-urls", client,
              "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr"],
+             "--initial-cluster", f"test={peer}", "--logger", "zap", "--log-outputs", "stderr", *map(str, tls)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ready: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, args=(self.proc, ready), daemon=True).start()
@@ -110,4 +146,11 @@ class EtcdServer:
 @pytest.fixture
 def etcd_server(tmp_path):
     with EtcdServer(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_tls_server(tmp_path):
+    """etcd on https only, client certificates required (``server.tls``: its PKI)."""
+    with EtcdServer(tmp_path, tls=make_etcd_pki(tmp_path / "pki")) as server:
         yield server
