@@ -42,27 +42,33 @@ def node(tmp_path, etcd, name: str, *extra, env: dict | None = None) -> PoolProc
                               "--device-isolation", "none", *extra), env=env)
 
 
-class Deletions:
-    """The keys etcd deletes under a prefix, as its watch reports them."""
+class PrefixWatch:
+    """What etcd's watch reports under a prefix from now on: ``(kind, key,
+    value)``, kind PUT or DELETE, the value parsed from JSON (None when
+    deleted)."""
 
     def __init__(self, store: ClusterStore, prefix: str):
-        self.deleted: queue.Queue = queue.Queue()
+        self.seen: queue.Queue = queue.Queue()
         _, revision = store.range(prefix)
         self.events, self.cancel = store.watch_prefix(prefix, start_revision=revision + 1)
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self):
         for event in self.events:
-            if event.get("type") == "DELETE":
-                self.deleted.put(event["kv"]["key"].decode())
+            self.seen.put((event.get("type", "PUT"), event["kv"]["key"].decode(), event["kv"].get("value", b"")))
 
-    def wait(self, key: str, timeout: float = 30.0) -> None:
+    def wait(self, predicate, timeout: float = 30.0, what: str = "such an etcd event") -> None:
         while True:
             try:
-                if self.deleted.get(timeout=timeout) == key:
-                    return
+                kind, key, value = self.seen.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"etcd did not delete {key} within {timeout} s") from None
+                raise AssertionError(f"no {what} within {timeout} s") from None
+            if predicate(kind, key, json.loads(value) if kind != "DELETE" and value else None):
+                return
+
+    def wait_deleted(self, key: str, timeout: float = 30.0) -> None:
+        self.wait(lambda kind, seen, _value: kind == "DELETE" and seen == key, timeout,
+                  f"deletion of {key} by etcd")
 
 
 def test_a_node_registers_endpoints_devices_and_instance_under_a_lease_and_leaves_on_stop(tmp_path, etcd_server):
@@ -94,10 +100,10 @@ def test_a_killed_node_leaves_when_its_lease_runs_out_and_returns_as_a_new_insta
         dev.upload(b"device memory that dies with its node")
         dev.finish()
         old_instance = first.ready["instance"]
-        deletions = Deletions(store, NODES)
+        deletions = PrefixWatch(store, NODES)
         first.signal(signal.SIGKILL)                     # no deregistration: only the TTL removes it
         first.proc.wait(10)
-        deletions.wait(node_key("n1"))
+        deletions.wait_deleted(node_key("n1"))
         deletions.cancel()
         assert set(live_nodes(store)) == {"n2"}          # the other node is untouched
 
@@ -370,10 +376,10 @@ def test_a_session_whose_node_died_is_lost_clearly_never_recreated_elsewhere(tmp
         assert there["error"]["code"] == "UNAVAILABLE"
         assert f"it lives on node n2 at {n2.endpoint}" in there["error"]["message"]
 
-        deletions = Deletions(store, NODES)
+        deletions = PrefixWatch(store, NODES)
         n2.signal(signal.SIGKILL)
         n2.proc.wait(10)
-        deletions.wait(node_key("n2"))
+        deletions.wait_deleted(node_key("n2"))
         deletions.cancel()
         wait_for(lambda: dev.state is LinkState.FAILED, 30, "the driver to learn its session is lost")
         with pytest.raises(SessionLost, match="no live node of the pool is instance " + n2.ready["instance"]):
@@ -422,29 +428,6 @@ def test_a_node_whose_lease_etcd_expired_registers_again_as_the_same_instance(tm
         pool.stop()
 
 
-class Puts:
-    """The values etcd's watch reports put under a prefix."""
-
-    def __init__(self, store: ClusterStore, prefix: str):
-        self.seen: queue.Queue = queue.Queue()
-        _, revision = store.range(prefix)
-        self.events, self.cancel = store.watch_prefix(prefix, start_revision=revision + 1)
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self):
-        for event in self.events:
-            self.seen.put((event.get("type", "PUT"), event["kv"]["key"].decode(), event["kv"].get("value", b"")))
-
-    def wait(self, predicate, timeout: float = 30.0):
-        while True:
-            try:
-                kind, key, value = self.seen.get(timeout=timeout)
-            except queue.Empty:
-                raise AssertionError(f"no such etcd event within {timeout} s") from None
-            if predicate(kind, key, json.loads(value) if value else None):
-                return
-
-
 def test_a_tenants_device_memory_quota_holds_across_two_pool_nodes(tmp_path, etcd_server):
     """alice's quota is 64 MiB for the whole pool, not per node."""
     store = store_of(etcd_server)
@@ -461,7 +444,7 @@ def test_a_tenants_device_memory_quota_holds_across_two_pool_nodes(tmp_path, etc
         with pytest.raises(QuotaExceeded, match="would use 41943040 of its 67108864-byte") as refused:
             on_n2.finish()
         assert refused.value.details.get("pool_wide") is True
-        puts = Puts(store, held)
+        puts = PrefixWatch(store, held)
         first.free()
         on_n1.finish()
         puts.wait(lambda kind, key, value: key == held + "n1/held" and value == {"bytes": 0})
@@ -470,10 +453,10 @@ def test_a_tenants_device_memory_quota_holds_across_two_pool_nodes(tmp_path, etc
         on_n2.finish()
         assert QuotaLedger(store, "reader").used("alice")[0] == 30 * MiB
         # n2 dies: its bytes leave the ledger with its lease
-        gone = Deletions(store, held)
+        gone = PrefixWatch(store, held)
         n2.signal(signal.SIGKILL)
         n2.proc.wait(10)
-        gone.wait(held + "n2/held")
+        gone.wait_deleted(held + "n2/held")
         gone.cancel()
         assert QuotaLedger(store, "reader").used("alice")[0] == 0
         on_n1.alloc(60 * MiB)
