@@ -14,56 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from bench.common import Table, median_of, report
-from bench.placement import TOKEN, Node, _free_port
-
-
-class PKI:
-    """etcd's CA, its certificate (serverAuth and clientAuth: its gateway
-    dials its own gRPC server with it) and a pool node's client certificate."""
-
-    def __init__(self, directory: Path):
-        from accelmig.lab.certs import issue, make_ca
-        self.ca, key = make_ca(directory, "bench etcd CA")
-        self.server = issue(directory, self.ca, key, "etcd", addresses=("127.0.0.1",), server_and_client=True)
-        self.client = issue(directory, self.ca, key, "pool-node", client=True)
-
-
-def make_pki(directory: Path) -> PKI:
-    return PKI(directory)
-
-
-class Etcd:
-    def __init__(self, workdir: str, name: str, tls=None):
-        client, peer = _free_port(), _free_port()
-        self.port = client
-        scheme = "https" if tls else "http"
-        url = f"{scheme}://127.0.0.1:{client}"
-        extra = [] if tls is None else ["--cert-file", str(tls.server.cert), "--key-file", str(tls.server.key),
-                                        "--trusted-ca-file", str(tls.ca), "--client-cert-auth"]
-        self.proc = subprocess.Popen(
-            [shutil.which("etcd") or "/usr/bin/etcd", "--name", name, "--data-dir", os.path.join(workdir, name),
-             "--listen-client-urls", url, "--advertise-client-urls", url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-cluster", f"{name}=http://127.0.0.1:{peer}",
-             "--logger", "zap", "--log-outputs", "stderr", *extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:           # its own "serving" line: ready
-            if '"serving client traffic' in line or '"ready to serve client' in line:
-                break
-        else:
-            raise SystemExit(f"etcd {name} did not start ({self.proc.wait()})")
-        self.url = f"{'etcds' if tls else 'etcd'}://127.0.0.1:{client}"
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(10)
+from bench.placement import TOKEN, Node
+from tests.support.etcd import EtcdServer, make_etcd_pki  # the tests' one etcd toolkit
 
 
 def main(argv: list[str]) -> None:
@@ -78,12 +35,13 @@ def main(argv: list[str]) -> None:
     from accelmig.pool.cluster.store import ClusterStore, ClusterTLS
 
     workdir = tempfile.mkdtemp(prefix="accelmig-bench-etcd-tls-")
-    pki = make_pki(Path(workdir) / "pki")
-    plain, secure = Etcd(workdir, "plain"), Etcd(workdir, "secure", tls=pki)
+    pki = make_etcd_pki(Path(workdir) / "pki")
+    plain = EtcdServer(Path(workdir) / "plain").start()
+    secure = EtcdServer(Path(workdir) / "secure", tls=pki).start()
     nodes = []
     try:
-        stores = {"plain": ClusterStore([("127.0.0.1", plain.port)]),
-                  "tls": ClusterStore([("127.0.0.1", secure.port)],
+        stores = {"plain": ClusterStore([("127.0.0.1", plain.client_port)]),
+                  "tls": ClusterStore([("127.0.0.1", secure.client_port)],
                                       tls=ClusterTLS(str(pki.ca), str(pki.client.cert), str(pki.client.key)))}
         results = {}
         for kind, store in stores.items():

@@ -18,42 +18,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 from bench.common import Table, median_of, report
+from tests.support.etcd import EtcdServer  # the tests' one etcd toolkit
 
 TOKEN = "bench-token-0001"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Etcd:
-    def __init__(self, workdir: str):
-        client, peer = _free_port(), _free_port()
-        self.endpoint = f"127.0.0.1:{client}"
-        self.proc = subprocess.Popen(
-            [shutil.which("etcd") or "/usr/bin/etcd", "--name", "bench", "--data-dir", os.path.join(workdir, "etcd"),
-             "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-cluster", f"bench=http://127.0.0.1:{peer}",
-             "--logger", "zap", "--log-outputs", "stderr"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for line in self.proc.stderr:           # its own "serving" line: ready
-            if '"serving client traffic' in line or '"ready to serve client' in line:
-                break
-        else:
-            raise SystemExit(f"etcd did not start ({self.proc.wait()})")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(10)
 
 
 class Node:
@@ -89,7 +62,7 @@ def main(argv: list[str]) -> None:
     from accelmig.agent.driver import connect
 
     workdir = tempfile.mkdtemp(prefix="accelmig-bench-placement-")
-    etcd = Etcd(workdir)
+    etcd = EtcdServer(workdir).start()
     nodes = []
     try:
         single = Node(workdir, "single")
