@@ -327,8 +327,7 @@ class DataConnection(asyncio.BufferedProtocol):
         token = header.get("token")
         if not isinstance(token, str) or token not in self.pool.tenants:
             raise AuthFailed(reason="unknown tenant token")
-        local = sum(1 for s in self.pool.sessions.values() if s.live)
-        self._off_loop(self.pool.placement.decide, header, local, header=header)
+        self._off_loop(self.pool.placement.decide, header, self.pool.live_session_count(), header=header)
 
     def _off_loop(self, fn, *args, header: dict) -> None:
         """``fn(*args)`` (an etcd read) on a thread; ``_placed`` takes its answer."""

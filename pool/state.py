@@ -91,6 +91,13 @@ class Pool:
         """The first device's backend (for callers from one-device days)."""
         return self.devices.devices[0].backend
 
+    def live_session_count(self) -> int:
+        """Sessions not released (attached, detached or parked): the node's
+        load in a cluster.  Each device counts its own as they open and
+        release, so this costs a sum over the devices, not a scan of every
+        session (an open must not grow with the pool's population)."""
+        return sum(device.sessions for device in self.devices)
+
     def post(self, fn) -> None:
         """From a worker thread: run ``fn`` on the loop."""
         loop = self.loop

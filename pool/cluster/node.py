@@ -49,9 +49,9 @@ class ClusterNode:
                         control=server.endpoints.get("control"),
                         devices=tuple(device_summary(d) for d in pool.devices.describe()), sessions=0)
         ledger = QuotaLedger(store, name)
-        # read from the lease thread: len() of a dict is one atomic step
+        # read from the lease thread: the devices' counters are plain ints
         registration = NodeRegistration(store, view, int(config.cluster_ttl),
-                                        load=lambda: sum(1 for s in list(pool.sessions.values()) if s.live),
+                                        load=pool.live_session_count,
                                         on_lease=ledger.follow_lease)
         registration.start()
         # tenants' device memory counts pool-wide from now on (joined before ready: none is held yet)
