@@ -6,7 +6,7 @@
 #  1. wait until every node of fleet.toml says it is ready (provision-host.sh,
 #     provision-pool.sh): vagrant-libvirt brings machines up in parallel
 #  2. the wheelhouse: the accelmig wheel and every dependency's, built from
-#     the synced checkout (pip wheel '.[host,pool]'), again only when the
+#     the synced checkout (pip wheel '.[host,pool,cluster]'), again only when the
 #     checkout changed; and the lab's wheel (accelmig-lab: the image builder)
 #  3. an admin venv, /opt/accelmig-rig/venv: accelmig[fleet] from that same
 #     wheel, plus accelmig-lab (never an editable install, never on the
@@ -70,7 +70,7 @@ if [ "$(cat "$STATE/wheelhouse.source" 2>/dev/null)" != "$fingerprint" ]; then
   rm -rf "$stage/src/build" "$stage/src/lab/build" "$stage/src/vagrant/.rig"
   find "$stage/src" -name '*.egg-info' -prune -exec rm -rf {} +
   # SOURCE_DATE_EPOCH: the same sources give the same wheel bytes.
-  SOURCE_DATE_EPOCH=315532800 "$BUILD_VENV/bin/pip" wheel -q -w "$stage/wheels" "${stage}/src[host,pool]"
+  SOURCE_DATE_EPOCH=315532800 "$BUILD_VENV/bin/pip" wheel -q -w "$stage/wheels" "${stage}/src[host,pool,cluster]"
   SOURCE_DATE_EPOCH=315532800 "$BUILD_VENV/bin/pip" wheel -q --no-deps -w "$stage/lab-wheels" "$stage/src/lab"
   rm -rf "$WHEELHOUSE" "$LAB_WHEELS"
   install -d -m 0755 "$(dirname "$WHEELHOUSE")"

@@ -413,3 +413,15 @@ def test_the_inventory_loads_with_the_fleet_loader(tmp_path):
     for host in inv.hosts:
         # the pool tells the hosts apart by their guests' source addresses
         assert host.pool_addresses == (host.fabric["guest_subnet"],)
+
+
+def test_the_rigs_wheelhouse_carries_the_extras_every_other_wheelhouse_does():
+    """A pool node joining etcd needs etcd3gw on the node: the rig's wheelhouse
+    is built with the same extras as dev.sh's and the one fleet's error names."""
+    dev = (RIG.parent / "dev.sh").read_text()
+    extras = re.search(r'wheel_extras="([a-z,]+)"', dev)[1]
+    assert "cluster" in extras.split(",")
+    deploy = (RIG / "provision-deploy.sh").read_text()
+    built = re.findall(r'wheel -q -w "\$stage/wheels" "\$\{stage\}/src\[([a-z,]+)\]"', deploy)
+    assert built == [extras], f"provision-deploy.sh builds [{', '.join(built)}], dev.sh [{extras}]"
+    assert f"'.[{extras}]'" in (RIG.parent / "fleet" / "deploy.py").read_text()
