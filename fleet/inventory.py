@@ -33,6 +33,8 @@ deployment, how to reach them and what each one runs.
     ca = "pki/etcd-ca.pem"         # etcds:// only: etcd's CA, this node's client cert and key,
     cert = "pki/pool-etcd.pem"     # uploaded to /etc/accelmig/tls/etcd-*.pem like the pool's own
     key = "pki/pool-etcd.key"
+    user = "accelmig-pool"         # etcds:// with etcd's access control on: this node's etcd user
+    password_file = "pki/etcd-password"   # its password, uploaded to /etc/accelmig/etcd-password
 
     [tenants.alice]
     quota = "8GiB"
@@ -105,6 +107,7 @@ class Node:
     settings: dict = dataclasses.field(default_factory=dict)   # pool.toml [pool] keys
     endpoint: str | None = None            # the data plane as guests reach it
     cluster_tls: tuple[str, str, str] | None = None   # local etcd CA, client cert, key: uploaded
+    cluster_password: str | None = None    # local file of the etcd user's password: uploaded
 
     @property
     def sudo(self) -> bool:
@@ -336,7 +339,7 @@ class _Reader:
             if reserved in settings:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [tls], [tenants], [hosts])")
         for reserved in ("cluster", "node_name", "cluster_advertise", "cluster_ttl", "cluster_tls_ca",
-                         "cluster_tls_cert", "cluster_tls_key"):
+                         "cluster_tls_cert", "cluster_tls_key", "cluster_user", "cluster_password_file"):
             if reserved in settings:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [pool.cluster])")
         settings["listen"] = self.string(table, "listen", "pool", required=True)
@@ -354,9 +357,12 @@ class _Reader:
         self.endpoint(endpoint, "pool.endpoint" if "endpoint" in table else "pool.listen (the "
                       "endpoint guests use, unless pool.endpoint says another)", listen=False)
         self.endpoint(settings["control_listen"], "pool.control_listen (what hosts call)", listen=False)
-        cluster_tls = self.cluster(self.table(table, "pool.cluster"), settings, name, endpoint)
+        cluster = self.table(table, "pool.cluster")
+        cluster_tls = self.cluster(cluster, settings, name, endpoint)
+        cluster_password = self.cluster_user(cluster, settings)
         return Node(name=name, role="pool", address=self.address(table, "pool"), port=port, user=user,
-                    cert=cert, key=key, settings=settings, endpoint=endpoint, cluster_tls=cluster_tls)
+                    cert=cert, key=key, settings=settings, endpoint=endpoint, cluster_tls=cluster_tls,
+                    cluster_password=cluster_password)
 
     def cluster(self, table: dict, settings: dict, name: str, endpoint: str) -> tuple[str, str, str] | None:
         """``[pool.cluster]`` into the pool's ``cluster*`` settings; the local
@@ -364,7 +370,8 @@ class _Reader:
         files is the pool's own loader's rule, applied at render."""
         if not table:
             return None
-        self.only(table, "pool.cluster", {"url", "node_name", "advertise", "ttl", "ca", "cert", "key"})
+        self.only(table, "pool.cluster", {"url", "node_name", "advertise", "ttl", "ca", "cert", "key",
+                                          "user", "password_file"})
         settings["cluster"] = self.string(table, "url", "pool.cluster", required=True)
         settings["node_name"] = self.string(table, "node_name", "pool.cluster", default=name)
         settings["cluster_advertise"] = self.string(table, "advertise", "pool.cluster", default=endpoint)
@@ -377,6 +384,21 @@ class _Reader:
             raise self.error("pool.cluster", "ca, cert and key go together (etcds://: etcd's CA, this "
                                              "node's client certificate and its key)")
         return files
+
+    def cluster_user(self, table: dict, settings: dict) -> str | None:
+        """``[pool.cluster] user`` into ``cluster_user``; the local file of its
+        password (uploaded by render), or None.  The pool's loader checks the
+        rest (TLS only, the user's spelling) at render."""
+        if not table:
+            return None
+        user = self.string(table, "user", "pool.cluster")
+        password = self.local_file(table, "password_file", "pool.cluster")
+        if bool(user) != bool(password):
+            raise self.error("pool.cluster", "user and password_file go together (etcd's access control: "
+                                             "this node's etcd user and the file of its password)")
+        if user:
+            settings["cluster_user"] = user
+        return password or None
 
     def endpoint(self, value: str, where: str, listen: bool) -> None:
         try:

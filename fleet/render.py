@@ -26,6 +26,8 @@ POOL_HOSTS = f"{ETC}/hosts.toml"
 POOL_TOKENS = f"{ETC}/tokens.toml"
 #: the etcd CA, the pool node's client certificate and key for etcds:// ([pool.cluster])
 CLUSTER_TLS_FILES = (f"{TLS_DIR}/etcd-ca.pem", f"{TLS_DIR}/etcd-client.pem", f"{TLS_DIR}/etcd-client.key")
+#: the pool node's etcd password ([pool.cluster] user, password_file)
+CLUSTER_PASSWORD_FILE = f"{ETC}/etcd-password"
 #: the pool's service user (pool/data/accelmig-pool.sysusers)
 POOL_USER = "accelmig-pool"
 
@@ -54,7 +56,8 @@ def tls_files(inventory: Inventory, node: Node, group: str = "root") -> list[Rem
     """The CA and the node's certificate and key (key: 0600, or 0640 to
     the service's group); a pool node on etcds:// also gets etcd's CA and
     its etcd client certificate and key (etcd's TLS is its own: not tied
-    to [tls] insecure, which is about the pool's planes)."""
+    to [tls] insecure, which is about the pool's planes), and with an etcd
+    user the file of its password (a secret like a key)."""
     key_mode = 0o640 if group != "root" else 0o600
     out = []
     if not inventory.insecure:
@@ -66,6 +69,9 @@ def tls_files(inventory: Inventory, node: Node, group: str = "root") -> list[Rem
         ca, cert, key = node.cluster_tls
         out += [RemoteFile(CLUSTER_TLS_FILES[0], _read(ca)), RemoteFile(CLUSTER_TLS_FILES[1], _read(cert)),
                 RemoteFile(CLUSTER_TLS_FILES[2], _read(key), mode=key_mode, group=group, secret=True)]
+    if node.role == "pool" and node.cluster_password:
+        out.append(RemoteFile(CLUSTER_PASSWORD_FILE, _read(node.cluster_password), mode=key_mode, group=group,
+                              secret=True))
     return out
 
 
@@ -105,6 +111,8 @@ def pool_config(inventory: Inventory) -> RemoteFile:
                        tls_client_ca=f"{TLS_DIR}/ca.pem")
     if inventory.pool.cluster_tls:      # where tls_files uploads them
         section.update(zip(("cluster_tls_ca", "cluster_tls_cert", "cluster_tls_key"), CLUSTER_TLS_FILES))
+    if inventory.pool.cluster_password:
+        section["cluster_password_file"] = CLUSTER_PASSWORD_FILE
     try:
         PoolConfig.load(None, overrides=section)
     except ConfigInvalid as exc:

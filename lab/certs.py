@@ -57,15 +57,17 @@ def make_ca(directory: Path, name: str = "accelmig lab CA") -> tuple[Path, Path]
 
 
 def issue(directory: Path, ca: Path, ca_key: Path, name: str, *, addresses=(), dns=(),
-          client: bool = False, server_and_client: bool = False) -> Issued:
+          client: bool = False, server_and_client: bool = False, subject: str | None = None) -> Issued:
     """A certificate for ``name`` signed by the CA: a server's (SANs from
     ``addresses`` and ``dns``) or, with ``client``, a client's; with
     ``server_and_client``, both (etcd's own: with --client-cert-auth its
-    gateway dials its gRPC server presenting that certificate)."""
+    gateway dials its gRPC server presenting that certificate).  ``subject``:
+    other than ``/CN=name`` (an etcd client with a user and password needs
+    one without a CN: etcd's gateway refuses a CN once auth is on)."""
     cert, key, csr = directory / f"{name}.crt", directory / f"{name}.key", directory / f"{name}.csr"
     ext = directory / f"{name}.ext"
     _key(key, directory)
-    _openssl("req", "-new", "-key", key, "-out", csr, "-subj", f"/CN={name}", cwd=directory)
+    _openssl("req", "-new", "-key", key, "-out", csr, "-subj", subject or f"/CN={name}", cwd=directory)
     sans = [f"IP:{ipaddress.ip_address(a)}" for a in addresses] + [f"DNS:{d}" for d in dns]
     lines = ["basicConstraints=critical,CA:FALSE", "keyUsage=critical,digitalSignature",
              "extendedKeyUsage=" + ("serverAuth,clientAuth" if server_and_client

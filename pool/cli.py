@@ -116,6 +116,11 @@ def main():
               "for etcd --client-cert-auth [config: cluster_tls_cert].")
 @click.option("--cluster-tls-key", metavar="FILE", help="Its private key (PEM), mode 0600 or 0640 "
               "[config: cluster_tls_key; default: in --cluster-tls-cert].")
+@click.option("--cluster-user", metavar="USER", help="etcds://: this node's etcd user, when etcd's access "
+              "control is on (its role: readwrite on /accelmig/v1/); --cluster-tls-cert must then carry no "
+              "CommonName [config: cluster_user; default: none].")
+@click.option("--cluster-password-file", metavar="FILE", help="With --cluster-user: the file whose first line "
+              "is its password, mode 0600 or 0640 [config: cluster_password_file].")
 @click.option("--node-name", metavar="NAME", help="This node's name in the cluster [default: the short "
               "host name].")
 @click.option("--cluster-advertise", metavar="HOST:PORT", help="The data endpoint other nodes redirect "

@@ -29,6 +29,8 @@ metadata below by ``python docs/configref.py``)::
     # cluster_tls_ca = "/etc/accelmig/etcd-ca.crt"   # etcds://: the CA that signs etcd's certificate
     # cluster_tls_cert = "/etc/accelmig/etcd-client.crt"  # etcds://: this node's client certificate
     # cluster_tls_key = "/etc/accelmig/etcd-client.key"   # its key (not readable by others)
+    # cluster_user = "accelmig-pool"   # etcd's access control: a user whose role has /accelmig/v1/
+    # cluster_password_file = "/etc/accelmig/etcd-password"  # its password (not readable by others)
     # node_name = "pool-1"             # default: the short host name
     # cluster_advertise = "10.0.0.21:7070"  # what other nodes redirect drivers to
     # cluster_ttl = 10.0               # s of the node's etcd lease
@@ -64,6 +66,8 @@ from accelmig.wire.errors import BadRequest, ConfigInvalid
 from accelmig.wire.logs import level_number
 
 LOG = logging.getLogger("accelmig.pool")
+
+MAX_PASSWORD_BYTES = 1024       # an etcd password (cluster_password_file's first line)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -240,6 +244,16 @@ class PoolConfig:
                "`cluster_tls_cert`. The file holding the key must not be readable by other users "
                "(mode 0600 or 0640): the pool refuses to start otherwise.",
         "example": "/etc/accelmig/etcd-client.key"})
+    cluster_user: str = dataclasses.field(default="", metadata={
+        "doc": "`etcds://` only: this node's etcd user, for etcd's role-based access control on top "
+               "of the certificates (`etcdctl auth enable`): its role should grant readwrite on the "
+               "prefix `/accelmig/v1/` and nothing else. With it, `cluster_tls_cert` must carry no "
+               "CommonName (etcd's JSON gateway refuses one once auth is on). `\"\"`: none (etcd "
+               "without auth).", "example": "accelmig-pool"})
+    cluster_password_file: str = dataclasses.field(default="", metadata={
+        "doc": "With `cluster_user` (required): the file whose first line is that user's etcd "
+               "password; not readable by other users (mode 0600 or 0640), or the pool refuses "
+               "to start.", "example": "/etc/accelmig/etcd-password"})
     node_name: str = dataclasses.field(default="", metadata={
         "doc": "This node's name in the cluster (unique among the pool's nodes); `\"\"`: the "
                "short host name.", "example": "pool-1"})
@@ -360,6 +374,37 @@ class PoolConfig:
                 raise ConfigInvalid(source=source, reason=f"cluster {self.cluster} is etcds:// (TLS): "
                                                           f"give {' and '.join(missing)} "
                                                           f"(--{' --'.join(m.replace('_', '-') for m in missing)})")
+        self.check_cluster_auth_keys(source)
+
+    def check_cluster_auth_keys(self, source: str = "config") -> None:
+        """An etcd user with its password file, over TLS only (the password
+        would otherwise cross the network in clear)."""
+        from accelmig.pool.cluster.keys import cluster_uses_tls
+        if bool(self.cluster_user) != bool(self.cluster_password_file):
+            given, missing = (("cluster_user", "cluster_password_file") if self.cluster_user
+                              else ("cluster_password_file", "cluster_user"))
+            raise ConfigInvalid(source=source, reason=f"{given} without {missing}: an etcd user and its "
+                                                      f"password go together")
+        if self.cluster_user and not (self.cluster and cluster_uses_tls(self.cluster)):
+            raise ConfigInvalid(source=source, reason=(
+                "cluster_user needs cluster = etcds://... : an etcd password goes over TLS only"
+                if self.cluster else "cluster_user without cluster: it is for etcds:// only"))
+        if self.cluster_user and not re.fullmatch(r"[A-Za-z0-9_.@-]{1,64}", self.cluster_user):
+            raise ConfigInvalid(source=source, reason="cluster_user: 1 to 64 of A-Z a-z 0-9 _ . @ -")
+
+    def cluster_password(self) -> str:
+        """The first line of ``cluster_password_file`` (checked by
+        ``check_cluster_tls_files`` before)."""
+        with open(self.cluster_password_file, "rb") as handle:
+            first = handle.read(MAX_PASSWORD_BYTES + 2).split(b"\n", 1)[0].rstrip(b"\r")
+        try:
+            password = first.decode()
+        except UnicodeDecodeError:
+            raise ConfigInvalid(source=self.cluster_password_file, reason="the etcd password is not UTF-8") from None
+        if not password or len(first) > MAX_PASSWORD_BYTES:
+            raise ConfigInvalid(source=self.cluster_password_file, reason=(
+                f"its first line, the etcd password, must be 1 to {MAX_PASSWORD_BYTES} bytes"))
+        return password
 
     def check_cluster_tls_files(self, source: str = "config") -> None:
         """The etcd TLS files exist and the private key is no other user's
@@ -368,14 +413,22 @@ class PoolConfig:
             value = getattr(self, key)
             if value and not os.path.isfile(value):
                 raise ConfigInvalid(source=source, reason=f"{key}: {value} is not a file")
-        secret = self.cluster_tls_key or self.cluster_tls_cert
-        if secret:
+        if self.cluster_password_file and not os.path.isfile(self.cluster_password_file):
+            raise ConfigInvalid(source=source, reason=f"cluster_password_file: {self.cluster_password_file} "
+                                                      f"is not a file")
+        held = [("cluster_tls_key" if self.cluster_tls_key else "cluster_tls_cert (it holds the key)",
+                    self.cluster_tls_key or self.cluster_tls_cert, "key"),
+                   ("cluster_password_file", self.cluster_password_file, "password")]
+        for what, secret, kind in held:
+            if not secret:
+                continue
             mode = os.stat(secret).st_mode
             if mode & stat.S_IRWXO:
-                what = "cluster_tls_key" if self.cluster_tls_key else "cluster_tls_cert (it holds the key)"
                 raise ConfigInvalid(source=source, reason=(
                     f"{what}: {secret} is mode {stat.S_IMODE(mode):04o}, other users may read the "
-                    f"key that authenticates this node to etcd: chmod 0600 {shlex.quote(secret)} (or 0640)"))
+                    f"{kind} that authenticates this node to etcd: chmod 0600 {shlex.quote(secret)} (or 0640)"))
+        if self.cluster_password_file:
+            self.cluster_password()
 
 
 def _read_toml(path: str) -> dict:

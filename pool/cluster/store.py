@@ -13,6 +13,17 @@ skipped with a log line (``StoredValue`` checks the fields its reader needs).
 its client certificate (etcd ``--client-cert-auth``): only holders of a
 certificate the etcd CA signed may write node records or quota reservations.
 A handshake that fails is an ``Unavailable`` that says which side refused.
+
+With ``cluster_user`` (``ClusterAuth``), etcd's own role-based access
+control comes on top of the certificates: the node authenticates with a
+user and password (``/v3/auth/authenticate``), sends the token it gets with
+every request, and etcd lets that user touch only what its role grants
+(the operator's: ``/accelmig/v1/`` read-write, nothing else of a shared
+etcd).  etcd 3.4's JSON gateway refuses any request from a client
+certificate with a CommonName once auth is on (it cannot carry the CN to
+etcd as the user), so such a node's certificate has no CN; a token etcd no
+longer knows (it restarted; an idle token expired) is renewed once, then
+the request goes again.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import dataclasses
 import json
 import logging
 import ssl
+import threading
 
 import requests
 from etcd3gw.client import Etcd3Client
@@ -43,8 +55,26 @@ class ClusterTLS:
     key: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterAuth:
+    """etcd's user and password for this node (``cluster_user``,
+    ``cluster_password_file``)."""
+
+    user: str
+    password: str = dataclasses.field(repr=False)
+
+
 class TLSRefused(etcd_errors.ConnectionFailedError):
     """A TLS handshake with etcd failed (``detail_text`` says why)."""
+
+
+class AuthRefused(etcd_errors.Etcd3Exception):
+    """etcd's access control refused this node (``detail_text`` says why and
+    what to change); final: no other endpoint is tried."""
+
+
+#: what etcd's gateway answers when auth is on and the client certificate has a CN
+_GATEWAY_CN = "CommonName of client sending a request against gateway"
 
 
 class _BoundedSession(requests.Session):
@@ -52,9 +82,12 @@ class _BoundedSession(requests.Session):
     with ``tls``, every request verifies etcd and presents this node's
     certificate (etcd3gw ignores its own TLS arguments given a session)."""
 
-    def __init__(self, limit: int, tls: ClusterTLS | None = None):
+    def __init__(self, limit: int, tls: ClusterTLS | None = None, auth: ClusterAuth | None = None):
         super().__init__()
         self.limit = limit
+        self.etcd_auth = auth
+        self._token: str | None = None
+        self._token_lock = threading.Lock()   # the lease, ledger and placement threads share the session
         # no REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE (they would replace cluster_tls_ca by a bundle of
         # public CAs), no proxy and no .netrc from the environment: etcd is reached as configured
         self.trust_env = False
@@ -64,6 +97,45 @@ class _BoundedSession(requests.Session):
                 self.cert = (tls.cert, tls.key) if tls.key else tls.cert
 
     def request(self, method, url, **kwargs):
+        if self.etcd_auth is None:
+            return _refused_by_access_control(self._guarded(method, url, **kwargs), url, None)
+        token = self._authenticated(url, kwargs.get("timeout"))
+        response = self._guarded(method, url, **_with_token(kwargs, token))
+        if response.status_code == 401:       # "invalid auth token": etcd restarted, or the token expired
+            response.close()
+            token = self._authenticated(url, kwargs.get("timeout"), stale=token)
+            response = self._guarded(method, url, **_with_token(kwargs, token))
+        return _refused_by_access_control(response, url, self.etcd_auth.user)
+
+    def _authenticated(self, url: str, timeout, stale: str | None = None) -> str:
+        """A token of this node's etcd user: the one held, unless it is ``stale``."""
+        with self._token_lock:
+            if self._token is not None and self._token != stale:
+                return self._token
+            self._token = None
+            where = url.split("/v3/")[0]
+            answer = self._guarded("POST", f"{where}/v3/auth/authenticate", timeout=timeout,
+                                   json={"name": self.etcd_auth.user, "password": self.etcd_auth.password})
+            text = answer.text[:300]
+            if answer.status_code == 200:
+                token = answer.json().get("token") if answer.text.startswith("{") else None
+                if not isinstance(token, str) or not 0 < len(token) <= 4096:
+                    raise AuthRefused(f"etcd at {where} answered an authentication without a token")
+                self._token = token
+                return token
+            if "not enabled" in text:
+                raise AuthRefused(
+                    f"etcd at {where} has no authentication enabled, so cluster_user {self.etcd_auth.user!r} "
+                    f"would protect nothing: enable it there (etcdctl auth enable) or drop cluster_user")
+            if "authentication failed" in text:
+                raise AuthRefused(
+                    f"etcd at {where} refused user {self.etcd_auth.user!r}: no such user or a wrong password "
+                    f"(cluster_user, cluster_password_file)")
+            _refused_by_access_control(answer, url, self.etcd_auth.user)
+            raise AuthRefused(f"etcd at {where} refused to authenticate user {self.etcd_auth.user!r}: "
+                              f"HTTP {answer.status_code} {text}")
+
+    def _guarded(self, method, url, **kwargs):
         try:
             return self._request(method, url, **kwargs)
         except requests.exceptions.ConnectionError as exc:
@@ -92,6 +164,36 @@ class _BoundedSession(requests.Session):
         response._content = body
         response._content_consumed = True
         return response
+
+
+def _with_token(kwargs: dict, token: str) -> dict:
+    return {**kwargs, "headers": {**(kwargs.get("headers") or {}), "Authorization": token}}
+
+
+def _refused_by_access_control(response, url: str, user: str | None):
+    """``response``, unless it is etcd's access control refusing this node:
+    then an ``AuthRefused`` that says what to change."""
+    status = response.status_code
+    if status not in (400, 403):
+        return response
+    where = url.split("/v3/")[0]
+    if response._content_consumed:
+        text = response.text[:300]
+    else:                                  # a watch's stream: its first bytes say enough
+        text = response.raw.read(300, decode_content=True).decode("utf-8", "replace")
+    if status == 400 and _GATEWAY_CN in text:
+        raise AuthRefused(
+            f"etcd at {where} has authentication on and refuses, on its JSON gateway, a client "
+            f"certificate that carries a CommonName: issue this node's cluster_tls_cert without a CN "
+            f"(a subject such as /O=accelmig-pool; the node is known to etcd by cluster_user)")
+    if status == 400 and "user name is empty" in text:
+        raise AuthRefused(f"etcd at {where} has authentication on: give this node an etcd user "
+                          f"(cluster_user, cluster_password_file)")
+    if status == 403 and "permission denied" in text:
+        raise AuthRefused(
+            f"etcd at {where} denied user {user!r} {url.split('/v3/')[-1]}: its role must grant readwrite "
+            f"on the prefix {PREFIX} (etcdctl role grant-permission ROLE --prefix readwrite {PREFIX})")
+    return response
 
 
 def _tls_failure(exc: BaseException, url: str) -> str | None:
@@ -148,22 +250,26 @@ class ClusterStore:
     """A few etcd operations, bounded; ``Unavailable`` when no endpoint answers."""
 
     def __init__(self, endpoints: list[tuple[str, int]], *, timeout: float = 5.0,
-                 tls: ClusterTLS | None = None):
+                 tls: ClusterTLS | None = None, auth: ClusterAuth | None = None):
+        if auth is not None and tls is None:
+            raise ValueError("an etcd password goes over TLS only (etcds://)")
         self.endpoints = list(endpoints)
         self.timeout = timeout
         self.tls = tls
         self._current = 0
         self._clients = [Etcd3Client(host, port, protocol="https" if tls else "http", timeout=timeout,
-                                     api_path="/v3/", session=_BoundedSession(MAX_ANSWER_BYTES, tls))
+                                     api_path="/v3/", session=_BoundedSession(MAX_ANSWER_BYTES, tls, auth))
                          for host, port in self.endpoints]
 
     @classmethod
     def from_config(cls, config) -> "ClusterStore":
         """The store a pool's ``cluster`` and ``cluster_tls_*`` keys name."""
-        tls = None
+        tls = auth = None
         if cluster_uses_tls(config.cluster):
             tls = ClusterTLS(config.cluster_tls_ca, config.cluster_tls_cert, config.cluster_tls_key)
-        return cls(parse_cluster_url(config.cluster, "cluster"), tls=tls)
+        if config.cluster_user:
+            auth = ClusterAuth(config.cluster_user, config.cluster_password())
+        return cls(parse_cluster_url(config.cluster, "cluster"), tls=tls, auth=auth)
 
     def probe(self) -> int:
         """One read, to learn before serving that etcd answers and accepts

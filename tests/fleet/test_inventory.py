@@ -195,6 +195,34 @@ def test_a_pool_node_on_etcds_gets_its_cluster_settings_and_etcd_files(write, tm
     assert render.tls_files(inventory, inventory.node("hostA")) == []
 
 
+def test_a_pool_node_with_an_etcd_user_gets_its_password_as_a_secret_file(write, tmp_path):
+    for name in ("pki/etcd-ca.pem", "pki/pool-etcd.pem", "pki/pool-etcd.key"):
+        (tmp_path / name).write_text(f"{name}\n")
+    (tmp_path / "pki/etcd-password").write_text("s3cret-etcd-password\n")
+    data = valid()
+    data["pool"]["cluster"] = {"url": "etcds://10.88.0.5:2379", "ca": "pki/etcd-ca.pem",
+                               "cert": "pki/pool-etcd.pem", "key": "pki/pool-etcd.key",
+                               "user": "accelmig-pool", "password_file": "pki/etcd-password"}
+    inventory = Inventory.load(write(data))
+    (tmp_path / "pool.toml").write_bytes(render.pool_config(inventory).data)
+    loaded = PoolConfig.load(str(tmp_path / "pool.toml"))
+    assert (loaded.cluster_user, loaded.cluster_password_file) == ("accelmig-pool", render.CLUSTER_PASSWORD_FILE)
+    assert b"s3cret" not in (tmp_path / "pool.toml").read_bytes()       # the config names the file only
+    files = {f.path: f for f in render.tls_files(inventory, inventory.pool, "accelmig-pool")}
+    secret = files[render.CLUSTER_PASSWORD_FILE]
+    assert secret.data == b"s3cret-etcd-password\n" and secret.secret
+    assert (secret.mode, secret.group) == (0o640, "accelmig-pool")
+    for half in ("user", "password_file"):                   # one without the other
+        broken = {k: v for k, v in data["pool"]["cluster"].items() if k != half}
+        with pytest.raises(ConfigInvalid, match="user and password_file go together"):
+            Inventory.load(write({**data, "pool": {**data["pool"], "cluster": broken}}))
+    plain = {**data["pool"]["cluster"], "url": "etcd://10.88.0.5:2379"}
+    for key in ("ca", "cert", "key"):
+        plain.pop(key)
+    with pytest.raises(ConfigInvalid, match="an etcd password goes over TLS only"):
+        render.pool_config(Inventory.load(write({**data, "pool": {**data["pool"], "cluster": plain}})))
+
+
 @pytest.mark.parametrize("cluster, words", [
     ({"url": "etcds://10.88.0.5:2379"}, ["[pool]", "give cluster_tls_ca and cluster_tls_cert"]),
     ({"url": "etcd://10.88.0.5:2379", "ca": "pki/ca.pem", "cert": "pki/pool.pem", "key": "pki/pool.key"},

@@ -10,11 +10,14 @@ not a sleep); always stopped by its PID.
 
 With ``tls`` (an ``EtcdPKI``: ``make_etcd_pki(directory)``), it listens on
 https only and requires a client certificate of its CA (``--client-cert-auth``),
-as a deployment's etcd does; ``url`` is then ``etcds://``.
+as a deployment's etcd does; ``url`` is then ``etcds://``.  ``enable_auth``
+then turns on etcd's own access control (users, roles), through the same
+JSON gateway the pool uses (Debian's etcd-server ships no etcdctl).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 import os
@@ -42,13 +45,16 @@ def _free_port() -> int:
 class EtcdPKI:
     """etcd's CA (``ca``), etcd's certificate (``server``: IP SAN 127.0.0.1
     only, so ``localhost`` is the wrong name), a pool node's client
-    certificate (``client``) and one signed by another CA (``stranger``)."""
+    certificate (``client``), one signed by another CA (``stranger``) and
+    one of etcd's CA without a CommonName (``anonymous``: what a node with an
+    etcd user presents, since etcd's gateway refuses a CN once auth is on)."""
 
     ca: object
     server: Issued
     client: Issued
     other_ca: object
     stranger: Issued
+    anonymous: Issued
 
 
 def make_etcd_pki(directory) -> EtcdPKI:
@@ -60,7 +66,9 @@ def make_etcd_pki(directory) -> EtcdPKI:
                                                   server_and_client=True),
                    client=issue(directory / "etcd-ca", ca, ca_key, "pool-node", client=True),
                    other_ca=other, stranger=issue(directory / "other-ca", other, other_key, "stranger",
-                                                  client=True))
+                                                  client=True),
+                   anonymous=issue(directory / "etcd-ca", ca, ca_key, "anonymous", client=True,
+                                   subject="/O=accelmig pool"))
 
 
 class EtcdServer:
@@ -131,6 +139,39 @@ class EtcdServer:
                 proc.kill()
                 proc.wait(5)
 
+    def admin(self, path: str, body: dict, token: str | None = None) -> dict:
+        """One call of etcd's v3 gateway as the test's administrator (TLS:
+        the certificate without a CN); an error answer fails the test."""
+        import requests
+        session = requests.Session()
+        session.trust_env = False
+        if self.tls:
+            session.verify = str(self.tls.ca)
+            session.cert = (str(self.tls.anonymous.cert), str(self.tls.anonymous.key))
+        scheme = "https" if self.tls else "http"
+        answer = session.post(f"{scheme}://{self.endpoint}/v3{path}", json=body, timeout=10,
+                              headers={"Authorization": token} if token else {})
+        assert answer.status_code == 200, f"etcd {path}: {answer.status_code} {answer.text[:300]}"
+        return answer.json()
+
+    def enable_auth(self, users: dict[str, tuple[str, str | None]]) -> str:
+        """etcd's access control on, with ``root`` and ``users``: name ->
+        (password, the key prefix its role may read and write, or None: a
+        user with no role).  Returns root's password."""
+        root = "root-" + os.urandom(8).hex()
+        self.admin("/auth/user/add", {"name": "root", "password": root})
+        self.admin("/auth/user/grant", {"user": "root", "role": "root"})
+        for name, (password, prefix) in users.items():
+            self.admin("/auth/user/add", {"name": name, "password": password})
+            if prefix is not None:
+                end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+                self.admin("/auth/role/add", {"name": f"{name}-role"})
+                self.admin("/auth/role/grant", {"name": f"{name}-role", "perm": {
+                    "permType": "READWRITE", "key": _b64(prefix), "range_end": _b64(end)}})
+                self.admin("/auth/user/grant", {"user": name, "role": f"{name}-role"})
+        self.admin("/auth/enable", {})
+        return root
+
     def restart(self) -> "EtcdServer":
         """Stop and start on the same data and ports: nothing stored is lost."""
         self.stop()
@@ -141,6 +182,10 @@ class EtcdServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
 
 
 @pytest.fixture
