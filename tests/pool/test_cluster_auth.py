@@ -22,9 +22,8 @@ from accelmig.pool.cluster.registry import live_nodes  # noqa: E402
 from accelmig.pool.cluster.store import ClusterAuth, ClusterStore, ClusterTLS  # noqa: E402
 from accelmig.pool.config import PoolConfig  # noqa: E402
 from accelmig.wire.errors import ConfigInvalid, Unavailable  # noqa: E402
-from tests.support.etcd import etcd_tls_server  # noqa: E402,F401  (the fixture)
+from tests.support.etcd import assert_never_served, etcd_tls_server, serve_against  # noqa: E402,F401
 from tests.support.processes import PoolProcess, tenants_toml  # noqa: E402
-from tests.support.tenants import run_cli  # noqa: E402
 
 POOL_PASSWORD = "pool-password-" + "7" * 16
 
@@ -66,23 +65,6 @@ def node(tmp_path, etcd, name: str) -> PoolProcess:
     return PoolProcess(directory, tenants_toml(alice="alice-token-0001"),
                        extra=("--cluster", etcd.url, "--node-name", name, "--cluster-ttl", "2",
                               "--device-isolation", "none", *auth_flags(etcd, directory)))
-
-
-def serve(tmp_path, cluster: str, *flags):
-    """``accelmig-pool serve`` expected to stop before serving."""
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(tenants_toml(alice="alice-token-0001"))
-    return run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
-                   "--admin-socket", "", "--insecure", "--tokens", tokens, "--cluster", cluster,
-                   "--node-name", "intruder", "--device-isolation", "none", "--log-format", "text",
-                   *flags, timeout=60)
-
-
-def assert_never_served(out, reason: str) -> None:
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert reason in out.stderr, out.stderr[-2000:]
-    assert '"ready"' not in out.stdout
-    assert " serving" not in out.stderr
 
 
 def test_nodes_with_an_etcd_user_register_and_place_and_the_user_is_held_to_its_prefix(tmp_path, etcd_with_auth):
@@ -161,14 +143,14 @@ def test_etcd_refuses_a_node_whose_etcd_user_is_wrong_before_it_serves(tmp_path,
                             "--cluster-tls-key", str(pki.anonymous.key)),
         "a certificate with a CN": lambda: auth_flags(etcd, tmp_path, cert=pki.client),
     }[case]()
-    assert_never_served(serve(tmp_path, etcd.url, *flags), reason)
+    assert_never_served(serve_against(tmp_path, etcd.url, *flags), reason)
     root = store_as(etcd, "root", etcd.root)
     assert root.range(PREFIX)[0] == []                         # nothing was written to etcd
 
 
 def test_an_etcd_user_for_an_etcd_without_access_control_is_refused(tmp_path, etcd_tls_server):
     """Credentials that protect nothing are a misconfiguration, said before serving."""
-    out = serve(tmp_path, etcd_tls_server.url, *auth_flags(etcd_tls_server, tmp_path))
+    out = serve_against(tmp_path, etcd_tls_server.url, *auth_flags(etcd_tls_server, tmp_path))
     assert_never_served(out, "has no authentication enabled, so cluster_user 'pool' would protect nothing")
 
 
@@ -198,7 +180,7 @@ def test_a_password_file_others_may_read_or_without_a_password_is_refused(tmp_pa
                                                                            text, mode, reason):
     pki = etcd_tls_server.tls
     path = password_file(tmp_path, text, mode)
-    out = serve(tmp_path, etcd_tls_server.url, "--cluster-tls-ca", str(pki.ca),
+    out = serve_against(tmp_path, etcd_tls_server.url, "--cluster-tls-ca", str(pki.ca),
                 "--cluster-tls-cert", str(pki.anonymous.cert), "--cluster-tls-key", str(pki.anonymous.key),
                 "--cluster-user", "pool", "--cluster-password-file", str(path))
     assert out.returncode == 2, out.stderr[-2000:]

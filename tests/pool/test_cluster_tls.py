@@ -19,9 +19,8 @@ from accelmig.pool.cluster.registry import live_nodes  # noqa: E402
 from accelmig.pool.cluster.store import ClusterStore, ClusterTLS  # noqa: E402
 from accelmig.pool.config import PoolConfig  # noqa: E402
 from accelmig.wire.errors import ConfigInvalid, QuotaExceeded, Unavailable  # noqa: E402
-from tests.support.etcd import etcd_tls_server  # noqa: E402,F401  (the fixture)
+from tests.support.etcd import assert_never_served, etcd_tls_server, serve_against  # noqa: E402,F401
 from tests.support.processes import PoolProcess, tenants_toml  # noqa: E402
-from tests.support.tenants import run_cli  # noqa: E402
 
 MiB = 1 << 20
 
@@ -49,23 +48,6 @@ def node(tmp_path, etcd, name: str, *extra) -> PoolProcess:
     return PoolProcess(directory, tenants_toml(alice="alice-token-0001"),
                        extra=("--cluster", etcd.url, "--node-name", name, "--cluster-ttl", "2",
                               "--device-isolation", "none", *node_flags(etcd), *extra))
-
-
-def serve(tmp_path, cluster: str, *flags):
-    """``accelmig-pool serve`` expected to stop before serving."""
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(tenants_toml(alice="alice-token-0001"))
-    return run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
-                   "--admin-socket", "", "--insecure", "--tokens", tokens, "--cluster", cluster,
-                   "--node-name", "intruder", "--device-isolation", "none", "--log-format", "text",
-                   *flags, timeout=60)
-
-
-def assert_never_served(out, reason: str) -> None:
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert reason in out.stderr, out.stderr[-2000:]
-    assert '"ready"' not in out.stdout                 # the supervisor's line never came
-    assert " serving" not in out.stderr                 # no listener was opened
 
 
 def test_two_nodes_register_place_and_share_a_quota_over_tls(tmp_path, etcd_tls_server):
@@ -107,16 +89,16 @@ def test_etcd_refuses_a_node_it_cannot_trust_before_that_node_serves(tmp_path, e
             PoolConfig.load(None, {"insecure": True, "cluster": etcd_tls_server.url, "cluster_tls_ca": str(pki.ca)})
         with pytest.raises(Unavailable, match="refused this node's client certificate|closed the TLS handshake"):
             tls_store(etcd_tls_server, cert=False).probe()
-        out = serve(tmp_path, etcd_tls_server.url, "--cluster-tls-ca", str(pki.ca))
+        out = serve_against(tmp_path, etcd_tls_server.url, "--cluster-tls-ca", str(pki.ca))
     elif who == "another CA's certificate":
         with pytest.raises(Unavailable, match="refused this node's client certificate|closed the TLS handshake"):
             tls_store(etcd_tls_server, cert=pki.stranger.cert, key=pki.stranger.key).probe()
-        out = serve(tmp_path, etcd_tls_server.url, *tls_flags(pki.ca, pki.stranger.cert, pki.stranger.key))
+        out = serve_against(tmp_path, etcd_tls_server.url, *tls_flags(pki.ca, pki.stranger.cert, pki.stranger.key))
         reason = "refused this node's client certificate" if "refused" in out.stderr else "closed the TLS handshake"
     elif who == "etcd named otherwise":      # its certificate names 127.0.0.1, not localhost
-        out = serve(tmp_path, f"etcds://localhost:{etcd_tls_server.client_port}", *node_flags(etcd_tls_server))
+        out = serve_against(tmp_path, f"etcds://localhost:{etcd_tls_server.client_port}", *node_flags(etcd_tls_server))
     else:
-        out = serve(tmp_path, etcd_tls_server.url, *tls_flags(pki.other_ca, pki.client.cert, pki.client.key))
+        out = serve_against(tmp_path, etcd_tls_server.url, *tls_flags(pki.other_ca, pki.client.cert, pki.client.key))
     if who == "no client certificate":
         reason = "give cluster_tls_cert"
     assert_never_served(out, reason)
@@ -127,7 +109,7 @@ def test_etcd_on_https_only_refuses_plain_http(tmp_path, etcd_tls_server):
     plain = f"etcd://{etcd_tls_server.endpoint}"
     with pytest.raises(Unavailable, match="etcd closed a plain HTTP request .* then etcds://"):
         ClusterStore([("127.0.0.1", etcd_tls_server.client_port)]).probe()
-    assert_never_served(serve(tmp_path, plain), "then etcds://")
+    assert_never_served(serve_against(tmp_path, plain), "then etcds://")
 
 
 def test_a_client_key_other_users_may_read_is_refused_before_etcd_is_dialed(tmp_path, etcd_tls_server):
@@ -135,10 +117,10 @@ def test_a_client_key_other_users_may_read_is_refused_before_etcd_is_dialed(tmp_
     key = tmp_path / "readable.key"
     key.write_bytes(pki.client.key.read_bytes())
     key.chmod(0o644)
-    out = serve(tmp_path, etcd_tls_server.url, *tls_flags(pki.ca, pki.client.cert, key))
+    out = serve_against(tmp_path, etcd_tls_server.url, *tls_flags(pki.ca, pki.client.cert, key))
     assert_never_served(out, f"cluster_tls_key: {key} is mode 0644, other users may read")
     key.chmod(0o640)                                    # group-readable is the deploy's usual shape
-    missing = serve(tmp_path, etcd_tls_server.url, *tls_flags(tmp_path / "no-ca.crt", pki.client.cert, key))
+    missing = serve_against(tmp_path, etcd_tls_server.url, *tls_flags(tmp_path / "no-ca.crt", pki.client.cert, key))
     assert missing.returncode == 2 and "cluster_tls_ca" in missing.stderr and "is not a file" in missing.stderr
 
 

@@ -184,6 +184,27 @@ class EtcdServer:
         self.stop()
 
 
+def serve_against(tmp_path, cluster: str, *flags):
+    """``accelmig-pool serve`` joining ``cluster``, expected to stop before
+    it serves (its ``CompletedProcess``)."""
+    from tests.support.processes import tenants_toml
+    from tests.support.tenants import run_cli
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(tenants_toml(alice="alice-token-0001"))
+    return run_cli("accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
+                   "--admin-socket", "", "--insecure", "--tokens", tokens, "--cluster", cluster,
+                   "--node-name", "intruder", "--device-isolation", "none", "--log-format", "text",
+                   *flags, timeout=60)
+
+
+def assert_never_served(out, reason: str) -> None:
+    """It stopped with exit status 2 saying ``reason``, and never listened."""
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert reason in out.stderr, out.stderr[-2000:]
+    assert '"ready"' not in out.stdout                 # the supervisor's line never came
+    assert " serving" not in out.stderr                 # no listener was opened
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
