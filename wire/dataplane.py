@@ -21,7 +21,10 @@ most 4 KiB, and the whole handshake must end within the pool's
 In a pool of several nodes an ``open`` may be answered ``redirect``
 (``endpoint``, ``node``, ``instance``): the node reached placed the session
 on another one.  The driver opens there, once, with ``placed`` naming that
-node and instance (``parse_redirect``, ``placement_claim``).
+node and instance (``parse_redirect``, ``placement_claim``).  A driver that
+cannot open there (that node died less than a lease's TTL ago) opens again,
+once, at the node that redirected it, with ``unreachable`` naming the node
+it could not open at; that node places the open without it.
 
 Handles of buffers and programs are chosen by the driver, so a re-sent
 command names the same object and stays idempotent.
@@ -347,16 +350,20 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}")
 _INSTANCE = re.compile(r"[0-9a-f]{4,32}")
 
 
-def placement_claim(value) -> tuple[str, str]:
+def placement_claim(value, field: str = "placed") -> tuple[str, str]:
     """``open``'s ``placed`` (``{"node", "instance"}``): the node a redirect
     sent this open to.  The node opens it only if that is itself, the same
-    instance: never one that restarted since it was chosen."""
+    instance: never one that restarted since it was chosen.  The same shape
+    is ``open``'s ``unreachable``: the node a redirect sent this open to and
+    the driver could not open at, so that the node placing it again leaves
+    that one out (a node killed less than its lease's TTL ago is still
+    listed live in etcd)."""
     if not isinstance(value, dict) or set(value) != {"node", "instance"}:
-        raise BadRequest(reason="open: placed must be {node, instance}")
+        raise BadRequest(reason=f"open: {field} must be {{node, instance}}")
     node, instance = value["node"], value["instance"]
     if not isinstance(node, str) or not _NODE_NAME.fullmatch(node) or \
             not isinstance(instance, str) or not _INSTANCE.fullmatch(instance):
-        raise BadRequest(reason="open: placed names no node (name, 4-32 hex digit instance)")
+        raise BadRequest(reason=f"open: {field} names no node (name, 4-32 hex digit instance)")
     return node, instance
 
 

@@ -193,14 +193,15 @@ class Session:
             return sock, reader
         return sock, reader, after
 
-    def _open(self, token: str, placed: dict | None = None) -> None:
+    def _open(self, token: str, placed: dict | None = None, unreachable: dict | None = None) -> None:
         # the open goes with the hello (it needs nothing of the welcome)
         sock, reader, after = self._dial(self.endpoint, self.connect_timeout, then={
             "op": Op.OPEN.value, "token": token, "secret": self.secret.hex(),
             "client": {"name": self.name, "pid": os.getpid()},
             **({"domain": self.domain} if self.domain else {}),
             **({"device": self.selector} if self.selector else {}),
-            **({"placed": placed} if placed else {})})
+            **({"placed": placed} if placed else {}),
+            **({"unreachable": unreachable} if unreachable else {})})
         try:
             if after:
                 answer, leftovers = after[0].header, after[1:]
@@ -218,9 +219,20 @@ class Session:
                 raise ProtocolError(reason=f"redirected again by {self.endpoint}: a session is placed once")
             target = dp.parse_redirect(answer)
             LOG.info("open at %s redirected to node %s at %s", self.endpoint, target["node"], target["endpoint"])
-            self.placed_by = self.endpoint
+            placer = self.placed_by = self.endpoint
             self.endpoint = target["endpoint"]
-            self._open(token, {"node": target["node"], "instance": target["instance"]})
+            node = {"node": target["node"], "instance": target["instance"]}
+            try:
+                self._open(token, node)
+            except Unavailable as exc:
+                if unreachable is not None:            # placed again once already: say why, stop
+                    raise
+                # a node killed less than its lease's TTL ago is still listed live: the
+                # node that placed the open places it once more, without that one
+                LOG.warning("could not open at node %s (%s): asking %s to place the open again",
+                            target["node"], exc, placer)
+                self.endpoint, self.placed_by = placer, None
+                self._open(token, unreachable=node)
             return
         if answer.get("op") != Op.OPENED.value:
             sock.close()

@@ -6,7 +6,10 @@ session itself or answers ``redirect`` with the chosen node's endpoint and
 instance.  The driver follows once, with ``placed`` naming that node and
 instance; the chosen node opens it only if that is itself, the same
 instance (never one that restarted since), and never redirects it again.
-A node only ever redirects to a node it just read live in etcd.
+A node only ever redirects to a node it just read live in etcd.  A driver
+that could not open at the node it was sent to (killed less than a lease's
+TTL ago: etcd still lists it) asks the node that placed it once more,
+naming that node ``unreachable``; it is left out of that one decision.
 """
 
 from __future__ import annotations
@@ -52,11 +55,20 @@ class Placement:
                     f"placed on {'restarted' if node == self.me.name else 'is not here'}; open again"))
             return None
         selector = parse_selector(header.get("device"))     # a malformed one: refused before etcd
+        unreachable = header.get("unreachable")
+        if unreachable is not None:                          # the driver could not open there
+            unreachable = dp.placement_claim(unreachable, "unreachable")
         try:
             nodes = live_nodes(self.store)
         except Unavailable as exc:
             LOG.warning("placement: etcd unavailable, opening here: %s", exc)
             return None
+        if unreachable is not None and unreachable[0] != self.me.name:
+            gone = nodes.get(unreachable[0])
+            if gone is not None and gone.instance == unreachable[1]:
+                LOG.info("placement: the driver could not open at node %s (instance %s): placed again "
+                         "without it", gone.name, gone.instance, extra={"node": gone.name})
+                del nodes[gone.name]
         # this node by its own count, live whatever etcd's copy says
         nodes[self.me.name] = dataclasses.replace(self.me, sessions=local_sessions)
         fitting = [node for node in nodes.values() if node_fits(node, selector)]

@@ -312,6 +312,7 @@ class FakePool:
     def __init__(self, answers: list[dict]):
         import socket as _socket
         self.answers = list(answers)
+        self.received: list[bytes] = []       # what each connection sent (hello and open)
         self.listener = _socket.create_server(("127.0.0.1", 0))
         self.endpoint = "127.0.0.1:%d" % self.listener.getsockname()[1]
         threading.Thread(target=self._serve, daemon=True).start()
@@ -324,7 +325,7 @@ class FakePool:
             except OSError:
                 return
             with conn:
-                conn.recv(65536)            # hello and open (small: one segment on loopback)
+                self.received.append(conn.recv(65536))   # hello and open (small: one segment on loopback)
                 conn.sendall(encode_frame({"op": "welcome", "version": 1, "instance": "feed", "challenge": "c"})
                              + encode_frame(self.answers.pop(0)))
 
@@ -359,6 +360,58 @@ def test_the_driver_follows_a_redirect_once_never_twice():
     finally:
         first.close()
         second.close()
+
+
+def test_an_open_sent_to_a_node_that_just_died_is_placed_again_without_it(tmp_path, etcd_server):
+    """A node killed less than its lease's TTL ago is still listed live: the
+    driver that cannot open there asks the node that placed it once more,
+    which leaves that node out."""
+    store = store_of(etcd_server)
+    n1 = node(tmp_path, etcd_server, "n1", "--cluster-ttl", "60")
+    n2 = node(tmp_path, etcd_server, "n2", "--cluster-ttl", "60")
+    try:
+        keeper = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        n2.signal(signal.SIGKILL)
+        n2.proc.wait(10)
+        assert live_nodes(store)["n2"].instance == n2.ready["instance"]     # etcd still lists it
+        dev = connect(n1.endpoint, "alice-token-0001", agent=False, timeout=10, auto_reconnect=False)
+        assert dev.endpoint == n1.endpoint                                  # placed again: here
+        assert dev.read(dev.upload(b"opened on the node that answered")) == b"opened on the node that answered"
+        n1.wait_log(lambda e: "redirected to" in e["msg"] and e.get("node") == "n2")
+        again = n1.wait_log(lambda e: "placed again without it" in e["msg"])
+        assert again["node"] == "n2"
+        dev.close()
+        keeper.close()
+    finally:
+        n1.stop()
+        n2.stop()
+
+
+def test_an_unreachable_claim_is_checked_and_places_again_only_once():
+    from accelmig.wire.errors import Unavailable
+    dead = "127.0.0.1:1"                        # nothing listens: the dial is refused
+    placer = FakePool([{"op": "redirect", "endpoint": dead, "node": "n2", "instance": "abcd"},
+                       {"op": "redirect", "endpoint": dead, "node": "n3", "instance": "bcde"}])
+    try:
+        with pytest.raises(Unavailable):        # n2 unreachable, placed again on n3, unreachable too: stop
+            connect(placer.endpoint, "alice-token-0001", agent=False, timeout=5, auto_reconnect=False)
+        assert len(placer.received) == 2
+        assert b'"unreachable"' not in placer.received[0]
+        opened_again = placer.received[1].replace(b" ", b"")
+        assert b'"unreachable":{"node":"n2","instance":"abcd"}' in opened_again
+    finally:
+        placer.close()
+
+
+def test_a_malformed_unreachable_claim_is_refused(tmp_path, etcd_server):
+    n1 = node(tmp_path, etcd_server, "n1")
+    try:
+        bad = raw_open(n1.endpoint, unreachable={"node": "n2", "instance": "not hex"})
+        assert bad["error"]["code"] == "BAD_REQUEST" and "unreachable" in bad["error"]["message"]
+        itself = raw_open(n1.endpoint, unreachable={"node": "n1", "instance": n1.ready["instance"]})
+        assert itself["op"] == "opened"          # a claim about the node answering changes nothing
+    finally:
+        n1.stop()
 
 
 def test_a_session_whose_node_died_is_lost_clearly_never_recreated_elsewhere(tmp_path, etcd_server):
