@@ -244,6 +244,15 @@ class ClusterStore:
                 out.append(decoded)
         return out, revision
 
+    def get(self, key: str) -> tuple[dict, dict] | None:
+        """One key: (value, meta), or None when it is absent (or does not decode)."""
+        answer = self._post("/kv/range", {"key": _b64(key)})
+        kvs = answer.get("kvs") or []
+        if not isinstance(kvs, list) or len(kvs) > 1:
+            raise Unavailable(what="etcd", reason=f"get {key[:120]}: not one key")
+        decoded = _decode_kv(kvs[0]) if kvs else None
+        return None if decoded is None else decoded[1:]
+
     def delete(self, key: str) -> None:
         self._post("/kv/deleterange", {"key": _b64(key)})
 
