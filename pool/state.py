@@ -82,6 +82,7 @@ class Pool:
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
         self.quota_ledger = None    # pool.cluster.quotas.QuotaLedger: likewise (every Tenant holds it)
+        self.record_ledger = None   # pool.cluster.records.RecordLedger: likewise (records follow etcd's)
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
@@ -550,6 +551,49 @@ class Pool:
         self.metrics.migrations.labels("aborted").inc()
         LOG.warning("record %s aborted: %s", record.key, reason,
                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        if self.record_ledger is not None:
+            self._abort_in_etcd(record, reason)
+
+    def _abort_in_etcd(self, record: MigrationRecord, reason: str) -> None:
+        """An abort this node decided alone (its lease ran out, a newer
+        migration superseded it) releases every node's part too; off the
+        loop.  Where etcd already has it (the usual case: a host's abort is
+        written there first) it is a repeat that writes nothing."""
+        ledger, loop = self.record_ledger, self.loop
+        if loop is None or loop.is_closed():
+            return
+
+        def write():
+            try:
+                ledger.advance(record.domain_uuid, record.migration_id, "abort", abort_reason=reason[:256])
+            except AccelmigError as exc:
+                LOG.warning("record %s: the abort is not in etcd: %s", record.key, exc,
+                            extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        loop.run_in_executor(None, write)
+
+    def follow_record(self, record: MigrationRecord, stored) -> None:
+        """This node's ``record`` takes the steps etcd's (``stored``: a
+        ``pool.cluster.records.StoredRecord``) has taken: another node took
+        them, or this one was unreachable then.  Completing is never
+        followed: it mints this node's tickets, only when the destination
+        asks this node."""
+        now = time.time()
+        S = RecordStateName
+        if stored.state is S.ABORTED:
+            if record.state in (S.OPEN, S.SWITCHED_OVER):
+                self._abort_record(record, now, f"aborted in etcd: {stored.abort_reason or 'no reason given'}")
+            return
+        if record.source_host is None and stored.source_host is not None:
+            record.source_host = stored.source_host
+        if record.state is S.OPEN and stored.state is not S.OPEN:
+            self.switchover_record(record, record.source_host, now)
+        if stored.state is S.COMMITTED or stored.postcopy:
+            if record.state in (S.OPEN, S.SWITCHED_OVER):
+                record.postcopy = True
+                record.commit(now)
+        if stored.source_stopped or stored.state is S.CLOSED:
+            if not record.final:
+                record.close(now)
 
     def abort_record(self, record: MigrationRecord, reason: str, now: float | None = None) -> None:
         self._abort_record(record, time.time() if now is None else now, reason)

@@ -265,9 +265,7 @@ class RecordLedger:
                 continue
             if allowed is None:
                 if stored.state in MigrationRecord.REPEATS[event]:
-                    if not wanted or self.step(stored, event, **wanted):
-                        return stored if not wanted else (self.read(domain_uuid, migration_id) or stored)
-                    continue
+                    return stored         # a host's retry, or another node took it first: as it was
                 raise RecordState(record=f"{domain_uuid}/{migration_id}", state=stored.state.value,
                                   action=f"{event} (as etcd has it)")
             if event == "complete" and stored.source_stopped:

@@ -1,0 +1,188 @@
+"""The pool's nodes as hostd reaches them.
+
+hostd is configured with one control endpoint (``[pool] control``): its
+**coordinator**.  A node alone answers ``list_nodes`` with ``cluster``
+false and nothing changes: every call goes to it, as ever.  A node of a
+pool of several nodes (etcd) lists the live nodes; hostd then keeps a
+control client per node (the same host secret and TLS settings: every node
+of a pool is given the same hosts file) and routes:
+
+- a session's own calls (``bind_session``, ``unbind_session``) to the node
+  whose instance made the session (its id says which: ``s-<instance>-...``);
+- a migration's steps (open, switchover, commit, close, abort) to the
+  coordinator first — its answer names the migration — then to every other
+  node, which follows the record etcd holds (``pool.cluster.records``);
+- ``complete`` to every node: each mints the tickets of its own sessions,
+  and the rehome delivers their union, each ticket for its own node;
+- ``renew`` (each node keeps its own record's lease) and ``register_host``
+  (each node attributes guests' connections to hosts) to every node;
+  reading and waiting to the coordinator.
+
+A node that does not answer a step is left to catch up from etcd at its
+next call; for ``complete`` it is asked again (the rehome retries) unless
+it left the pool (no longer live: its sessions are lost with it).
+What the coordinator lists is input (it relays etcd): bounded, every field
+checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from accelmig.wire.dataplane import parse_endpoint
+from accelmig.wire.errors import AccelmigError, ProtocolError, Unavailable, UnknownOp
+
+LOG = logging.getLogger("accelmig.hostd")
+
+#: the most nodes hostd keeps a client for
+MAX_NODES = 128
+#: steps every node takes, the coordinator first
+STEPS = frozenset({"open_migration", "switchover", "commit", "close", "abort"})
+#: calls every node answers for itself; hostd keeps the coordinator's answer
+EVERY_NODE = frozenset({"renew", "register_host"})
+#: calls of one session, to the node that made it
+PER_SESSION = frozenset({"bind_session", "unbind_session"})
+_SID = re.compile(r"^s-([0-9a-f]{4,32})-")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
+_INSTANCE = re.compile(r"^[0-9a-f]{4,32}$")
+
+
+class PoolNodes:
+    def __init__(self, coordinator, make_client):
+        """``coordinator``: the control client of ``[pool] control``;
+        ``make_client(endpoint)``: a client of another node (same host,
+        secret and TLS)."""
+        self.coordinator = coordinator
+        self.make_client = make_client
+        self.clustered = False
+        self.name: str | None = None            # the coordinator's node name
+        self.nodes: dict[str, tuple[str, str]] = {}   # other node -> (instance, control endpoint)
+        self._clients: dict[str, object] = {}   # control endpoint -> client
+
+    # -- who is there ---------------------------------------------------------------------
+    async def refresh(self) -> bool:
+        """Ask the coordinator which nodes are live; True when in a cluster."""
+        try:
+            answer = await self.coordinator.call("list_nodes")
+        except UnknownOp:
+            answer = {"cluster": False}          # a pool from before clusters: one node
+        if not isinstance(answer, dict) or not answer.get("cluster"):
+            if self.clustered:
+                LOG.warning("the pool at %s is no longer a cluster: one node from now on",
+                            self.coordinator.endpoint)
+            self.clustered, self.nodes = False, {}
+            return False
+        nodes = answer.get("nodes")
+        if not isinstance(nodes, list) or len(nodes) > MAX_NODES:
+            raise ProtocolError(reason=f"list_nodes: nodes is not a list of at most {MAX_NODES}")
+        fresh = {}
+        for item in nodes:
+            try:
+                name, instance, control = _node(item)
+            except (ValueError, AccelmigError) as exc:
+                LOG.warning("list_nodes: skipping a node: %s", str(exc)[:200])
+                continue
+            if name != answer.get("node") and control is not None:
+                fresh[name] = (instance, control)
+        if fresh != self.nodes or not self.clustered:
+            LOG.info("pool of several nodes: coordinator %s at %s, others: %s", answer.get("node"),
+                     self.coordinator.endpoint, ", ".join(f"{n} at {c}" for n, (_, c) in sorted(fresh.items()))
+                     or "none")
+        self.clustered, self.name, self.nodes = True, str(answer.get("node")), fresh
+        for endpoint in set(self._clients) - {c for _, c in fresh.values()}:
+            client = self._clients.pop(endpoint)
+            await client.close()
+        return True
+
+    def client_of(self, name: str):
+        _, control = self.nodes[name]
+        client = self._clients.get(control)
+        if client is None:
+            client = self._clients[control] = self.make_client(control)
+        return client
+
+    def for_sid(self, sid):
+        """The client of the node whose instance made ``sid`` (the coordinator's otherwise)."""
+        match = _SID.match(sid) if isinstance(sid, str) else None
+        if match is not None:
+            for name, (instance, _) in self.nodes.items():
+                if instance == match.group(1):
+                    return self.client_of(name)
+        return self.coordinator
+
+    def instances(self) -> tuple:
+        """The other nodes' instances (a new one: hostd registers there too)."""
+        return tuple(sorted(instance for instance, _ in self.nodes.values()))
+
+    def clients(self) -> list:
+        """The other nodes' clients (a reload gives them its new secret and TLS files)."""
+        return list(self._clients.values())
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.close()
+
+    # -- calls ----------------------------------------------------------------------------
+    async def call(self, method: str, **args):
+        if not self.clustered:
+            return await self.coordinator.call(method, **args)
+        if method in PER_SESSION:
+            return await self.for_sid(args.get("sid")).call(method, **args)
+        if method in STEPS or method in EVERY_NODE:
+            answer = await self.coordinator.call(method, **args)
+            if method in STEPS and isinstance(answer, dict) and answer.get("migration_id"):
+                args = dict(args, migration_id=answer["migration_id"])
+            await self._others(method, args, required=False)
+            return answer
+        return await self.coordinator.call(method, **args)
+
+    async def call_all(self, method: str, **args):
+        if not self.clustered or method != "complete":
+            return await self.coordinator.call_all(method, **args)
+        # every node mints the tickets of its own sessions: the union, each for its node
+        answer = await self.coordinator.call_all(method, **args)
+        tickets = dict(answer.get("tickets") or {})
+        for _name, other in await self._others(method, args, required=True, all_pages=True):
+            extra = other.get("tickets") if isinstance(other, dict) else None
+            if isinstance(extra, dict):
+                tickets.update(extra)
+        return dict(answer, tickets=tickets)
+
+    async def _others(self, method: str, args: dict, *, required: bool, all_pages: bool = False) -> list:
+        """``method`` at every node but the coordinator: [(name, answer)].
+        ``required``: a live node that fails it fails the call (a node no
+        longer live is skipped: it left the pool with its sessions)."""
+        out = []
+        for name in sorted(self.nodes):
+            client = self.client_of(name)
+            try:
+                answer = await (client.call_all if all_pages else client.call)(method, **args)
+            except AccelmigError as exc:
+                if isinstance(exc, Unavailable):
+                    await self.refresh()
+                    if name not in self.nodes:
+                        LOG.warning("%s: node %s left the pool: its sessions are lost with it", method, name)
+                        continue
+                if required:
+                    raise
+                LOG.warning("%s at node %s: %s (it follows etcd at its next call)", method, name, exc)
+                continue
+            out.append((name, answer))
+        return out
+
+
+def _node(item) -> tuple[str, str, str | None]:
+    if not isinstance(item, dict):
+        raise ValueError("a node is not an object")
+    name, instance, control = item.get("name"), item.get("instance"), item.get("control")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"node name {name!r:.80}")
+    if not isinstance(instance, str) or not _INSTANCE.match(instance):
+        raise ValueError(f"node {name}: instance {instance!r:.40}")
+    if control is not None:
+        if not isinstance(control, str):
+            raise ValueError(f"node {name}: control endpoint")
+        parse_endpoint(control)
+    return name, instance, control
