@@ -256,7 +256,18 @@ class ControlServer:
             inspect.signature(getattr(self, f"do_{method}")).bind(caller, **args)
         except TypeError as exc:
             raise BadRequest(reason=f"{method}: {exc}") from None
-        record, steps = self._plan(caller, method, args)
+        try:
+            record, steps = self._plan(caller, method, args)
+        except NoSuchRecord:
+            # a record this node never opened (the open did not reach it): etcd's, if it has it
+            mid = args.get("migration_id")
+            if mid is None or f"{args.get('domain_uuid')}/{mid}" in self.pool.records:
+                raise
+            stored = await loop.run_in_executor(None, ledger.read, args.get("domain_uuid"), mid)
+            if stored is None or f"{stored.domain_uuid}/{stored.migration_id}" in self.pool.records:
+                raise
+            self.pool.adopt_record(stored)
+            record, steps = self._plan(caller, method, args)
         stored = None
         for event, changes in steps:
             try:

@@ -571,6 +571,26 @@ class Pool:
                             extra={"domain": record.domain_uuid, "migration": record.migration_id})
         loop.run_in_executor(None, write)
 
+    def adopt_record(self, stored) -> MigrationRecord:
+        """A record etcd holds (``stored``) that this node never opened (the
+        destination's open did not reach it): this node's own, from etcd's
+        parties, then following etcd's state."""
+        now = time.time()
+        self._record_serial += 1
+        record = MigrationRecord(stored.domain_uuid, stored.migration_id, stored.source_host, stored.dest_host,
+                                 stored.policy, self.config.lease_ttl, now, postcopy=stored.postcopy,
+                                 serial=self._record_serial)
+        record.on_change = self.record_changed
+        self.records[record.key] = record
+        self._open[record.key] = record
+        self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), now)
+        LOG.info("record %s taken from etcd: %s -> %s, %s there", record.key, record.source_host,
+                 record.dest_host, stored.state.value,
+                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        self.follow_record(record, stored)
+        self.record_changed(record)
+        return record
+
     def follow_record(self, record: MigrationRecord, stored) -> None:
         """This node's ``record`` takes the steps etcd's (``stored``: a
         ``pool.cluster.records.StoredRecord``) has taken: another node took

@@ -16,7 +16,8 @@ of a pool is given the same hosts file) and routes:
   and the rehome delivers their union, each ticket for its own node;
 - ``renew`` (each node keeps its own record's lease) and ``register_host``
   (each node attributes guests' connections to hosts) to every node;
-  reading and waiting to the coordinator.
+  ``wait_record`` to every node at once (each knows whether its own
+  sessions resumed); reading and the timeline to the coordinator.
 
 A node that does not answer a step is left to catch up from etcd at its
 next call; for ``complete`` it is asked again (the rehome retries) unless
@@ -27,6 +28,7 @@ checked.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 
@@ -149,6 +151,41 @@ class PoolNodes:
             if isinstance(extra, dict):
                 tickets.update(extra)
         return dict(answer, tickets=tickets)
+
+    async def call_within(self, timeout: float, method: str, /, **args):
+        """A long wait (``wait_record``): in a cluster, on every node at once
+        (each says whether its own sessions resumed); the coordinator's
+        record with every node's counts, reached once every node's is."""
+        if not self.clustered or method != "wait_record":
+            return await self.coordinator.call_within(timeout, method, **args)
+        names = sorted(self.nodes)
+        others = dict(args, until="rehomed")       # the timeline is the coordinator's alone
+        answers = await asyncio.gather(self.coordinator.call_within(timeout, method, **args),
+                                       *(self.client_of(n).call_within(timeout, method, **others) for n in names),
+                                       return_exceptions=True)
+        first = answers[0]
+        if isinstance(first, BaseException):
+            raise first
+        record = first.get("record")
+        reached = bool(first.get("reached"))
+        if not isinstance(record, dict):
+            return first
+        record = dict(record)
+        for name, answer in zip(names, answers[1:]):
+            if isinstance(answer, BaseException):
+                LOG.warning("wait_record at node %s: %s", name, answer)
+                reached = False
+                continue
+            theirs = answer.get("record") if isinstance(answer, dict) else None
+            if not isinstance(theirs, dict):
+                continue                     # no record there: none of its sessions migrates
+            for count in ("session_count", "resumed_count"):
+                if isinstance(theirs.get(count), int) and isinstance(record.get(count), int):
+                    record[count] += theirs[count]
+            record.pop("sessions", None)     # (per node; ``record_sessions`` pages each)
+            record.pop("resumed", None)
+            reached = reached and bool(answer.get("reached"))
+        return dict(first, record=record, reached=reached)
 
     async def _others(self, method: str, args: dict, *, required: bool, all_pages: bool = False) -> list:
         """``method`` at every node but the coordinator: [(name, answer)].

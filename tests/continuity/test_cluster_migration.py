@@ -142,6 +142,11 @@ def test_a_migration_there_and_back_rehomes_every_session_on_its_own_node(two_no
                 for dev, outcome in zip(devs, outcomes):
                     assert dev.endpoint == home[dev.sid]            # resumed on its own node
                     assert outcome["ticket"] and outcome["resent"] == 0
+                # what ``accelmig migrate`` waits on: every node's sessions resumed
+                waited = await b[0].call_within(15, "wait_record", domain_uuid=domain, migration_id=there,
+                                                until="rehomed", timeout=10)
+                assert waited["reached"] and waited["record"]["session_count"] == 4
+                assert waited["record"]["resumed_count"] == 4
                 # B -> A
                 back, outcomes = await migrate(b, a, domain, devs, nodes["n1"].endpoint)
                 for dev, outcome in zip(devs, outcomes):
@@ -264,3 +269,65 @@ def test_a_node_killed_mid_migration_loses_its_sessions_the_other_nodes_resume(t
     finally:
         for dev in devs:
             dev.close()
+
+
+def test_a_node_catches_up_from_etcd_and_refuses_a_step_etcds_record_did_not_take(two_nodes):
+    store, nodes = two_nodes
+    devs = open_sessions(store, nodes)
+    on_n2 = sorted(d.sid for d in devs if d.endpoint == nodes["n2"].endpoint)
+    domain, other = str(uuid.uuid4()), str(uuid.uuid4())
+
+    async def scenario():
+        a, b = hostd(nodes, "hostA"), hostd(nodes, "hostB")
+        n2 = AsyncControlClient(nodes["n2"].control_endpoint, "hostB", SECRETS["hostB"].encode())
+        try:
+            for routing, _ in (a, b):
+                await routing.refresh()
+            await attest(a[0], domain, devs)
+            # the open and the switchover reach the coordinator only (n2 was out of reach)
+            mid = (await b[0].coordinator.call("open_migration", domain_uuid=domain))["migration_id"]
+            await a[0].coordinator.call("switchover", domain_uuid=domain, migration_id=mid)
+            assert (await n2.call("list_records", domain_uuid=domain))["records"] == []
+            # its complete takes the record from etcd, follows the switchover, mints its own tickets
+            done = await n2.call_all("complete", domain_uuid=domain, migration_id=mid)
+            assert sorted(done["tickets"]) == on_n2
+            assert done["record"]["state"] == "completed" and "switchover" in done["record"]["times"]
+            # etcd's record aborted by another node alone (its lease ran out there): n2 refuses
+            # to complete, and its own record follows to aborted
+            mid2 = (await b[1].pool("open_migration", domain_uuid=other))["migration_id"]
+            await asyncio.to_thread(RecordLedger(store, "n1").advance, other, mid2, "abort",
+                                    abort_reason="lease expired at n1")
+            with pytest.raises(RecordState, match="aborted"):
+                await n2.call("complete", domain_uuid=other, migration_id=mid2)
+            listed = (await n2.call("list_records", domain_uuid=other))["records"]
+            assert [r["state"] for r in listed] == ["aborted"] and "lease expired at n1" in listed[0]["abort_reason"]
+        finally:
+            await n2.close()
+            for routing, _ in (a, b):
+                await routing.close()
+                await routing.coordinator.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dev in devs:
+            dev.close()
+
+
+def test_hostd_with_a_single_node_talks_to_it_alone(tmp_path):
+    """No etcd: ``list_nodes`` says so, and every call goes to the one node."""
+    pool = PoolProcess(tmp_path, tenants_toml(alice=TOKEN), hosts_toml(**SECRETS),
+                       extra=("--device-isolation", "none"))
+    try:
+        async def scenario():
+            routing, _ = hostd({"n1": pool}, "hostA")
+            try:
+                assert await routing.refresh() is False
+                assert not routing.clustered and routing.nodes == {} and routing.clients() == []
+                assert (await routing.call("list_nodes"))["cluster"] is False
+            finally:
+                await routing.close()
+                await routing.coordinator.close()
+        asyncio.run(scenario())
+    finally:
+        pool.stop()
