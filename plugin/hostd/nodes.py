@@ -14,8 +14,12 @@ of a pool is given the same hosts file) and routes:
   node, which follows the record etcd holds (``pool.cluster.records``);
 - ``complete`` to every node: each mints the tickets of its own sessions,
   and the rehome delivers their union, each ticket for its own node;
-- ``renew`` (each node keeps its own record's lease) and ``register_host``
-  (each node attributes guests' connections to hosts) to every node;
+- an intent to the coordinator first, then to every node with its migration
+  id (each node checks who may open);
+- ``renew`` (each node keeps its own record's lease), ``register_host``
+  (each node attributes guests' connections to hosts), ``park`` and
+  ``unpark`` (each node parks its own sessions) to every node, and a
+  domain's ``list_sessions`` is every node's, one after the other;
   ``wait_record`` to every node at once (each knows whether its own
   sessions resumed); reading and the timeline to the coordinator.
 
@@ -40,9 +44,11 @@ LOG = logging.getLogger("accelmig.hostd")
 #: the most nodes hostd keeps a client for
 MAX_NODES = 128
 #: steps every node takes, the coordinator first
-STEPS = frozenset({"open_migration", "switchover", "commit", "close", "abort"})
+STEPS = frozenset({"register_intent", "open_migration", "switchover", "commit", "close", "abort"})
 #: calls every node answers for itself; hostd keeps the coordinator's answer
-EVERY_NODE = frozenset({"renew", "register_host"})
+EVERY_NODE = frozenset({"renew", "register_host", "park", "unpark"})
+#: listings of a domain's sessions: every node's, one after the other
+UNION = {"list_sessions": "sessions"}
 #: calls of one session, to the node that made it
 PER_SESSION = frozenset({"bind_session", "unbind_session"})
 _SID = re.compile(r"^s-([0-9a-f]{4,32})-")
@@ -141,6 +147,12 @@ class PoolNodes:
         return await self.coordinator.call(method, **args)
 
     async def call_all(self, method: str, **args):
+        if self.clustered and method in UNION and args.get("domain_uuid") is not None:
+            answer = await self.coordinator.call_all(method, **args)
+            items = list(answer.get(UNION[method]) or [])
+            for _name, other in await self._others(method, args, required=True, all_pages=True):
+                items.extend((other or {}).get(UNION[method]) or [])
+            return dict(answer, **{UNION[method]: items})
         if not self.clustered or method != "complete":
             return await self.coordinator.call_all(method, **args)
         # every node mints the tickets of its own sessions: the union, each for its node

@@ -136,6 +136,8 @@ def test_a_migration_there_and_back_rehomes_every_session_on_its_own_node(two_no
                 for routing, _ in (a, b):
                     assert await routing.refresh() is True and set(routing.nodes) == {"n2"}
                 await attest(a[0], domain, devs)
+                listed = await a[0].call_all("list_sessions", domain_uuid=domain)   # (what reconciliation reads)
+                assert sorted(s["sid"] for s in listed["sessions"]) == sorted(d.sid for d in devs)
                 # A -> B, etcd restarted between the switchover and the completion
                 there, outcomes = await migrate(a, b, domain, devs, nodes["n1"].endpoint,
                                                 between=etcd_server.restart)
@@ -193,6 +195,14 @@ def test_an_abort_releases_both_nodes_parts_and_the_sessions_go_on_at_the_source
                 watch = types.SimpleNamespace(name="vm", uuid=domain,
                                               record=types.SimpleNamespace(migration_id=mid))
                 await a[1].abort(watch, "the migration failed; the guest resumed on the source")
+                # a saved domain: every node parks its own sessions of it
+                parked = await a[0].call("park", domain_uuid=domain, retention=60)
+                assert len(parked["parked"]) == 2
+                listed = await a[0].call_all("list_sessions", domain_uuid=domain)
+                assert [s["parked"] for s in listed["sessions"]] == [True] * 4
+                await a[0].call("unpark", domain_uuid=domain)
+                listed = await a[0].call_all("list_sessions", domain_uuid=domain)
+                assert [s["parked"] for s in listed["sessions"]] == [False] * 4
                 # every node's record is aborted: neither completes it
                 for name in ("n1", "n2"):
                     client = AsyncControlClient(nodes[name].control_endpoint, "hostB", SECRETS["hostB"].encode())
