@@ -260,10 +260,11 @@ class ControlServer:
             record, steps = self._plan(caller, method, args)
         except NoSuchRecord:
             # a record this node never opened (the open did not reach it): etcd's, if it has it
-            mid = args.get("migration_id")
-            if mid is None or f"{args.get('domain_uuid')}/{mid}" in self.pool.records:
+            domain, mid = args.get("domain_uuid"), args.get("migration_id")
+            if mid is not None and f"{domain}/{mid}" in self.pool.records:
                 raise
-            stored = await loop.run_in_executor(None, ledger.read, args.get("domain_uuid"), mid)
+            stored = await loop.run_in_executor(
+                None, (lambda: ledger.read(domain, mid)) if mid is not None else (lambda: ledger.latest_open(domain)))
             if stored is None or f"{stored.domain_uuid}/{stored.migration_id}" in self.pool.records:
                 raise
             self.pool.adopt_record(stored)

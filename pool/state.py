@@ -120,6 +120,9 @@ class Pool:
             if record.final or now < record.lease_expiry:
                 continue
             if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+                if self.record_ledger is not None:
+                    self._expire_in_cluster(record, now)
+                    continue
                 self._abort_record(record, now, "lease expired: no host renewed it")
             elif record.state is RecordStateName.COMMITTED:
                 LOG.warning("record %s: lease expired after commit: completing", record.key)
@@ -553,6 +556,36 @@ class Pool:
                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
         if self.record_ledger is not None:
             self._abort_in_etcd(record, reason)
+
+    def _expire_in_cluster(self, record: MigrationRecord, now: float) -> None:
+        """No host renewed this node's record: abort it in etcd first (off
+        the loop), then here.  Where etcd's has gone on meanwhile (another
+        node completed it: its hosts renewed there) this node follows
+        instead and keeps its record until the host's next call."""
+        ledger, loop = self.record_ledger, self.loop
+        record.lease_expiry = now + record.lease_ttl      # one attempt at a time, not one per sweep
+        if loop is None or loop.is_closed():
+            return
+
+        def expire():
+            try:
+                return ledger.advance(record.domain_uuid, record.migration_id, "abort",
+                                      abort_reason="lease expired: no host renewed it")
+            except AccelmigError as exc:
+                try:
+                    return ledger.read(record.domain_uuid, record.migration_id)
+                except AccelmigError:
+                    LOG.warning("record %s: lease expired, etcd unreachable (%s): aborting here",
+                                record.key, exc)
+                    return None
+
+        def settle(future) -> None:
+            stored = future.result()
+            if stored is None:
+                self._abort_record(record, time.time(), "lease expired: no host renewed it")
+            else:
+                self.follow_record(record, stored)
+        loop.run_in_executor(None, expire).add_done_callback(lambda f: self.post(lambda: settle(f)))
 
     def _abort_in_etcd(self, record: MigrationRecord, reason: str) -> None:
         """An abort this node decided alone (its lease ran out, a newer

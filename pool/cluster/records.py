@@ -190,6 +190,19 @@ class RecordLedger:
         except (ValueError, KeyError) as exc:
             raise Unavailable(what="etcd", reason=f"record {key[:160]} does not check: {exc}"[:400]) from None
 
+    def latest_open(self, domain_uuid: str) -> StoredRecord | None:
+        """The domain's newest record not final yet, in etcd's own order
+        (its create revision, not a time a value claims); None: none."""
+        prefix = RECORDS + _part(domain_uuid) + "/"
+        kvs, _ = self.store.range(prefix)
+        finals = {state.value for state in FINAL}
+        candidates = [(meta["create_revision"], value.get("migration_id")) for key, value, meta in kvs
+                      if "/" not in key[len(prefix):] and value.get("state") not in finals]
+        if not candidates:
+            return None
+        _, mid = max(candidates, key=lambda item: item[0])
+        return self.read(domain_uuid, mid) if isinstance(mid, str) and mid else None
+
     def open(self, record: MigrationRecord) -> StoredRecord:
         """Put ``record`` (just opened on this node) with a part for every
         live node, in one transaction, unless it is there already (another

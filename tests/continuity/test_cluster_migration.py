@@ -42,8 +42,10 @@ TOKEN = "alice-token-0001"
 
 
 @pytest.fixture
-def two_nodes(tmp_path, etcd_server):
-    """n1 and n2 of one pool on etcd, both knowing hostA and hostB."""
+def two_nodes(tmp_path, etcd_server, request):
+    """n1 and n2 of one pool on etcd, both knowing hostA and hostB (more
+    options for both: the test's ``pool_options`` mark)."""
+    mark = request.node.get_closest_marker("pool_options")
     store = ClusterStore([("127.0.0.1", etcd_server.client_port)])
     nodes = {}
     try:
@@ -52,7 +54,7 @@ def two_nodes(tmp_path, etcd_server):
             directory.mkdir()
             nodes[name] = PoolProcess(directory, tenants_toml(alice=TOKEN), hosts_toml(**SECRETS), extra=(
                 "--cluster", etcd_server.url, "--node-name", name, "--cluster-ttl", "2",
-                "--device-isolation", "none"), env={"POCL_DEVICES": "pthread basic"})
+                "--device-isolation", "none", *(mark.args if mark else ())), env={"POCL_DEVICES": "pthread basic"})
         yield store, nodes
     finally:
         for pool in nodes.values():
@@ -284,6 +286,7 @@ def test_a_node_killed_mid_migration_loses_its_sessions_the_other_nodes_resume(t
 def test_a_node_catches_up_from_etcd_and_refuses_a_step_etcds_record_did_not_take(two_nodes):
     store, nodes = two_nodes
     devs = open_sessions(store, nodes)
+    on_n1 = sorted(d.sid for d in devs if d.endpoint == nodes["n1"].endpoint)
     on_n2 = sorted(d.sid for d in devs if d.endpoint == nodes["n2"].endpoint)
     domain, other = str(uuid.uuid4()), str(uuid.uuid4())
 
@@ -296,12 +299,24 @@ def test_a_node_catches_up_from_etcd_and_refuses_a_step_etcds_record_did_not_tak
             await attest(a[0], domain, devs)
             # the open and the switchover reach the coordinator only (n2 was out of reach)
             mid = (await b[0].coordinator.call("open_migration", domain_uuid=domain))["migration_id"]
-            await a[0].coordinator.call("switchover", domain_uuid=domain, migration_id=mid)
             assert (await n2.call("list_records", domain_uuid=domain))["records"] == []
-            # its complete takes the record from etcd, follows the switchover, mints its own tickets
+            # a source whose coordinator is n2 switches over without naming the migration
+            # (as hostd does): n2 takes the domain's open record from etcd
+            n2_source = AsyncControlClient(nodes["n2"].control_endpoint, "hostA", SECRETS["hostA"].encode())
+            try:
+                switched = await n2_source.call("switchover", domain_uuid=domain)
+            finally:
+                await n2_source.close()
+            assert switched["migration_id"] == mid and switched["state"] == "switched_over"
+            assert switched["cluster"]["state"] == "switched_over"
+            # n1 missed the switchover: its record is still open until its next call follows etcd's
+            listed = (await b[0].coordinator.call("list_records", domain_uuid=domain))["records"]
+            assert [r["state"] for r in listed] == ["open"]
+            done = await b[0].coordinator.call_all("complete", domain_uuid=domain, migration_id=mid)
+            assert done["record"]["state"] == "completed" and "switchover" in done["record"]["times"]
+            assert sorted(done["tickets"]) == on_n1                     # each node mints its own
             done = await n2.call_all("complete", domain_uuid=domain, migration_id=mid)
             assert sorted(done["tickets"]) == on_n2
-            assert done["record"]["state"] == "completed" and "switchover" in done["record"]["times"]
             # etcd's record aborted by another node alone (its lease ran out there): n2 refuses
             # to complete, and its own record follows to aborted
             mid2 = (await b[1].pool("open_migration", domain_uuid=other))["migration_id"]
@@ -341,3 +356,40 @@ def test_hostd_with_a_single_node_talks_to_it_alone(tmp_path):
         asyncio.run(scenario())
     finally:
         pool.stop()
+
+
+@pytest.mark.pool_options("--lease-ttl", "1")
+def test_a_record_no_host_renews_is_aborted_on_every_node_and_in_etcd(two_nodes):
+    store, nodes = two_nodes
+    domain = str(uuid.uuid4())
+    aborted = PrefixWatch(store, "/accelmig/v1/records/")
+
+    async def scenario():
+        b = hostd(nodes, "hostB")
+        try:
+            await b[0].refresh()
+            return (await b[1].pool("open_migration", domain_uuid=domain))["migration_id"]
+        finally:
+            await b[0].close()
+            await b[0].coordinator.close()
+
+    mid = asyncio.run(scenario())                  # and nobody renews it
+    aborted.wait(lambda kind, key, value: key.endswith(f"/{mid}") and value and value["state"] == "aborted",
+                 what="the record aborted in etcd")
+    aborted.cancel()
+    stored = RecordLedger(store, "n1").read(domain, mid)
+    assert stored.state is S.ABORTED and "lease expired" in stored.abort_reason
+    assert {p.state for p in stored.parts.values()} == {S.ABORTED} and set(stored.parts) == {"n1", "n2"}
+    for name in ("n1", "n2"):
+        client = nodes[name]
+        wait_for(lambda: _local_state(client, domain) == "aborted", 20, f"node {name}'s record aborted")
+
+
+def _local_state(pool, domain):
+    from accelmig.wire.control import ControlClient
+    client = ControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode())
+    try:
+        records = client.call("list_records", domain_uuid=domain)["records"]
+    finally:
+        client.close()
+    return records[0]["state"] if records else None
