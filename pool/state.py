@@ -635,6 +635,10 @@ class Pool:
         if stored.state is S.ABORTED:
             if record.state in (S.OPEN, S.SWITCHED_OVER):
                 self._abort_record(record, now, f"aborted in etcd: {stored.abort_reason or 'no reason given'}")
+            elif not record.final:        # (etcd is written first: only a node's lone decision gets here)
+                LOG.error("record %s is %s here but aborted in etcd (%s): its sessions keep their tickets",
+                          record.key, record.state.value, stored.abort_reason,
+                          extra={"domain": record.domain_uuid, "migration": record.migration_id})
             return
         if record.source_host is None and stored.source_host is not None:
             record.source_host = stored.source_host
