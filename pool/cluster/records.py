@@ -180,13 +180,11 @@ class RecordLedger:
     def read(self, domain_uuid: str, migration_id: str) -> StoredRecord | None:
         """The record and its parts in one range (one revision): None when absent."""
         key = record_key(domain_uuid, migration_id)
-        record = self.store.get(key)
-        if record is None:
+        (record, parts), _ = self.store.read_together([(key, False), (key + "/", True)], limit=MAX_NODES)
+        if not record:
             return None
-        # (a part read at a later revision than the record is fine: every step guards both)
-        parts, _ = self.store.range(key + "/", limit=MAX_NODES)
         try:
-            return StoredRecord.parse(key, record[0], record[1], parts)
+            return StoredRecord.parse(key, record[0][1], record[0][2], parts)
         except (ValueError, KeyError) as exc:
             raise Unavailable(what="etcd", reason=f"record {key[:160]} does not check: {exc}"[:400]) from None
 
@@ -209,7 +207,7 @@ class RecordLedger:
         node opened it first: then that one, as etcd has it)."""
         key = record_key(record.domain_uuid, record.migration_id)
         existing = self.read(record.domain_uuid, record.migration_id)
-        if existing is not None:
+        if existing is not None:          # (the usual case for every node but the first: one read)
             return existing
         nodes = live_nodes(self.store)
         if self.node not in nodes:
@@ -222,32 +220,37 @@ class RecordLedger:
                  "dest_host": record.dest_host, "policy": record.policy.value, "postcopy": record.postcopy,
                  "source_stopped": False, "nodes": {n: v.instance for n, v in taking.items()}, "lost": [],
                  "abort_reason": None, "opened": round(time.time(), 3), "opened_by": self.node}
+        parts = {name: {"node": name, "instance": view.instance, "state": "open"} for name, view in taking.items()}
         puts = [self.store.op_put(key, value, lease)]
-        puts += [self.store.op_put(part_key(record.domain_uuid, record.migration_id, name),
-                                   {"node": name, "instance": view.instance, "state": "open"}, view.lease)
+        puts += [self.store.op_put(part_key(record.domain_uuid, record.migration_id, name), parts[name], view.lease)
                  for name, view in taking.items()]
-        # every part under its node's lease, and each node still the instance read
+        # opened once (another node may have first: then that one); every part under its
+        # node's lease, each node still the one read
         guards = [self.store.absent(key)] + [
             {"key": _b64(f"{PREFIX}nodes/{name}"), "target": "LEASE", "result": "EQUAL", "lease": str(view.lease)}
             for name, view in taking.items()]
-        ok, _ = self.store.txn(guards, puts)
+        ok, answer = self.store.txn(guards, puts)
         if not ok:
             self.store.revoke(lease)
-        stored = self.read(record.domain_uuid, record.migration_id)
-        if stored is None:
-            raise Unavailable(what="etcd", reason=f"record {key[:160]}: not there after opening it "
-                                                  f"(a node left meanwhile: open it again)")
-        if ok:
-            LOG.info("record %s/%s opened in etcd with parts on %s", record.domain_uuid, record.migration_id,
-                     ", ".join(sorted(stored.parts)),
-                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        return stored
+            stored = self.read(record.domain_uuid, record.migration_id)
+            if stored is None:
+                raise Unavailable(what="etcd", reason=f"record {key[:160]}: a node left while it opened "
+                                                      f"(open it again)")
+            return stored
+        revision = _answer_revision(answer)
+        LOG.info("record %s/%s opened in etcd with parts on %s", record.domain_uuid, record.migration_id,
+                 ", ".join(sorted(taking)), extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        meta = {"mod_revision": revision, "lease": lease}
+        return StoredRecord.parse(key, value, meta, [
+            (part_key(record.domain_uuid, record.migration_id, name), parts[name],
+             {"mod_revision": revision, "lease": view.lease}) for name, view in taking.items()])
 
-    def step(self, stored: StoredRecord, event: str, **changes) -> bool:
+    def step(self, stored: StoredRecord, event: str, **changes) -> StoredRecord | None:
         """ONE transaction: the record and every part still there move to
         the state ``event`` leads to from ``stored.state``, guarded by the
-        mod_revision of each as read.  False: something changed since
-        ``stored`` was read (nothing moved)."""
+        mod_revision of each as read; the record as it is after (no read
+        more: the transaction's revision is each key's).  None: something
+        changed since ``stored`` was read (nothing moved)."""
         target = MigrationRecord.TRANSITIONS[event].get(stored.state, stored.state)
         lost = sorted(set(stored.lost) | (set(stored.nodes) - set(stored.parts)))
         guards = [_same(stored.key, stored.mod_revision)]
@@ -257,8 +260,14 @@ class RecordLedger:
             key = part_key(stored.domain_uuid, stored.migration_id, name)
             guards.append(_same(key, part.mod_revision))
             puts.append(self.store.op_put(key, part.to_value(target), part.lease or None))
-        ok, _ = self.store.txn(guards, puts)
-        return ok
+        ok, answer = self.store.txn(guards, puts)
+        if not ok:
+            return None
+        revision = _answer_revision(answer)
+        fields = {name: value for name, value in changes.items() if name in _FIELDS}
+        return dataclasses.replace(
+            stored, state=target, lost=tuple(lost), mod_revision=revision, **fields,
+            parts={n: dataclasses.replace(p, state=target, mod_revision=revision) for n, p in stored.parts.items()})
 
     def advance(self, domain_uuid: str, migration_id: str, event: str, **changes) -> StoredRecord:
         """Take ``event`` on the etcd record (a harmless repeat writes
@@ -273,8 +282,11 @@ class RecordLedger:
             wanted = {k: v for k, v in changes.items() if stored.to_value().get(k) != v}
             if allowed is None and event == "close" and stored.state not in FINAL:
                 # the source stopped before the destination completed: noted, completing closes
-                if stored.source_stopped or self.step(stored, "close", source_stopped=True):
-                    return self.read(domain_uuid, migration_id) or stored
+                if stored.source_stopped:
+                    return stored
+                after = self.step(stored, "close", source_stopped=True)
+                if after is not None:
+                    return after
                 continue
             if allowed is None:
                 if stored.state in MigrationRecord.REPEATS[event]:
@@ -283,20 +295,33 @@ class RecordLedger:
                                   action=f"{event} (as etcd has it)")
             if event == "complete" and stored.source_stopped:
                 allowed = RecordStateName.CLOSED
-            if self._step_to(stored, allowed, event, **wanted):
+            after = self._step_to(stored, allowed, event, **wanted)
+            if after is not None:
                 LOG.info("record %s/%s: %s in etcd (%s -> %s), parts on %s", domain_uuid, migration_id,
                          event, stored.state.value, allowed.value, ", ".join(sorted(stored.parts)) or "no node",
                          extra={"domain": domain_uuid, "migration": migration_id})
-                return self.read(domain_uuid, migration_id) or stored
+                return after
         raise Unavailable(what="etcd", reason=f"record {domain_uuid}/{migration_id}: {MAX_ROUNDS} "
                                               f"steps in a row lost to other nodes' (try again)")
 
-    def _step_to(self, stored: StoredRecord, target: RecordStateName, event: str, **changes) -> bool:
+    def _step_to(self, stored: StoredRecord, target: RecordStateName, event: str, **changes):
         if target is MigrationRecord.TRANSITIONS[event].get(stored.state):
             return self.step(stored, event, **changes)
         # complete with the source already stopped: completed and closed in one step
         return self.step(dataclasses.replace(stored, state=RecordStateName.COMPLETED), "close", **changes) \
-            if target is RecordStateName.CLOSED else False
+            if target is RecordStateName.CLOSED else None
+
+
+#: the record's fields a step may change (``advance``'s ``changes``)
+_FIELDS = {"source_host", "postcopy", "source_stopped", "abort_reason"}
+
+
+def _answer_revision(answer: dict) -> int:
+    header = answer.get("header") if isinstance(answer, dict) else None
+    try:
+        return int(header["revision"])
+    except (TypeError, KeyError, ValueError):
+        raise Unavailable(what="etcd", reason="a transaction's answer without its revision") from None
 
 
 def _same(key: str, revision: int) -> dict:

@@ -53,6 +53,7 @@ def states(store, mid: str = "m1") -> dict:
 def test_a_record_opens_with_a_part_per_live_node_each_under_that_nodes_lease(cluster):
     store, registrations = cluster
     stored = opened(RecordLedger(store, "n1"))
+    assert stored == RecordLedger(store, "n1").read(DOMAIN, "m1")        # what it says is what etcd holds
     assert stored.state is S.OPEN and stored.nodes == {"n1": "aaaa0000", "n2": "aaaa0001"}
     assert set(stored.parts) == {"n1", "n2"}
     for name, part in stored.parts.items():
@@ -94,11 +95,12 @@ def test_a_step_whose_guard_fails_on_one_part_moves_nothing(cluster):
     key = part_key(DOMAIN, "m1", "n2")
     value, meta = store.get(key)
     store.put(key, value, meta["lease"])
-    assert ledger.step(stored, "switchover") is False
+    assert ledger.step(stored, "switchover") is None
     assert states(store) == {"record": "open", "n1": "open", "n2": "open"}       # not one moved
-    # read again, the same step commits, all together
-    assert ledger.step(ledger.read(DOMAIN, "m1"), "switchover") is True
+    # read again, the same step commits, all together; what it says is what etcd holds
+    after = ledger.step(ledger.read(DOMAIN, "m1"), "switchover")
     assert states(store) == {"record": "switched_over", "n1": "switched_over", "n2": "switched_over"}
+    assert after == ledger.read(DOMAIN, "m1")
 
 
 def test_an_abort_releases_every_nodes_part_in_one_transaction(cluster):
@@ -108,6 +110,7 @@ def test_an_abort_releases_every_nodes_part_in_one_transaction(cluster):
     ledger.advance(DOMAIN, "m1", "switchover")
     before = store.get(record_key(DOMAIN, "m1"))[1]["mod_revision"]
     aborted = ledger.advance(DOMAIN, "m1", "abort", abort_reason="the migration failed (by hostA)")
+    assert aborted == ledger.read(DOMAIN, "m1")
     assert aborted.state is S.ABORTED and aborted.abort_reason == "the migration failed (by hostA)"
     assert states(store) == {"record": "aborted", "n1": "aborted", "n2": "aborted"}
     # one transaction: every key of the record carries the same revision
@@ -127,6 +130,7 @@ def test_a_node_that_dies_loses_its_part_with_its_lease_and_the_record_names_it_
     stored = ledger.read(DOMAIN, "m1")
     assert set(stored.parts) == {"n1"} and stored.lost_by("aaaa0001") is False   # not written yet
     completed = ledger.advance(DOMAIN, "m1", "complete")
+    assert completed == ledger.read(DOMAIN, "m1")
     assert completed.state is S.COMPLETED and completed.lost == ("n2",)
     assert completed.lost_by("aaaa0001") and not completed.lost_by("aaaa0000")
     assert states(store) == {"record": "completed", "n1": "completed"}
