@@ -393,3 +393,50 @@ def _local_state(pool, domain):
     finally:
         client.close()
     return records[0]["state"] if records else None
+
+
+def test_hostd_registers_at_every_node_its_coordinator_lists(two_nodes, tmp_path):
+    """The real ``HostDaemon`` (libvirt's test driver): its registration
+    round lists the nodes at its ``[pool] control`` and registers there and
+    at each other node, which attributes this host's guests' connections."""
+    from accelmig.wire.control import ControlClient
+    from tests.support.hostd import HostdThread, write_host_config
+    _, nodes = two_nodes
+    config = write_host_config(tmp_path / "hostA", control=nodes["n1"].control_endpoint, secret=SECRETS["hostA"])
+    hostd_thread = HostdThread(str(config)).start()
+    try:
+        wait_for(lambda: set(hostd_thread.daemon.nodes.nodes) == {"n2"}, 20, "hostd listing n2")
+
+        def registered(name):
+            client = ControlClient(nodes[name].control_endpoint, "hostA", SECRETS["hostA"].encode())
+            try:
+                return {h["host"]: h["registered_at"] for h in client.call("list_hosts")["hosts"]}.get("hostA")
+            finally:
+                client.close()
+        wait_for(lambda: registered("n1") and registered("n2"), 20, "hostA registered at both nodes")
+    finally:
+        hostd_thread.stop()
+
+
+def test_a_cluster_nodes_steps_answer_hostile_arguments_clearly_and_write_nothing(two_nodes):
+    from accelmig.wire.control import ControlClient
+    from accelmig.wire.errors import AccelmigError, ErrorCode
+    store, nodes = two_nodes
+    client = ControlClient(nodes["n2"].control_endpoint, "hostB", SECRETS["hostB"].encode())
+    hostile = [{"domain_uuid": 7}, {"domain_uuid": "d", "migration_id": ["x"]}, {"domain_uuid": "d", "bogus": 1},
+               {"domain_uuid": "x" * 300}, {"domain_uuid": "d", "postcopy": "yes"}, {},
+               {"domain_uuid": "d", "reason": {"a": 1}}, {"domain_uuid": "d", "migration_id": "../../nodes/n1"}]
+    try:
+        for method in ("open_migration", "switchover", "commit", "complete", "close", "abort", "list_nodes"):
+            for args in hostile:
+                try:
+                    client.call(method, **args)
+                except AccelmigError as exc:
+                    assert exc.code in (ErrorCode.BAD_REQUEST, ErrorCode.NO_SUCH_RECORD, ErrorCode.FORBIDDEN,
+                                        ErrorCode.CONFLICT, ErrorCode.RECORD_STATE), (method, args, exc)
+        # the one open that checked (domain "d", id "../../nodes/n1") has keys of its own; nodes untouched
+        assert set(live_nodes(store)) == {"n1", "n2"}
+        kvs, _ = store.range("/accelmig/v1/records/")
+        assert all(key.startswith("/accelmig/v1/records/d/") for key, _, _ in kvs)
+    finally:
+        client.close()
