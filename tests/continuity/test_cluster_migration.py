@@ -440,3 +440,62 @@ def test_a_cluster_nodes_steps_answer_hostile_arguments_clearly_and_write_nothin
         assert all(key.startswith("/accelmig/v1/records/d/") for key, _, _ in kvs)
     finally:
         client.close()
+
+
+def test_the_guest_agent_rehomes_every_session_to_its_own_node_from_one_rehome(two_nodes, tmp_path):
+    """The whole delivery: hostd's ``ChannelDelivery`` hands the real
+    guest agent one rehome (the destination's identity, naming its
+    coordinator, and the union of both nodes' tickets); the agent tells each
+    registered driver to resume, and each does so on its own node."""
+    import threading
+    from accelmig.agent.daemon import Agent
+    from accelmig.plugin.hostd.delivery import ChannelDelivery
+    store, nodes = two_nodes
+    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"), state_dir=str(tmp_path / "state"),
+                  rehome_timeout=15)
+    agent.open()
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    n1, n2 = nodes["n1"].endpoint, nodes["n2"].endpoint
+    devs = []
+    try:
+        devs.append(connect(n1, TOKEN, agent=agent.socket_path, timeout=15))
+        devs.append(connect(n2, TOKEN, agent=agent.socket_path, timeout=15))
+        wait_for(lambda: len(agent.sessions()) == 2, what="both drivers registered with the agent")
+        data, bufs = fill(devs)
+        domain = str(uuid.uuid4())
+
+        async def scenario():
+            a, b = hostd(nodes, "hostA"), hostd(nodes, "hostB")
+            delivery = ChannelDelivery(inspect=_nothing, on_event=lambda w, m: None, timeout=15)
+            watch = types.SimpleNamespace(name="vm", uuid=domain, channel_path=str(tmp_path / "channel.sock"))
+            try:
+                for routing, _ in (a, b):
+                    await routing.refresh()
+                await attest(a[0], domain, devs)
+                mid = (await b[1].pool("open_migration", domain_uuid=domain))["migration_id"]
+                await a[1].pool("switchover", domain_uuid=domain, migration_id=mid)
+                done = await b[1].pool_all("complete", domain_uuid=domain, migration_id=mid)
+                identity = {"host_id": "hostB", "pool_endpoint": n1}       # hostB's view: its coordinator
+                return await delivery.rehome(None, watch, {"migration_id": mid, "identity": identity,
+                                                           "tickets": done["tickets"]})
+            finally:
+                await delivery.close(watch)
+                for routing, _ in (a, b):
+                    await routing.close()
+                    await routing.coordinator.close()
+
+        outcome = asyncio.run(scenario())
+        assert outcome["ok"] and outcome["resumed_count"] == 2, outcome
+        assert [d.endpoint for d in devs] == [n1, n2]
+        for dev, blob, buf in zip(devs, data, bufs):
+            assert dev.read(buf, len(blob)) == blob
+    finally:
+        for dev in devs:
+            dev.close()
+        agent.stop()
+        thread.join(5)
+
+
+async def _nothing(dom, watch):
+    return None
