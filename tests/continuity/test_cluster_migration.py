@@ -107,7 +107,7 @@ async def migrate(src, dst, domain, devs, coordinator_endpoint, *, between=None)
     """open (destination), switchover (source), complete (destination),
     each driver resumed with its ticket at the destination's coordinator,
     close (source): what hostd's steps and the agent do."""
-    (src_nodes, src_steps), (dst_nodes, dst_steps) = src, dst
+    (_, src_steps), (_, dst_steps) = src, dst
     record = await dst_steps.pool("open_migration", domain_uuid=domain)
     mid = record["migration_id"]
     assert record["cluster"]["nodes"].keys() == {"n1", "n2"}
