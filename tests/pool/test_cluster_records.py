@@ -113,9 +113,10 @@ def test_an_abort_releases_every_nodes_part_in_one_transaction(cluster):
     assert aborted == ledger.read(DOMAIN, "m1")
     assert aborted.state is S.ABORTED and aborted.abort_reason == "the migration failed (by hostA)"
     assert states(store) == {"record": "aborted", "n1": "aborted", "n2": "aborted"}
-    # one transaction: every key of the record carries the same revision
+    # one transaction: every key of the record carries the same revision, a later one
+    # (other writes, a node's load, may come between: only the sameness is the proof)
     revisions = {meta["mod_revision"] for _, _, meta in store.range(record_key(DOMAIN, "m1"))[0]}
-    assert revisions == {before + 1}
+    assert len(revisions) == 1 and revisions.pop() > before
     # no node may complete it now
     with pytest.raises(RecordState, match="aborted"):
         RecordLedger(store, "n1").advance(DOMAIN, "m1", "complete")
