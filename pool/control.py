@@ -239,6 +239,13 @@ class ControlServer:
                                            "nodes": [{"name": n.name, "instance": n.instance, "control": n.control}
                                                      for n in sorted(nodes.values(), key=lambda n: n.name)]}}
         if method == "open_migration":
+            domain, mid = args.get("domain_uuid"), args.get("migration_id")
+            if isinstance(domain, str) and isinstance(mid, str) and f"{domain}/{mid}" not in self.pool.records:
+                # another node's migration under that id goes elsewhere: nothing opens here
+                known = await loop.run_in_executor(None, ledger.read, domain, mid)
+                if known is not None and known.dest_host != caller:
+                    raise Conflict(reason=f"migration {mid} of domain {domain} goes to host "
+                                          f"{known.dest_host} (as etcd has it), not {caller}")
             body = self._call(host, admin, method, args)
             if not body["ok"]:
                 return body

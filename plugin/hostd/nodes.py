@@ -210,7 +210,10 @@ class PoolNodes:
                 answer = await (client.call_all if all_pages else client.call)(method, **args)
             except AccelmigError as exc:
                 if isinstance(exc, Unavailable):
-                    await self.refresh()
+                    try:
+                        await self.refresh()
+                    except AccelmigError as listing:       # the coordinator answered the call itself
+                        LOG.warning("%s: the pool's nodes could not be listed again: %s", method, listing)
                     if name not in self.nodes:
                         LOG.warning("%s: node %s left the pool: its sessions are lost with it", method, name)
                         continue

@@ -30,7 +30,7 @@ from accelmig.pool.cluster.records import RecordLedger  # noqa: E402
 from accelmig.pool.cluster.registry import NODES, live_nodes, node_key  # noqa: E402
 from accelmig.pool.cluster.store import ClusterStore  # noqa: E402
 from accelmig.wire.control import AsyncControlClient  # noqa: E402
-from accelmig.wire.errors import RecordState, SessionLost  # noqa: E402
+from accelmig.wire.errors import Conflict, RecordState, SessionLost  # noqa: E402
 from accelmig.wire.records import RecordStateName as S  # noqa: E402
 from tests.pool.test_cluster import PrefixWatch  # noqa: E402
 from tests.support.etcd import etcd_server  # noqa: E402,F401  (the fixture)
@@ -319,7 +319,15 @@ def test_a_node_catches_up_from_etcd_and_refuses_a_step_etcds_record_did_not_tak
             assert sorted(done["tickets"]) == on_n2
             # etcd's record aborted by another node alone (its lease ran out there): n2 refuses
             # to complete, and its own record follows to aborted
-            mid2 = (await b[1].pool("open_migration", domain_uuid=other))["migration_id"]
+            mid2 = (await b[0].coordinator.call("open_migration", domain_uuid=other))["migration_id"]
+            # another host cannot open that migration under the same id at a node that has
+            # not heard of it yet: etcd says where it goes
+            c = AsyncControlClient(nodes["n2"].control_endpoint, "hostA", SECRETS["hostA"].encode())
+            try:
+                with pytest.raises(Conflict, match="goes to host hostB"):
+                    await c.call("open_migration", domain_uuid=other, migration_id=mid2)
+            finally:
+                await c.close()
             await asyncio.to_thread(RecordLedger(store, "n1").advance, other, mid2, "abort",
                                     abort_reason="lease expired at n1")
             with pytest.raises(RecordState, match="aborted"):
