@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement", "etcd_tls"]
+BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement", "etcd_tls", "records"]
 
 
 def main(argv: list[str]) -> int:

@@ -84,7 +84,12 @@ class PoolEndpoints:
                "the default fabric routes point.",
         "example": "10.88.0.1:7070"})
     control: str = dataclasses.field(metadata={
-        "doc": "The pool's control plane, HOST:PORT, which hostd calls with this host's secret.",
+        "doc": "The pool's control plane, HOST:PORT, which hostd calls with this host's secret. "
+               "In a pool of several nodes (etcd) this node is hostd's coordinator: hostd asks "
+               "it for the live nodes (`list_nodes`) and calls each of them at the control "
+               "endpoint it advertises, with the same secret and TLS files (every node is "
+               "given the same hosts file; each node's certificate must name its own "
+               "address). Nothing else to configure.",
         "default": "the endpoint's host, port 7071", "example": "10.88.0.1:7071"})
     secret_file: str = dataclasses.field(default="/etc/accelmig/host.secret", metadata={
         "doc": "File holding this host's control-plane secret: the `secret` the pool's "

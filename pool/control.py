@@ -52,7 +52,7 @@ _NAME_ARGS = {"domain_uuid", "migration_id", "domain_name", "sid", "dest_host", 
               "cursor"}
 _FLAG_ARGS = {"postcopy", "open_only"}
 
-ADMIN_METHODS = {"list_sessions", "list_records", "record_sessions", "list_hosts", "list_devices", "metrics", "ping",
+ADMIN_METHODS = {"list_nodes", "list_sessions", "list_records", "record_sessions", "list_hosts", "list_devices", "metrics", "ping",
                  "abort", "park", "unpark", "register_intent", "wait_record"}
 
 
@@ -151,6 +151,13 @@ class ControlServer:
                     if not hmac.compare_digest(expected, str(header.get("mac", ""))):
                         raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")
                     host.last_seen = time.time()
+                if method in CLUSTERED and self.pool.record_ledger is not None:
+                    # etcd is written first, off the loop: other calls go on meanwhile
+                    step = asyncio.ensure_future(self._answer_clustered(
+                        writer, host, admin, challenge, call_id, method, args))
+                    waits.add(step)
+                    step.add_done_callback(waits.discard)
+                    continue
                 if method in wc.WAITING_METHODS:
                     if len(waits) >= MAX_WAITS:
                         error = BadRequest(reason=f"{method}: {len(waits)} waits already pending on this "
@@ -202,6 +209,133 @@ class ControlServer:
             body = {"ok": False, "error": exc.to_wire()}
         if not writer.is_closing():
             self._answer(writer, host, challenge, call_id, body)
+
+    # -- a pool of several nodes: records follow etcd's ---------------------------------
+    async def _answer_clustered(self, writer, host, admin, challenge, call_id, method, args) -> None:
+        try:
+            body = await self._clustered(host, admin, method, args)
+        except AccelmigError as exc:
+            body = {"ok": False, "error": exc.to_wire()}
+        except Exception as exc:
+            LOG.exception("control plane: %s failed", method)
+            body = {"ok": False, "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()}
+        if not writer.is_closing():
+            self._answer(writer, host, challenge, call_id, body)
+
+    async def _clustered(self, host, admin: bool, method: str, args: dict) -> dict:
+        """A record's step in a pool of several nodes: authorised here as
+        ever, taken in etcd first (one transaction moving the record and
+        every node's part), then by this node's own record, which first
+        follows whatever etcd's took meanwhile.  A step etcd's record cannot
+        take (another node aborted it) is refused here too: no node is ever
+        ahead of etcd."""
+        ledger, loop = self.pool.record_ledger, asyncio.get_running_loop()
+        self._check_caller(host, admin, method)
+        caller = host.name if host is not None else wc.ADMIN_HOST
+        if method == "list_nodes":
+            from accelmig.pool.cluster.registry import live_nodes
+            nodes = await loop.run_in_executor(None, live_nodes, ledger.store)
+            return {"ok": True, "result": {"cluster": True, "node": ledger.node, "instance": self.pool.instance,
+                                           "nodes": [{"name": n.name, "instance": n.instance, "control": n.control}
+                                                     for n in sorted(nodes.values(), key=lambda n: n.name)]}}
+        if method == "open_migration":
+            domain, mid = args.get("domain_uuid"), args.get("migration_id")
+            if isinstance(domain, str) and isinstance(mid, str) and f"{domain}/{mid}" not in self.pool.records:
+                # another node's migration under that id goes elsewhere: nothing opens here
+                known = await loop.run_in_executor(None, ledger.read, domain, mid)
+                if known is not None and known.dest_host != caller:
+                    raise Conflict(reason=f"migration {mid} of domain {domain} goes to host "
+                                          f"{known.dest_host} (as etcd has it), not {caller}")
+            body = self._call(host, admin, method, args)
+            if not body["ok"]:
+                return body
+            record = self.pool.records[f"{body['result']['domain_uuid']}/{body['result']['migration_id']}"]
+            try:
+                stored = await loop.run_in_executor(None, ledger.open, record)
+            except AccelmigError as exc:
+                # a record the other nodes cannot follow must not go on here
+                self.pool.abort_record(record, f"not opened in etcd: {exc}")
+                raise
+            self.pool.follow_record(record, stored)
+            return {"ok": True, "result": dict(record.describe(), cluster=_cluster_view(stored))}
+        try:
+            check_args(method, getattr(self, f"do_{method}"), args)
+            inspect.signature(getattr(self, f"do_{method}")).bind(caller, **args)
+        except TypeError as exc:
+            raise BadRequest(reason=f"{method}: {exc}") from None
+        try:
+            record, steps = self._plan(caller, method, args)
+        except NoSuchRecord:
+            # a record this node never opened (the open did not reach it): etcd's, if it has it
+            domain, mid = args.get("domain_uuid"), args.get("migration_id")
+            if mid is not None and f"{domain}/{mid}" in self.pool.records:
+                raise
+            stored = await loop.run_in_executor(
+                None, (lambda: ledger.read(domain, mid)) if mid is not None else (lambda: ledger.latest_open(domain)))
+            if stored is None or f"{stored.domain_uuid}/{stored.migration_id}" in self.pool.records:
+                raise
+            self.pool.adopt_record(stored)
+            record, steps = self._plan(caller, method, args)
+        stored = None
+        for event, changes in steps:
+            try:
+                stored = await loop.run_in_executor(None, lambda: self._advance(record, event, changes))
+            except RecordState:
+                stored = await loop.run_in_executor(None, ledger.read, record.domain_uuid, record.migration_id)
+                if stored is not None:
+                    self.pool.follow_record(record, stored)
+                raise
+            self.pool.follow_record(record, stored)
+        body = self._call(host, admin, method, args)
+        if body["ok"] and stored is not None and isinstance(body["result"], dict):
+            body["result"]["cluster"] = _cluster_view(stored)
+        return body
+
+    def _advance(self, record, event: str, changes: dict):
+        """Blocking: ``event`` on etcd's record; one this node still has
+        but etcd lost (its lease of a day ran out, a store wiped) is put
+        back first."""
+        ledger = self.pool.record_ledger
+        try:
+            return ledger.advance(record.domain_uuid, record.migration_id, event, **changes)
+        except NoSuchRecord:
+            LOG.warning("record %s is not in etcd: putting it back", record.key)
+            ledger.open(record)
+            return ledger.advance(record.domain_uuid, record.migration_id, event, **changes)
+
+    def _plan(self, caller, method: str, args: dict):
+        """The record a step acts on and the events etcd's record takes for
+        it, after the same checks as the method's own (it checks again when
+        it runs: etcd is written in between)."""
+        find, domain, mid = self.pool.find_record, args.get("domain_uuid"), args.get("migration_id")
+        if method == "switchover":
+            postcopy = args.get("postcopy", False)
+            states = set(ABORTABLE) | ({RecordStateName.COMMITTED, RecordStateName.COMPLETED} if postcopy else set())
+            record = find(domain, mid, states=states)
+            self._require_source(record, caller, "switch over")
+            steps = [("switchover", {"source_host": record.source_host or caller})] \
+                if record.state in ABORTABLE else []
+            return record, steps + ([("commit", {"postcopy": True})] if postcopy else [])
+        if method == "commit":
+            record = find(domain, mid, dest=caller, states=IN_FLIGHT)
+            self._require_dest(record, caller, "commit")
+            return record, [("commit", {})]
+        if method == "complete":
+            if args.get("cursor") is not None:
+                return find(domain, mid), []          # a next page: no step
+            record = find(domain, mid, dest=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
+            self._require_dest(record, caller, "complete")
+            return record, [("complete", {})]
+        if method == "close":
+            record = find(domain, mid, source=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
+            self._require_source(record, caller, "close")
+            return record, [("close", {})]
+        # abort
+        record = find(domain, mid, states=ABORTABLE if mid is None else None)
+        if caller != wc.ADMIN_HOST and caller not in (self._source_of(record), record.dest_host):
+            raise Forbidden(who=f"host {caller}", what=f"abort {record.key}: it takes no part in it")
+        reason = args.get("reason", "aborted by a host")
+        return record, [("abort", {"abort_reason": f"{reason} (by {caller})"[:256]})]
 
     def _check_caller(self, host, admin: bool, method) -> None:
         if method not in wc.METHODS:
@@ -676,8 +810,23 @@ class ControlServer:
         """The node's devices with what is in use (at most MAX_DEVICES of them)."""
         return {"instance": self.pool.instance, "devices": self.pool.devices.describe()}
 
+    def do_list_nodes(self, caller):
+        """A node alone (no etcd): no cluster; hostd talks to this node only.
+        (A node of a cluster answers from etcd: ``_clustered``.)"""
+        return {"cluster": False, "node": None, "instance": self.pool.instance, "nodes": []}
+
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}
+
+
+#: what a node of a cluster takes through etcd first (``_clustered``)
+CLUSTERED = frozenset({"open_migration", "switchover", "commit", "complete", "close", "abort", "list_nodes"})
+
+
+def _cluster_view(stored) -> dict:
+    """What a step's answer says of etcd's record: its state, the nodes
+    that take part and those lost (their sessions are gone with them)."""
+    return {"state": stored.state.value, "nodes": dict(stored.nodes), "lost": list(stored.lost)}
 
 
 def check_args(method: str, handler, args: dict) -> None:

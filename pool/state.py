@@ -82,6 +82,7 @@ class Pool:
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
         self.quota_ledger = None    # pool.cluster.quotas.QuotaLedger: likewise (every Tenant holds it)
+        self.record_ledger = None   # pool.cluster.records.RecordLedger: likewise (records follow etcd's)
         self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
@@ -119,6 +120,9 @@ class Pool:
             if record.final or now < record.lease_expiry:
                 continue
             if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
+                if self.record_ledger is not None:
+                    self._expire_in_cluster(record, now)
+                    continue
                 self._abort_record(record, now, "lease expired: no host renewed it")
             elif record.state is RecordStateName.COMMITTED:
                 LOG.warning("record %s: lease expired after commit: completing", record.key)
@@ -550,6 +554,103 @@ class Pool:
         self.metrics.migrations.labels("aborted").inc()
         LOG.warning("record %s aborted: %s", record.key, reason,
                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        if self.record_ledger is not None:
+            self._abort_in_etcd(record, reason)
+
+    def _expire_in_cluster(self, record: MigrationRecord, now: float) -> None:
+        """No host renewed this node's record: abort it in etcd first (off
+        the loop), then here.  Where etcd's has gone on meanwhile (another
+        node completed it: its hosts renewed there) this node follows
+        instead and keeps its record until the host's next call."""
+        ledger, loop = self.record_ledger, self.loop
+        record.lease_expiry = now + record.lease_ttl      # one attempt at a time, not one per sweep
+        if loop is None or loop.is_closed():
+            return
+
+        def expire():
+            try:
+                return ledger.advance(record.domain_uuid, record.migration_id, "abort",
+                                      abort_reason="lease expired: no host renewed it")
+            except AccelmigError as exc:
+                try:
+                    return ledger.read(record.domain_uuid, record.migration_id)
+                except AccelmigError:
+                    LOG.warning("record %s: lease expired, etcd unreachable (%s): aborting here",
+                                record.key, exc)
+                    return None
+
+        def settle(future) -> None:
+            stored = future.result()
+            if stored is None:
+                self._abort_record(record, time.time(), "lease expired: no host renewed it")
+            else:
+                self.follow_record(record, stored)
+        loop.run_in_executor(None, expire).add_done_callback(lambda f: self.post(lambda: settle(f)))
+
+    def _abort_in_etcd(self, record: MigrationRecord, reason: str) -> None:
+        """An abort this node decided alone (its lease ran out, a newer
+        migration superseded it) releases every node's part too; off the
+        loop.  Where etcd already has it (the usual case: a host's abort is
+        written there first) it is a repeat that writes nothing."""
+        ledger, loop = self.record_ledger, self.loop
+        if loop is None or loop.is_closed():
+            return
+
+        def write():
+            try:
+                ledger.advance(record.domain_uuid, record.migration_id, "abort", abort_reason=reason[:256])
+            except AccelmigError as exc:
+                LOG.warning("record %s: the abort is not in etcd: %s", record.key, exc,
+                            extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        loop.run_in_executor(None, write)
+
+    def adopt_record(self, stored) -> MigrationRecord:
+        """A record etcd holds (``stored``) that this node never opened (the
+        destination's open did not reach it): this node's own, from etcd's
+        parties, then following etcd's state."""
+        now = time.time()
+        self._record_serial += 1
+        record = MigrationRecord(stored.domain_uuid, stored.migration_id, stored.source_host, stored.dest_host,
+                                 stored.policy, self.config.lease_ttl, now, postcopy=stored.postcopy,
+                                 serial=self._record_serial)
+        record.on_change = self.record_changed
+        self.records[record.key] = record
+        self._open[record.key] = record
+        self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), now)
+        LOG.info("record %s taken from etcd: %s -> %s, %s there", record.key, record.source_host,
+                 record.dest_host, stored.state.value,
+                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
+        self.follow_record(record, stored)
+        self.record_changed(record)
+        return record
+
+    def follow_record(self, record: MigrationRecord, stored) -> None:
+        """This node's ``record`` takes the steps etcd's (``stored``: a
+        ``pool.cluster.records.StoredRecord``) has taken: another node took
+        them, or this one was unreachable then.  Completing is never
+        followed: it mints this node's tickets, only when the destination
+        asks this node."""
+        now = time.time()
+        S = RecordStateName
+        if stored.state is S.ABORTED:
+            if record.state in (S.OPEN, S.SWITCHED_OVER):
+                self._abort_record(record, now, f"aborted in etcd: {stored.abort_reason or 'no reason given'}")
+            elif not record.final:        # (etcd is written first: only a node's lone decision gets here)
+                LOG.error("record %s is %s here but aborted in etcd (%s): its sessions keep their tickets",
+                          record.key, record.state.value, stored.abort_reason,
+                          extra={"domain": record.domain_uuid, "migration": record.migration_id})
+            return
+        if record.source_host is None and stored.source_host is not None:
+            record.source_host = stored.source_host
+        if record.state is S.OPEN and stored.state is not S.OPEN:
+            self.switchover_record(record, record.source_host, now)
+        if stored.state is S.COMMITTED or stored.postcopy:
+            if record.state in (S.OPEN, S.SWITCHED_OVER):
+                record.postcopy = True
+                record.commit(now)
+        if stored.source_stopped or stored.state is S.CLOSED:
+            if not record.final:
+                record.close(now)
 
     def abort_record(self, record: MigrationRecord, reason: str, now: float | None = None) -> None:
         self._abort_record(record, time.time() if now is None else now, reason)

@@ -71,6 +71,8 @@ METHODS = {
     "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}
     "ping": "any",
+    # a pool of several nodes (etcd): the live nodes, for hostd to reach each one
+    "list_nodes": "any",          # -> cluster (bool), node (this one's name), nodes [{name, instance, control}]
 }
 
 

@@ -386,7 +386,18 @@ class Session:
                             "already": True}
                 ticket = None
             try:
-                return self._resume(target, ticket)
+                try:
+                    return self._resume(target, ticket)
+                except Unavailable as exc:
+                    # a pool of several nodes: the node asked (the host's) says which node
+                    # holds the session; once, to a node endpoint it names (checked, TLS as ever)
+                    home = _lives_at(exc)
+                    if home is None or home == target:
+                        raise
+                    LOG.info("session %s lives on node %s at %s: resuming there", self.sid,
+                             exc.details.get("node"), home)
+                    target = home
+                    return self._resume(target, ticket)
             except AccelmigError as exc:
                 if exc.retriable or isinstance(exc, Unavailable):
                     # Keep trying in the background where we were told to go:
@@ -558,3 +569,15 @@ class Session:
                     "last_seen": self.window.last_seen, "next_seq": self.window.next_seq,
                     "pending": len(self.window.pending), "window_bytes": self.window.bytes,
                     **self.stats}
+
+
+def _lives_at(exc: Unavailable) -> str | None:
+    """The endpoint of the node a pool says holds the session, if it says one."""
+    endpoint = exc.details.get("lives_at") if isinstance(exc.details, dict) else None
+    if not isinstance(endpoint, str) or len(endpoint) > 300:
+        return None
+    try:
+        dp.parse_endpoint(endpoint)
+    except AccelmigError:
+        return None
+    return endpoint

@@ -36,6 +36,7 @@ from accelmig.plugin.hostd.events import DomainEvent, EventKind
 from accelmig.plugin.hostd.libvirt import LibvirtSession
 from accelmig.plugin.hostd.metrics import HostMetrics
 from accelmig.plugin.hostd.migration import MigrationSteps
+from accelmig.plugin.hostd.nodes import PoolNodes
 from accelmig.plugin.hostd.reconcile import Reconciler
 from accelmig.plugin.hostd.watch import TRIGGERS, DomainWatch, Phase, Step, Trigger, WatchTable
 from accelmig.wire.backoff import FailureLog
@@ -60,6 +61,9 @@ class HostDaemon:
         self.rehome_timeout = rehome_timeout
         self.pool = AsyncControlClient(config.pool.control, config.host_id, config.read_secret(),
                                        tls=config.control_tls())
+        # in a pool of several nodes, a client per node beside this one (the coordinator)
+        self.nodes = PoolNodes(self.pool, lambda endpoint: AsyncControlClient(
+            endpoint, self.host, self.pool.secret, tls=self.pool.tls))
         self._tls_files = None if config.pool.insecure else _tls_fingerprint(config)
         if config.pool.insecure:
             LOG.warning("INSECURE: plain TCP to the pool's control plane at %s ([pool] insecure = true "
@@ -167,9 +171,13 @@ class HostDaemon:
                                       hook_timeout=fresh.hostd.hook_timeout))
         if secret != self.pool.secret:
             self.pool.rekey(secret)
+            for client in self.nodes.clients():
+                client.rekey(secret)
             applied.append(f"a new control-plane secret from {fresh.pool.secret_file}")
         if tls_context is not None and not self.config.pool.insecure:
             self.pool.tls = tls_context          # the next connection presents and checks these
+            for client in self.nodes.clients():
+                client.tls = tls_context
             self._tls_files = tls_files
             applied.append("new TLS files (ca_file, cert_file, key_file) for the next connection to the pool")
         summary = "; ".join(filter(None, [
@@ -188,6 +196,7 @@ class HostDaemon:
             await watch.delivery.close(watch)
         await self.libvirt.stop()
         await self.api.server.close()
+        await self.nodes.close()
         await self.pool.close()
         self._guest_exec.shutdown(wait=False, cancel_futures=True)
         LOG.info("hostd stopped")
@@ -205,11 +214,11 @@ class HostDaemon:
             LOG.error("task %s failed: %r", task.get_name(), task.exception(), exc_info=task.exception())
 
     async def pool_call(self, method: str, **args):
-        return await self._pool(self.pool.call, method, args)
+        return await self._pool(self.nodes.call, method, args)
 
     async def pool_call_all(self, method: str, **args):
         """A paged method with all its pages (``wire.control.PAGED``)."""
-        return await self._pool(self.pool.call_all, method, args)
+        return await self._pool(self.nodes.call_all, method, args)
 
     async def _pool(self, call, method: str, args: dict):
         """One call to the pool, counted; its outcome says whether the pool is reachable."""
@@ -288,11 +297,15 @@ class HostDaemon:
                 if identity.host_address:
                     addresses.append(f"{identity.host_address}/{32 if ':' not in identity.host_address else 128}")
                 await self.pool_call("ping")
-                if registered_for != self.pool.instance:
+                await self._follow_nodes()
+                # every node attributes this host's guests' connections: registered at each,
+                # again when one restarted or joined
+                wanted = (self.pool.instance, self.nodes.instances())
+                if registered_for != wanted:
                     await self.pool_call("register_host", addresses=[str(a) for a in addresses],
                                          identity=identity.to_wire())
-                    registered_for = self.pool.instance
-                    LOG.info("registered at pool %s: %s", registered_for, ", ".join(map(str, addresses)))
+                    registered_for = wanted
+                    LOG.info("registered at pool %s: %s", registered_for[0], ", ".join(map(str, addresses)))
                 self.registration.ok()
             except AccelmigError as exc:
                 self.registration.failed(exc)
@@ -303,6 +316,14 @@ class HostDaemon:
             except asyncio.TimeoutError:
                 pass
             changed.clear()
+
+    async def _follow_nodes(self) -> None:
+        """Which nodes the pool has (one, unless it is a cluster): off every migration's path."""
+        try:
+            await self.nodes.refresh()
+        except AccelmigError as exc:
+            LOG.warning("the pool's nodes could not be listed (keeping %s): %s",
+                        ", ".join(sorted(self.nodes.nodes)) or "the coordinator alone", exc)
 
     # -- libvirt events ----------------------------------------------------------------
     #: events queued for one domain before the oldest are dropped (and the

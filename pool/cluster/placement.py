@@ -92,7 +92,7 @@ class Placement:
             if node.instance == instance:
                 raise Unavailable(what=f"session {sid}", reason=(
                     f"it lives on node {node.name} at {node.data}, not on node {self.me.name}: "
-                    f"resume there"))
+                    f"resume there"), details={"lives_at": node.data, "node": node.name})
         LOG.info("resume of %s refused: no live node is instance %s", sid, instance)
         raise SessionLost(f"session {sid} is lost: no live node of the pool is instance {instance}, "
                           f"which held it (that node died or restarted): its device state is gone",

@@ -350,6 +350,34 @@ class ClusterStore:
                 out.append(decoded)
         return out, revision
 
+    def read_together(self, ranges: list[tuple[str, bool]], *, limit: int = MAX_RANGE_KEYS) -> tuple[list, int]:
+        """Several reads at one revision in one round trip (a transaction
+        of ranges): ``ranges`` of (key, is_prefix); ([kvs of each], revision)."""
+        ops = [{"request_range": {"key": _b64(key), "limit": limit + 1,
+                                  **({"range_end": _b64(prefix_end(key))} if prefix else {})}}
+               for key, prefix in ranges]
+        ok, answer = self.txn([], ops)
+        responses = answer.get("responses") or []
+        if not ok or not isinstance(responses, list) or len(responses) != len(ranges):
+            raise Unavailable(what="etcd", reason="a read of several ranges answered no ranges")
+        out = []
+        for (key, _), response in zip(ranges, responses):
+            found = response.get("response_range") if isinstance(response, dict) else None
+            kvs = (found or {}).get("kvs") or [] if isinstance(found, dict) else None
+            if not isinstance(kvs, list) or len(kvs) > limit or (found or {}).get("more"):
+                raise Unavailable(what="etcd", reason=f"range {key[:120]}: not a list of at most {limit} keys")
+            out.append([decoded for decoded in map(_decode_kv, kvs) if decoded is not None])
+        return out, _revision(answer)
+
+    def get(self, key: str) -> tuple[dict, dict] | None:
+        """One key: (value, meta), or None when it is absent (or does not decode)."""
+        answer = self._post("/kv/range", {"key": _b64(key)})
+        kvs = answer.get("kvs") or []
+        if not isinstance(kvs, list) or len(kvs) > 1:
+            raise Unavailable(what="etcd", reason=f"get {key[:120]}: not one key")
+        decoded = _decode_kv(kvs[0]) if kvs else None
+        return None if decoded is None else decoded[1:]
+
     def delete(self, key: str) -> None:
         self._post("/kv/deleterange", {"key": _b64(key)})
 

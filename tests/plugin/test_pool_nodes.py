@@ -1,0 +1,91 @@
+"""``PoolNodes`` alone (hostd's routing to a pool's nodes): what the
+coordinator lists is input, checked and bounded; a session's calls go to
+the node whose instance made it.  The coordinator and the nodes here are
+recording stand-ins of the control client (a unit test of one class);
+the real routing against two real pool nodes on etcd is
+``tests/continuity/test_cluster_migration.py``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from accelmig.plugin.hostd.nodes import MAX_NODES, PoolNodes
+from accelmig.wire.errors import ProtocolError, UnknownOp
+
+
+class Client:
+    """Answers ``list_nodes`` with ``listing``; records every other call."""
+
+    def __init__(self, endpoint: str, listing=None):
+        self.endpoint, self.listing, self.calls, self.closed = endpoint, listing, [], False
+
+    async def call(self, method, **args):
+        if method == "list_nodes":
+            if isinstance(self.listing, Exception):
+                raise self.listing
+            return self.listing
+        self.calls.append((method, args))
+        return {"migration_id": "m-1"} if method == "open_migration" else {"ok": self.endpoint}
+
+    async def close(self):
+        self.closed = True
+
+
+def routing(listing):
+    made = {}
+
+    def make(endpoint):
+        made[endpoint] = Client(endpoint)
+        return made[endpoint]
+    return PoolNodes(Client("10.0.0.1:7071", listing), make), made
+
+
+def node(name, instance, control):
+    return {"name": name, "instance": instance, "control": control}
+
+
+def test_a_pool_from_before_clusters_or_a_single_node_is_one_node():
+    for listing in (UnknownOp(op="list_nodes"), {"cluster": False, "nodes": []}, "garbage"):
+        nodes, made = routing(listing)
+        assert asyncio.run(nodes.refresh()) is False and not nodes.clustered
+        asyncio.run(nodes.call("bind_session", sid="s-abcd1234-1-000000", domain_uuid="d"))
+        assert nodes.coordinator.calls == [("bind_session", {"sid": "s-abcd1234-1-000000", "domain_uuid": "d"})]
+        assert made == {}
+
+
+def test_what_the_coordinator_lists_is_checked_and_bounded():
+    nodes, made = routing({"cluster": True, "node": "n1", "nodes": [
+        node("n1", "aaaa0001", "10.0.0.1:7071"),          # the coordinator itself: not twice
+        node("n2", "bbbb0002", "10.0.0.2:7071"),
+        node("../etc", "cccc0003", "10.0.0.3:7071"),      # not a name
+        node("n4", "NOT-HEX", "10.0.0.4:7071"),
+        node("n5", "dddd0005", "no port here"),
+        node("n6", "eeee0006", None),                     # no control plane: nothing to call
+        "not an object"]})
+    assert asyncio.run(nodes.refresh()) is True
+    assert nodes.nodes == {"n2": ("bbbb0002", "10.0.0.2:7071")}
+    too_many = [node(f"n{i}", f"{i:08x}", f"10.0.1.{i % 250}:7071") for i in range(MAX_NODES + 1)]
+    nodes, _ = routing({"cluster": True, "node": "n1", "nodes": too_many})
+    with pytest.raises(ProtocolError, match="at most"):
+        asyncio.run(nodes.refresh())
+
+
+def test_a_sessions_calls_go_to_the_node_that_made_it_and_steps_to_every_node():
+    nodes, made = routing({"cluster": True, "node": "n1", "nodes": [
+        node("n1", "aaaa0001", "10.0.0.1:7071"), node("n2", "bbbb0002", "10.0.0.2:7071")]})
+
+    async def scenario():
+        await nodes.refresh()
+        await nodes.call("bind_session", sid="s-bbbb0002-7-abcdef", domain_uuid="d")
+        await nodes.call("unbind_session", sid="s-aaaa0001-3-abcdef")
+        await nodes.call("bind_session", sid="s-99999999-1-abcdef", domain_uuid="d")   # no such node: the coordinator
+        await nodes.call("open_migration", domain_uuid="d")
+        await nodes.call("note_timeline", domain_uuid="d", migration_id="m-1", steps={})
+    asyncio.run(scenario())
+    n2 = made["10.0.0.2:7071"]
+    assert n2.calls == [("bind_session", {"sid": "s-bbbb0002-7-abcdef", "domain_uuid": "d"}),
+                        ("open_migration", {"domain_uuid": "d", "migration_id": "m-1"})]   # the coordinator's id
+    assert [m for m, _ in nodes.coordinator.calls] == ["unbind_session", "bind_session", "open_migration",
+                                                       "note_timeline"]
