@@ -15,8 +15,9 @@ Progress goes to stdout as JSON lines: first ``{"opened": true, "sid": ...,
 "device": ..., "endpoint": ..., "instance": ...}`` (where the pool placed the
 session), then ``{"step": 40, "residual": ...}`` (with ``--digest``, also the
 iterate's ``sha256`` at that step, comparable bit for bit with another run's
-at the same step); the last line is ``{"done": true, "sha256": ..., "steps":
-...}``, or ``{"done": false, "error": {"code": ...}}``.
+at the same step, and the session's ``sid``); the last line is ``{"done":
+true, "sha256": ..., "steps": ...}``, or ``{"done": false, "error": {"code":
+...}}`` (with the ``sid`` when a session was open).
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, paus
         residual = solver.measure()
         line = {"step": solver.step, "residual": residual, "t": round(time.monotonic() - started, 3)}
         if digest:
-            line["sha256"] = solver.digest()
+            # the sid too: a migrated guest's console is in several files, whose
+            # order says nothing about which run a line belongs to
+            line.update(sha256=solver.digest(), sid=device.sid)
         if out is not None:
             emit(out, prefix, line)
         if on_step is not None:
@@ -182,13 +185,15 @@ def main(argv=None) -> int:
         endpoint = endpoint_from_agent()
         if endpoint is None:
             time.sleep(0.2)
+    device = None
     try:
         with connect(endpoint, args.token, timeout=args.timeout, cafile=args.cafile,
                      insecure=args.insecure, device=args.device) as device:
             run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix,
                 digest=args.digest)
     except AccelmigError as exc:
-        emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire()})
+        emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire(),
+                                       **({"sid": device.sid} if device is not None else {})})
         print(f"accelmig-demoapp: {exc}", file=sys.stderr)
         return 1
     return 0

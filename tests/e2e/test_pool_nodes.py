@@ -94,24 +94,41 @@ def diagnosis(accel) -> str:
 
 
 def runs(accel, prefix: str) -> list[dict]:
-    """The application's runs, oldest first: each its ``opened`` line (or
-    None: it failed before opening), its step lines, its end (or None)."""
+    """The sessions of ``prefix``'s application, in the order they opened:
+    each its ``opened`` line, its step lines by step, its end (None while
+    it runs); an open refused before any session (``sid`` None) is a run
+    of its own with only an end.  Lines are told apart by their ``sid``,
+    not by their order: a migrated guest's console is split over both
+    hosts' log files, and a file a guest comes back to starts again."""
+    by_sid: dict = {}
     out: list[dict] = []
     for line in accel.demo_lines(VM, prefix):
+        sid = line.get("sid")
+        if sid is None:
+            if line.get("done") is False:
+                out.append({"sid": None, "opened": None, "steps": {}, "end": line})
+            continue
+        run = by_sid.get(sid)
+        if run is None:
+            run = by_sid[sid] = {"sid": sid, "opened": None, "steps": {}, "end": None}
+            out.append(run)
         if line.get("opened"):
-            out.append({"opened": line, "steps": [], "end": None})
-        elif "step" in line and out and out[-1]["end"] is None:
-            out[-1]["steps"].append(line)
+            run["opened"] = line
+        elif "step" in line:
+            run["steps"][line["step"]] = line
         elif "done" in line:
-            if not out or out[-1]["end"] is not None:
-                out.append({"opened": None, "steps": [], "end": line})
-            else:
-                out[-1]["end"] = line
+            run["end"] = line
     return out
 
 
-def current(accel, prefix: str) -> dict:
-    return runs(accel, prefix)[-1]
+def current(accel, prefix: str) -> dict | None:
+    """The session the application computes on now (opened, not ended)."""
+    return next((r for r in reversed(runs(accel, prefix)) if r["opened"] and r["end"] is None), None)
+
+
+def computing(accel, prefix: str, what: str) -> dict:
+    return wait_for(lambda: (lambda r: r if r and r["steps"] else None)(current(accel, prefix)), 120, what,
+                    interval=0.2, explain=lambda: diagnosis(accel))
 
 
 def wait_run(accel, prefix: str, predicate, what: str, timeout: float = 120.0) -> dict:
@@ -121,32 +138,35 @@ def wait_run(accel, prefix: str, predicate, what: str, timeout: float = 120.0) -
 
 
 def wait_progress(accel, prefix: str, sid: str, beyond: int, what: str, timeout: float = 120.0) -> int:
-    """Until the run of session ``sid`` reports a step past ``beyond``; that step."""
+    """Until session ``sid`` of ``prefix``'s application reports a step past
+    ``beyond``; that step.  Its end meanwhile fails at once."""
     def step():
-        run = next((r for r in runs(accel, prefix) if r["opened"] and r["opened"]["sid"] == sid), None)
+        run = next((r for r in runs(accel, prefix) if r["sid"] == sid), None)
         if run is not None and run["end"] is not None:
             raise AssertionError(f"{prefix}'s session {sid} ended while {what}: {run['end']}\n{diagnosis(accel)}")
-        last = run["steps"][-1]["step"] if run and run["steps"] else 0
+        last = last_step(run) if run else 0
         return last if last > beyond else None
     return wait_for(step, timeout, what, interval=0.2, explain=lambda: diagnosis(accel))
 
 
 def last_step(run: dict) -> int:
-    return run["steps"][-1]["step"] if run["steps"] else 0
+    return max(run["steps"], default=0)
 
 
 def session(accel, node: str, sid: str) -> dict | None:
     return next((s for s in accel.sessions(node=node) if s["sid"] == sid), None)
 
 
-def check_bit_identical(accel, prefix: str, run: dict) -> int:
-    """Every digest the run printed equals the reference's at that step (the
-    same solver, never moved, on the same device: placed by the pool after
-    whatever the test did to it); returns how many were compared."""
-    steps = [line for line in run["steps"] if "sha256" in line]
-    assert steps, f"{prefix}'s run printed no digest: {run}"
+def check_bit_identical(accel, prefix: str, run: dict, opened: dict | None = None) -> int:
+    """Every digest session ``run`` printed equals the reference's at that
+    step (the same solver, never moved, on the same device: placed by the
+    pool after whatever the test did to it); returns how many were
+    compared.  ``opened``: its opened line, if its console file is gone."""
+    opened = opened or run["opened"]
+    steps = [run["steps"][n] for n in sorted(run["steps"])]
+    assert steps, f"{prefix}'s session printed no digest: {run}"
     reference = accel.reference(steps=steps[-1]["step"], size=128, device=SELECTOR[prefix], report=REPORT)
-    assert reference["opened"]["device"] == run["opened"]["device"], (reference["opened"], run["opened"])
+    assert reference["opened"]["device"] == opened["device"], (reference["opened"], opened)
     differing = [(line["step"], line["sha256"], reference["digests"].get(line["step"])) for line in steps
                  if reference["digests"].get(line["step"]) != line["sha256"]]
     assert differing == [], f"{prefix}: iterates that differ from a run that never moved: {differing[:5]}"
@@ -157,8 +177,8 @@ def check_bit_identical(accel, prefix: str, run: dict) -> int:
 
 def test_a_killed_node_loses_its_sessions_clearly_the_other_goes_on_through_an_etcd_restart(accel, vm):
     lab = accel.lab
-    app1 = wait_run(accel, "NODE1", lambda r: r["opened"] and r["steps"], "app 1 opened and computing")
-    app2 = wait_run(accel, "NODE2", lambda r: r["opened"] and r["steps"], "app 2 opened and computing")
+    app1 = computing(accel, "NODE1", "app 1 opened and computing")
+    app2 = computing(accel, "NODE2", "app 2 opened and computing")
     # each placed where its selector says, both opened at the first node (what the guest was told)
     first, second = lab.pool_node_ready("pool"), lab.pool_node_ready("pool2")
     assert app1["opened"]["endpoint"] == lab.pool_endpoint("pool"), app1["opened"]
@@ -179,24 +199,22 @@ def test_a_killed_node_loses_its_sessions_clearly_the_other_goes_on_through_an_e
         watch.wait(lambda e: e["type"] == "DELETE" and e["key"] == NODES_PREFIX + "pool2",
                    timeout=TTL * 5, what="etcd deleting pool2's key (its lease ran out)")
     assert dead["instance"] == second["instance"]
-    ended = wait_run(accel, "NODE2", lambda r: r["opened"] and r["opened"]["sid"] == lost_sid and r["end"],
-                     "app 2's end after its node died")
+    ended = wait_run(accel, "NODE2", lambda r: r["sid"] == lost_sid and r["end"], "app 2's end after its node died")
     error = ended["end"].get("error") or {}
     assert ended["end"]["done"] is False and error.get("code") == "SESSION_LOST", ended["end"]
     assert f"no live node of the pool is instance {dead['instance']}" in error.get("message", ""), error
     # the other node's application goes on, and nothing of the lost session appears elsewhere
-    step = wait_progress(accel, "NODE1", app1["opened"]["sid"], last_step(current(accel, "NODE1")),
+    step = wait_progress(accel, "NODE1", app1["sid"], last_step(current(accel, "NODE1")),
                          "app 1 computing after pool2 died")
     assert lost_sid not in {s["sid"] for s in accel.sessions(node="pool")}
     # app 2 started again: its device is nowhere now, which the pool says
-    refused = wait_run(accel, "NODE2", lambda r: r["opened"] is None and r["end"],
-                       "app 2's new open while pool2 is gone")
+    refused = wait_run(accel, "NODE2", lambda r: r["sid"] is None and r["end"], "app 2's new open while pool2 is gone")
     assert refused["end"]["error"]["code"] == "NO_SUCH_DEVICE", refused["end"]
 
     # 2. etcd restarted (SIGTERM, started on the same data): no node lost, app 1 goes on
     lab.restart_etcd()
     assert {n: v["instance"] for n, v in lab.etcd_nodes().items()} == {"pool": first["instance"]}
-    step = wait_progress(accel, "NODE1", app1["opened"]["sid"], step, "app 1 computing after etcd restarted")
+    step = wait_progress(accel, "NODE1", app1["sid"], step, "app 1 computing after etcd restarted")
 
     # 3. pool2 back under the same name: a new instance, never the old one
     with lab.etcd_watch(NODES_PREFIX) as watch:
@@ -214,7 +232,7 @@ def test_a_killed_node_loses_its_sessions_clearly_the_other_goes_on_through_an_e
                         and r["steps"], "app 2 placed on pool2's new instance and computing")
     assert reopened["opened"]["endpoint"] == lab.pool_endpoint("pool2")
     assert reopened["opened"]["device"] == devices["pool2"]["id"]      # the same device id: it is the same device
-    wait_progress(accel, "NODE1", app1["opened"]["sid"], step, "app 1 computing after pool2 came back")
+    wait_progress(accel, "NODE1", app1["sid"], step, "app 1 computing after pool2 came back")
 
     # 4. bit for bit: app 1 through all of it, app 2's first and second sessions
     assert check_bit_identical(accel, "NODE1", current(accel, "NODE1")) > 0
@@ -227,11 +245,10 @@ def test_a_vm_with_sessions_on_two_nodes_migrates_a_b_a_bit_identical_nothing_re
     session at its own node.  (On a main where hostd talks only to its
     configured node, ``pool2``'s session is not rehomed: this test says so.)"""
     lab = accel.lab
-    app1 = wait_run(accel, "NODE1", lambda r: r["opened"] and r["steps"] and r["end"] is None,
-                    "app 1 computing")
-    app2 = wait_for(lambda: (lambda r: r if r["opened"] and r["steps"] and r["end"] is None else None)(
-        current(accel, "NODE2")), 120, "app 2 computing", interval=0.2, explain=lambda: diagnosis(accel))
-    held = {"pool": app1["opened"]["sid"], "pool2": app2["opened"]["sid"]}
+    app1 = computing(accel, "NODE1", "app 1 computing")
+    app2 = computing(accel, "NODE2", "app 2 computing")
+    held = {"pool": app1["sid"], "pool2": app2["sid"]}
+    assert app2["opened"]["endpoint"] == lab.pool_endpoint("pool2"), app2["opened"]
     before = {node: session(accel, node, sid) for node, sid in held.items()}
     assert all(before.values()), before
     assert {node: s["bound_host"] for node, s in before.items()} == {"pool": "hostA", "pool2": "hostA"}, before
@@ -257,5 +274,8 @@ def test_a_vm_with_sessions_on_two_nodes_migrates_a_b_a_bit_identical_nothing_re
             (was["bytes_uploaded"], was["source_bytes"], was["builds"]), (node, was, now)
         assert now["resumes"] - was["resumes"] == 2 and after[node]["epoch"] - before[node]["epoch"] == 2, \
             (node, before[node], after[node])
-    for prefix in ("NODE1", "NODE2"):
-        check_bit_identical(accel, prefix, current(accel, prefix))
+    # bit for bit, every digest still on the consoles (the file of a host the
+    # guest came back to starts again: the opened lines are the ones seen before)
+    for prefix, app in (("NODE1", app1), ("NODE2", app2)):
+        run = next(r for r in runs(accel, prefix) if r["sid"] == app["sid"])
+        assert check_bit_identical(accel, prefix, run, opened=app["opened"]) > 0
