@@ -485,9 +485,6 @@ class Lab:
                                  for h in self.HOSTS))
         return tokens, hosts
 
-    def _start_pool(self):
-        self.start_pool_node("pool")
-
     def start_pool_node(self, node: str = "pool") -> dict:
         """Start pool node ``node`` (``pool``, or ``pool2`` in a pool of two
         nodes) in its namespace and wait for its ready line; returns that
