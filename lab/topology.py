@@ -44,12 +44,16 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
 **A pool of two nodes** (``Topology(prefix, pool_nodes=2)``, off by default)
 adds two namespaces; everything above stays as it is::
 
-        pool (10.88.0.1) ---- to-etcd 10.88.8.2/24 --.
-                                                      cl0 10.88.8.1/24  etcd  (the cluster network:
-        pool2 (10.88.0.2) --- to-etcd 10.88.8.3/24 --'                        a bridge in <prefix>-etcd)
-          to-hostA 10.88.4.1/30  ---  to-pool2 10.88.4.2/30  hostA   route 10.88.0.2/32 via 10.88.4.1
-          to-hostB 10.88.5.1/30  ---  to-pool2 10.88.5.2/30  hostB   route 10.88.0.2/32 via 10.88.5.1
-          routes: 10.89.1.0/24, 10.90.0.0/24 via 10.88.4.2; 10.89.2.0/24 via 10.88.5.2
+                      etcd  (cl0 10.88.8.1/24: a bridge, ports to-pool and to-pool2)
+                     /     \\
+     to-etcd 10.88.8.2/24   to-etcd 10.88.8.3/24          (the cluster network)
+                   /         \\
+     pool (10.88.0.1)         pool2 (10.88.0.2/32 on lo)
+     (its host links:          to-hostA 10.88.4.1/30 ---- to-pool2 10.88.4.2/30 in hostA
+      as above)                to-hostB 10.88.5.1/30 ---- to-pool2 10.88.5.2/30 in hostB
+
+     pool2's routes: 10.89.1.0/24, 10.90.0.0/24 via 10.88.4.2; 10.89.2.0/24 via 10.88.5.2
+     hostA: 10.88.0.2/32 via 10.88.4.1        hostB: 10.88.0.2/32 via 10.88.5.1
 
 - ``pool2`` is a second pool node with its own service address on its own
   ``lo`` and its own links to both hosts, so each host (hostd, and its guests
