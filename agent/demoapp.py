@@ -122,9 +122,6 @@ def emit(out, prefix: str, record: dict) -> None:
 
 def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, pause: float = 0.0,
         on_step=None, prefix: str = "", digest: bool = False) -> dict:
-    if out is not None:
-        emit(out, prefix, {"opened": True, "sid": device.sid, "device": device.device_id,
-                           "endpoint": device.endpoint, "instance": device.pool_instance})
     solver = JacobiSolver(device, n)
     started = time.monotonic()
     while solver.step < steps:
@@ -189,8 +186,11 @@ def main(argv=None) -> int:
     try:
         with connect(endpoint, args.token, timeout=args.timeout, cafile=args.cafile,
                      insecure=args.insecure, device=args.device) as device:
-            run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix,
-                digest=args.digest)
+            # where the pool placed the session (a pool of several nodes may have redirected it)
+            emit(sys.stdout, args.prefix, {"opened": True, "sid": device.sid, "device": device.device_id,
+                                           "endpoint": device.endpoint, "instance": device.pool_instance})
+            run(device, args.steps, args.size, args.report, out=sys.stdout, pause=args.pause,
+                prefix=args.prefix, digest=args.digest)
     except AccelmigError as exc:
         emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire(),
                                        **({"sid": device.sid} if device is not None else {})})
