@@ -241,14 +241,22 @@ def test_a_killed_node_loses_its_sessions_clearly_the_other_goes_on_through_an_e
 
 
 def test_a_vm_with_sessions_on_two_nodes_migrates_a_b_a_bit_identical_nothing_resent(accel, vm):
-    """What the issue asks of migrations across nodes: hostd rehomes each
-    session at its own node.  (On a main where hostd talks only to its
-    configured node, ``pool2``'s session is not rehomed: this test says so.)"""
+    """What the issue asks of migrations across nodes: hostd attests each
+    session to the VM at its own node, and rehomes each there.  (On a main
+    where hostd talks only to its configured node, ``pool2``'s session is
+    never attested: this test says so.)"""
     lab = accel.lab
     app1 = computing(accel, "NODE1", "app 1 computing")
     app2 = computing(accel, "NODE2", "app 2 computing")
     held = {"pool": app1["sid"], "pool2": app2["sid"]}
     assert app2["opened"]["endpoint"] == lab.pool_endpoint("pool2"), app2["opened"]
+    # hostA's hostd has attested each session to the VM at its own node: only
+    # then is it the domain's, to be frozen and given a ticket by a migration
+    uuid = lab.connect("hostA").lookupByName(VM).UUIDString()
+    for node, sid in held.items():
+        wait_for(lambda: (session(accel, node, sid) or {}).get("domain_uuid") == uuid, 30,
+                 f"hostA's hostd attesting {node}'s session {sid} to {VM}", interval=0.2,
+                 explain=lambda: diagnosis(accel) + f"\n{node}: {session(accel, node, sid)}")
     before = {node: session(accel, node, sid) for node, sid in held.items()}
     assert all(before.values()), before
     assert {node: s["bound_host"] for node, s in before.items()} == {"pool": "hostA", "pool2": "hostA"}, before
