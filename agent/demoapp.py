@@ -11,8 +11,13 @@ Standard library only (it runs inside bare guest images)::
 
     python3 -m accelmig.agent.demoapp --endpoint 10.88.0.1:7070 --token T --steps 400
 
-Progress goes to stdout as JSON lines: ``{"step": 40, "residual": ...}``;
-the last line is ``{"done": true, "sha256": ..., "steps": ...}``.
+Progress goes to stdout as JSON lines: first ``{"opened": true, "sid": ...,
+"device": ..., "endpoint": ..., "instance": ...}`` (where the pool placed the
+session), then ``{"step": 40, "residual": ...}`` (with ``--digest``, also the
+iterate's ``sha256`` at that step, comparable bit for bit with another run's
+at the same step, and the session's ``sid``); the last line is ``{"done":
+true, "sha256": ..., "steps": ...}``, or ``{"done": false, "error": {"code":
+...}}`` (with the ``sid`` when a session was open).
 """
 
 from __future__ import annotations
@@ -116,13 +121,17 @@ def emit(out, prefix: str, record: dict) -> None:
 
 
 def run(device, steps: int, n: int = 256, report: int = 20, out=sys.stdout, pause: float = 0.0,
-        on_step=None, prefix: str = "") -> dict:
+        on_step=None, prefix: str = "", digest: bool = False) -> dict:
     solver = JacobiSolver(device, n)
     started = time.monotonic()
     while solver.step < steps:
         solver.advance(min(report, steps - solver.step))
         residual = solver.measure()
         line = {"step": solver.step, "residual": residual, "t": round(time.monotonic() - started, 3)}
+        if digest:
+            # the sid too: a migrated guest's console is in several files, whose
+            # order says nothing about which run a line belongs to
+            line.update(sha256=solver.digest(), sid=device.sid)
         if out is not None:
             emit(out, prefix, line)
         if on_step is not None:
@@ -150,6 +159,11 @@ def main(argv=None) -> int:
                         help="how long a call may wait (covers a migration's blackout)")
     parser.add_argument("--prefix", default="", help="put this before every output line "
                         "(to find them on a shared console)")
+    parser.add_argument("--device", metavar="SELECTOR", help="which device the session needs: a device id "
+                        "or key=value terms (id, type, vendor, name, min_memory), e.g. 'name=basic'; "
+                        "in a pool of several nodes it decides the node too (default: the pool's choice)")
+    parser.add_argument("--digest", action="store_true", help="add the iterate's SHA-256 to every "
+                        "progress line (one more read of the iterate per report)")
     parser.add_argument("--wait-endpoint", type=float, default=0.0, metavar="SECONDS",
                         help="without --endpoint, wait this long for the host to tell the guest "
                              "agent where the pool is (a guest that just booted)")
@@ -168,12 +182,18 @@ def main(argv=None) -> int:
         endpoint = endpoint_from_agent()
         if endpoint is None:
             time.sleep(0.2)
+    device = None
     try:
         with connect(endpoint, args.token, timeout=args.timeout, cafile=args.cafile,
-                     insecure=args.insecure) as device:
-            run(device, args.steps, args.size, args.report, pause=args.pause, prefix=args.prefix)
+                     insecure=args.insecure, device=args.device) as device:
+            # where the pool placed the session (a pool of several nodes may have redirected it)
+            emit(sys.stdout, args.prefix, {"opened": True, "sid": device.sid, "device": device.device_id,
+                                           "endpoint": device.endpoint, "instance": device.pool_instance})
+            run(device, args.steps, args.size, args.report, out=sys.stdout, pause=args.pause,
+                prefix=args.prefix, digest=args.digest)
     except AccelmigError as exc:
-        emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire()})
+        emit(sys.stdout, args.prefix, {"done": False, "error": exc.to_wire(),
+                                       **({"sid": device.sid} if device is not None else {})})
         print(f"accelmig-demoapp: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -41,16 +41,19 @@ def venv_bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
-def demo_command(token: str, steps: int, size: int, report: int, pause: float) -> str:
+def demo_command(token: str, steps: int, size: int, report: int, pause: float, *, prefix: str = "DEMO",
+                 extra: str = "") -> str:
     """The demo solver inside the guest: it learns the pool's endpoint from
-    the agent (the host told it), prints progress lines on the console."""
+    the agent (the host told it), prints progress lines on the console,
+    each after ``prefix`` and a space (``AccelLab.demo_lines(name, prefix)``);
+    ``extra``: more demoapp flags (``--device name=basic --digest``)."""
     # No TLS flag here, so one cached image serves both modes: the guest's
     # environment says how to reach the pool, from the domain's kernel command
     # line (Lab.guest_tls_word): ACCELMIG_CAFILE, the lab's CA written at boot
     # (TLS), or ACCELMIG_INSECURE=1 for a lab run --insecure.
     return (f"python3 -m accelmig.agent.demoapp --token {token} --steps {steps} --size {size} "
             f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 "
-            f"--prefix 'DEMO '")
+            f"--prefix '{prefix} '" + (f" {extra}" if extra else ""))
 
 
 class AccelLab:
@@ -129,7 +132,7 @@ mode = "bridge"
 bridge = "{BRIDGE}"
 guest_subnet = "{plan.guest_subnet}"
 gateway = "{plan.gateway}"
-routes = ["{POOL_ADDRESS}/32"]
+routes = [{", ".join(f'"{a}/32"' for a in self.lab.topology.pool_addresses())}]
 [hostd]
 socket = "{self.hostd_socket(host)}"
 state_dir = "{hdir / 'state'}"
@@ -209,15 +212,17 @@ libvirt_uri = "qemu:///system"
     def token(self) -> str:
         return self.lab.tenants[TENANT][0]
 
-    def admin(self) -> ControlClient:
-        return ControlClient("unix:" + str(Path(self.lab.state["pool"]["dir"]) / "pool.sock"), "admin", None)
+    def admin(self, node: str = "pool") -> ControlClient:
+        """Pool node ``node``'s admin socket (``pool2``: the second node of a
+        pool of two)."""
+        return ControlClient("unix:" + str(self.lab.pool_admin_socket(node)), "admin", None)
 
-    def sessions(self, domain_uuid: str | None = None) -> list[dict]:
-        with self.admin() as admin:
+    def sessions(self, domain_uuid: str | None = None, node: str = "pool") -> list[dict]:
+        with self.admin(node) as admin:
             return admin.call_all("list_sessions", domain_uuid=domain_uuid)["sessions"]
 
-    def records(self, domain_uuid: str | None = None) -> list[dict]:
-        with self.admin() as admin:
+    def records(self, domain_uuid: str | None = None, node: str = "pool") -> list[dict]:
+        with self.admin(node) as admin:
             return admin.call_all("list_records", domain_uuid=domain_uuid)["records"]
 
     COUNTED = ("builds", "bytes_uploaded", "source_bytes")
@@ -259,22 +264,26 @@ libvirt_uri = "qemu:///system"
                 lines.append((stamp, path.read_text(errors="replace").splitlines()))
         return [line for _, chunk in sorted(lines) for line in chunk]
 
-    def demo_lines(self, name: str) -> list[dict]:
-        """The demo's JSON records on the console. A record is decoded up to
-        its own end: another writer on the shared console (an older guest
-        image's two-write print, the kernel) may have appended to its line."""
+    def demo_lines(self, name: str, prefix: str = "DEMO") -> list[dict]:
+        """The demo's JSON records on the console (those of the application
+        whose ``--prefix`` is ``prefix`` followed by a space). A record is
+        decoded up to its own end: another writer on the shared console (an
+        older guest image's two-write print, the kernel) may have appended
+        to its line."""
         decoder = json.JSONDecoder()
+        marker = f"{prefix} {{"
         out = []
         for line in self.console(name):
-            if "DEMO {" in line:
+            if marker in line:
                 with contextlib.suppress(ValueError):
-                    out.append(decoder.raw_decode(line, line.index("DEMO {") + 5)[0])
+                    out.append(decoder.raw_decode(line, line.index(marker) + len(marker) - 1)[0])
         return out
 
-    def wait_demo(self, name: str, predicate, timeout: float = 180.0, what: str = "demo progress"):
+    def wait_demo(self, name: str, predicate, timeout: float = 180.0, what: str = "demo progress",
+                  prefix: str = "DEMO"):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            lines = self.demo_lines(name)
+            lines = self.demo_lines(name, prefix)
             value = predicate(lines)
             if value:
                 return value
@@ -284,16 +293,28 @@ libvirt_uri = "qemu:///system"
     def demo_done(self, name: str, timeout: float = 300.0) -> dict:
         return self.wait_demo(name, lambda ls: next((l for l in ls if "done" in l), None), timeout, "demo end")
 
-    def reference(self, steps: int = DEMO_STEPS, size: int = DEMO_SIZE) -> dict:
-        """The same solver, never migrated: run from hostA's namespace."""
+    def reference(self, steps: int = DEMO_STEPS, size: int = DEMO_SIZE, *, device: str | None = None,
+                  report: int | None = None) -> dict:
+        """The same solver, never migrated: run from hostA's namespace, opened
+        at the pool's first node (placed by the pool, like any open).
+        ``device``: its device selector; ``report``: print the iterate's
+        SHA-256 every ``report`` steps (``digests``: step -> SHA-256, to
+        compare with an application's own ``--digest`` lines)."""
         argv = [sys.executable, "-m", "accelmig.agent.demoapp", "--endpoint", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
-                "--token", self.token, "--steps", str(steps), "--size", str(size), "--report", str(steps),
+                "--token", self.token, "--steps", str(steps), "--size", str(size),
+                "--report", str(report or steps), *(["--digest"] if report else []),
+                *(["--device", device] if device else []),
                 *(["--cafile", self.lab.pool_ca] if self.lab.tls else ["--insecure"])]
         out = subprocess.run(netns.exec_argv(self.lab.ns_of("hostA"), argv), capture_output=True, text=True,
                              timeout=300)
         if out.returncode != 0:
             raise RuntimeError(f"reference run failed: {out.stderr[-2000:]}")
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+        result = lines[-1]
+        if report:
+            result["digests"] = {line["step"]: line["sha256"] for line in lines if "step" in line}
+            result["opened"] = next((line for line in lines if line.get("opened")), None)
+        return result
 
     # -- migrations -----------------------------------------------------------------------
     def virsh(self, host: str, *args, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -380,6 +401,11 @@ libvirt_uri = "qemu:///system"
                  f"TENANT_GATEWAY={env['tenant']['gateway']}"]
         if a["ssh_uri"]:
             lines += [f"HOSTA_SSH_URI={a['ssh_uri']}", f"HOSTB_SSH_URI={b['ssh_uri']}"]
+        if "nodes" in env["pool"]:          # a pool of two nodes (accelmig lab up --pool-nodes 2)
+            pool2 = env["pool"]["nodes"]["pool2"]
+            lines += [f"POOL2_DATA={pool2['data']}", f"POOL2_CONTROL={pool2['control']}",
+                      f"POOL2_ADMIN_SOCKET={pool2['admin_socket']}", f"POOL2_NETNS={pool2['netns']}",
+                      f"ETCD_URL={env['pool']['etcd']['url']}", f"ETCD_NETNS={env['pool']['etcd']['netns']}"]
         if env["pool"]["tls"]:
             lines.append(f"ACCELMIG_CAFILE={env['pool']['ca']}")
         if domain:

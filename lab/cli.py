@@ -31,9 +31,10 @@ def _need_root():
         sys.exit(2)
 
 
-def _lab(name: str, insecure: bool | None = None):
+def _lab(name: str, insecure: bool | None = None, pool_nodes: int | None = None, cluster_ttl: float | None = None):
     from accelmig.lab.accel import AccelLab
-    return AccelLab(name, insecure=insecure)
+    extra = {"cluster_ttl": cluster_ttl} if cluster_ttl is not None else {}
+    return AccelLab(name, insecure=insecure, pool_nodes=pool_nodes, **extra)
 
 
 insecure_option = click.option(
@@ -73,10 +74,21 @@ def lab():
 @name_option
 @click.option("--lenient", is_flag=True, help="The hooks let migrations through when hostd is down.")
 @insecure_option
-def up(name, lenient, insecure):
+@click.option("--pool-nodes", type=click.IntRange(1, 2), default=None,
+              help="2: a pool of two nodes on etcd: a second node (netns pool2, 10.88.0.2, PoCL's 'basic' "
+                   "device; the first serves 'pthread') and etcd in a namespace of its own (netns etcd, "
+                   "10.88.8.1 on the nodes' cluster network). Both nodes share the tokens, hosts and the "
+                   "pool certificate; guests reach both. [default: 1, or what the running lab has]")
+@click.option("--cluster-ttl", type=click.FloatRange(min=1.0), default=None, metavar="SECONDS",
+              help="With --pool-nodes 2: the nodes' etcd lease; a killed node leaves the pool this long "
+                   "after its last renewal. [default 3]")
+def up(name, lenient, insecure, pool_nodes, cluster_ttl):
     """Bring the lab up (idempotent) and print how to reach it."""
     _need_root()
-    accel = _lab(name, insecure)
+    if cluster_ttl is not None and pool_nodes != 2:
+        click.echo("accelmig lab: --cluster-ttl is for a pool of two nodes (--pool-nodes 2)", err=True)
+        sys.exit(2)
+    accel = _lab(name, insecure, pool_nodes, cluster_ttl)
     started = time.monotonic()
     click.echo(f"bringing lab {name} up ...", err=True)
     try:

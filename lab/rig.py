@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -42,8 +43,8 @@ from . import certs, netns
 from .guest import ResponderChannel, channel_source
 from .image import DEFAULT_CACHE, GuestImage
 from .libvirtd import LibvirtNode, proc_starttime, same_process, stop_process
-from .topology import (BRIDGE, POOL_ADDRESS, TENANT_BRIDGE, TENANT_GATEWAY, TENANT_GATEWAY_HOST, TENANT_SUBNET,
-                       Topology)
+from .topology import (BRIDGE, ETCD_ADDRESS, ETCD_CLIENT_PORT, ETCD_PEER_PORT, POOL_ADDRESS, TENANT_BRIDGE,
+                       TENANT_GATEWAY, TENANT_GATEWAY_HOST, TENANT_SUBNET, Topology)
 
 LOG = logging.getLogger("accelmig.lab.rig")
 
@@ -59,6 +60,14 @@ INSECURE_ENV = "ACCELMIG_LAB_INSECURE"
 #: from the kernel command line's ``accelmig.pool_ca=`` (base64 DER) and
 #: exports ``ACCELMIG_CAFILE`` to every guest service and application.
 GUEST_CA_PATH = "/run/accelmig/pool-ca.crt"
+#: A pool of two nodes: which PoCL device each node serves (``POCL_DEVICES``
+#: of its process): two different devices, so a device selector decides
+#: the node a session lands on.
+NODE_POCL_DEVICES = {"pool": "pthread", "pool2": "basic"}
+#: The nodes' etcd lease in the lab (``--cluster-ttl``): short, so a killed
+#: node leaves the pool within seconds (the pool's default is 10 s).
+DEFAULT_CLUSTER_TTL = 3.0
+ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 
 
 def env_insecure() -> bool:
@@ -153,9 +162,15 @@ class Lab:
     def __init__(self, name: str = "lab", *, base_dir: Path | str = DEFAULT_BASE,
                  cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
                  pool: bool = False, tenants: dict | None = None, pool_args: list | None = None,
-                 insecure: bool | None = None):
+                 insecure: bool | None = None, pool_nodes: int | None = None,
+                 cluster_ttl: float = DEFAULT_CLUSTER_TTL):
         self.name = name
-        self.topology = Topology(name)
+        # pool_nodes=2: a second pool node (pool2) and etcd, each in a namespace
+        # of its own (lab/topology.py); None: what a running lab's state file
+        # says, else 1
+        self._pool_nodes_wanted = pool_nodes
+        self.topology = Topology(name, pool_nodes or 1)
+        self.cluster_ttl = cluster_ttl
         self.dir = Path(base_dir) / name
         self.state_file = self.dir / "state.json"
         self.cache = Path(cache)
@@ -199,6 +214,10 @@ class Lab:
             LOG.warning("unreadable state file %s (%s): down() will sweep by name", self.state_file, exc)
             self.state = {}
             return
+        if self.state.get("pool_nodes", 1) != self.topology.pool_nodes:
+            self.topology = Topology(self.name, self.state["pool_nodes"])
+        if self.state.get("cluster_ttl"):
+            self.cluster_ttl = self.state["cluster_ttl"]
         for host, node_state in self.state.get("nodes", {}).items():
             self.nodes[host] = self._node(host, node_state)
         if self.state.get("virt_type"):
@@ -235,9 +254,23 @@ class Lab:
                 and len(self.nodes) == len(self.HOSTS)
                 and set(self.topology.exists()) == set(self.topology.namespaces))
 
-    def pool_running(self) -> bool:
-        info = self.state.get("processes", {}).get("pool") or {}
+    def pool_running(self, node: str = "pool") -> bool:
+        return self.process_running(node)
+
+    def process_running(self, key: str) -> bool:
+        """Whether the process recorded under ``key`` (``pool``, ``pool2``,
+        ``etcd``, ...) still runs: the same PID *and* start time."""
+        info = self.state.get("processes", {}).get(key) or {}
         return same_process(info.get("pid"), info.get("starttime"))
+
+    @property
+    def pool_nodes(self) -> list[str]:
+        """The pool's nodes: ``["pool"]``, or ``["pool", "pool2"]`` with etcd."""
+        return list(self.topology.pool_plans)
+
+    @property
+    def cluster(self) -> bool:
+        return self.topology.pool_nodes > 1
 
     def up(self) -> "Lab":
         """Build the topology, start both daemons (and the pool if asked).
@@ -249,10 +282,21 @@ class Lab:
             if self._insecure_setting is not None and self._insecure_setting != running_insecure:
                 raise RuntimeError(f"lab {self.name} is up with {'plain TCP' if running_insecure else 'TLS'}: "
                                    f"take it down first (accelmig lab down --name {self.name})")
-            if self.want_pool and not self.pool_running():
-                LOG.warning("lab %s: its pool is not running: starting it again", self.name)
-                self._start_pool()
-            else:
+            if self._pool_nodes_wanted is not None and self.state.get("pool_nodes", 1) != self._pool_nodes_wanted:
+                raise RuntimeError(f"lab {self.name} is up with {self.state.get('pool_nodes', 1)} pool node(s), "
+                                   f"not {self._pool_nodes_wanted}: take it down first "
+                                   f"(accelmig lab down --name {self.name})")
+            restarted = False
+            if self.want_pool and self.cluster and not self.process_running("etcd"):
+                LOG.warning("lab %s: its etcd is not running: starting it again", self.name)
+                self.start_etcd()
+                restarted = True
+            for node in self.pool_nodes if self.want_pool else ():
+                if not self.pool_running(node):
+                    LOG.warning("lab %s: its pool node %s is not running: starting it again", self.name, node)
+                    self.start_pool_node(node)
+                    restarted = True
+            if not restarted:
                 LOG.info("lab %s is already up", self.name)
             return self
         if self.state_file.exists() or self.topology.exists():
@@ -263,7 +307,8 @@ class Lab:
                       "created": time.time(), "namespaces": self.topology.namespaces,
                       "netns_dir_before": self._note_netns_dir(), "dirs": [str(self.dir)],
                       "mounts": [], "processes": {}, "nodes": {}, "virt_type": self.virt_type,
-                      "insecure": self.insecure}
+                      "insecure": self.insecure, "pool_nodes": self.topology.pool_nodes,
+                      "cluster_ttl": self.cluster_ttl}
         self._write_state()           # before anything exists
         try:
             self.topology.up()
@@ -271,7 +316,10 @@ class Lab:
             self._start_daemons()
             self._start_ssh()
             if self.want_pool:
-                self._start_pool()
+                if self.cluster:
+                    self.start_etcd()
+                for node in self.pool_nodes:
+                    self.start_pool_node(node)
         except BaseException:
             LOG.error("lab %s failed to come up: tearing down", self.name)
             with contextlib.suppress(Exception):
@@ -344,24 +392,30 @@ class Lab:
     # ------------------------------------------------------------ processes in namespaces
 
     def ns_of(self, node: str) -> str:
-        """The network namespace of ``pool``, ``hostA`` or ``hostB``."""
-        return self.topology.pool_ns if node == "pool" else self.topology.host_ns[node]
+        """The network namespace of ``pool``, ``hostA`` or ``hostB`` (and of
+        ``pool2`` and ``etcd`` in a pool of two nodes)."""
+        if node == "etcd" and self.topology.etcd_ns:
+            return self.topology.etcd_ns
+        if node in self.topology.node_ns:
+            return self.topology.node_ns[node]
+        return self.topology.host_ns[node]
 
     def spawn(self, key: str, node: str, argv: list[str], *, log: Path | None = None,
-              stdout=None) -> subprocess.Popen:
+              stdout=None, env: dict | None = None) -> subprocess.Popen:
         """Run ``argv`` inside a lab node's network namespace, recorded in the
-        state file (``down()`` stops it)."""
-        self._record_process(key, None, netns=self.ns_of(node), argv=argv)
+        state file (``down()`` stops it); ``env``: variables added to ours."""
+        self._record_process(key, None, netns=self.ns_of(node), argv=argv, env=env or {})
         out = open(log, "ab") if log else subprocess.DEVNULL
         try:
             proc = subprocess.Popen(netns.exec_argv(self.ns_of(node), argv),
                                     stdin=subprocess.DEVNULL, stdout=stdout if stdout is not None else out,
-                                    stderr=out, start_new_session=True)
+                                    stderr=out, start_new_session=True,
+                                    env={**os.environ, **env} if env else None)
         finally:
             if log:
                 out.close()
         self._popens[key] = proc
-        self._record_process(key, proc.pid, netns=self.ns_of(node), argv=argv)
+        self._record_process(key, proc.pid, netns=self.ns_of(node), argv=argv, env=env or {})
         return proc
 
     def stop_spawned(self, key: str, timeout: float = 5.0):
@@ -405,12 +459,14 @@ class Lab:
         self._record_process(key, proc.pid, argv=argv)
         return proc
 
-    def _pool_dir(self) -> Path:
-        return self.dir / "pool"
+    def _pool_dir(self, node: str = "pool") -> Path:
+        """A pool node's directory: its admin socket, stdout, log.  The
+        tenants and hosts files are the first node's (``pool/``): every
+        node of the pool reads the same two files."""
+        return self.dir / node
 
-    def _start_pool(self):
-        t0 = time.monotonic()
-        pdir = self._pool_dir()
+    def _write_pool_files(self) -> tuple[Path, Path]:
+        pdir = self._pool_dir("pool")
         pdir.mkdir(parents=True, exist_ok=True)
         tokens = pdir / "tokens.toml"
         hosts = pdir / "hosts.toml"
@@ -418,10 +474,30 @@ class Lab:
             h: secrets.token_hex(16) for h in self.HOSTS})
         tokens.write_text("".join(f'[tenants.{name}]\ntoken = "{token}"\nquota = "{quota}"\n\n'
                                   for name, (token, quota) in self.tenants.items()))
-        hosts.write_text("".join(
-            f'[hosts.{h}]\nsecret = "{secrets_by_host[h]}"\n'
-            f'addresses = ["{self.topology.host(h).guest_subnet}", "{self.topology.host(h).uplink_address}/32"]\n\n'
-            for h in self.HOSTS))
+
+        def addresses(h: str) -> str:
+            plan = self.topology.host(h)
+            # a host's own connections reach each node from its end of that node's link
+            ends = [plan.uplink_address, *(node.host_end(h) for name, node in self.topology.pool_plans.items()
+                                           if name != "pool")]
+            return ", ".join(f'"{a}"' for a in [plan.guest_subnet, *(f"{e}/32" for e in ends)])
+        hosts.write_text("".join(f'[hosts.{h}]\nsecret = "{secrets_by_host[h]}"\naddresses = [{addresses(h)}]\n\n'
+                                 for h in self.HOSTS))
+        return tokens, hosts
+
+    def start_pool_node(self, node: str = "pool") -> dict:
+        """Start pool node ``node`` (``pool``, or ``pool2`` in a pool of two
+        nodes) in its namespace and wait for its ready line; returns that
+        line (``instance``: new at every start).  In a pool of two nodes
+        each node joins etcd under the name ``node`` with its own PoCL
+        device (``NODE_POCL_DEVICES``); started again after a kill, it is
+        the same name and a new instance (its join waits out the old
+        instance's lease)."""
+        t0 = time.monotonic()
+        plan = self.topology.pool_plans[node]
+        pdir = self._pool_dir(node)
+        pdir.mkdir(parents=True, exist_ok=True)
+        tokens, hosts = self._write_pool_files()
         exe = Path(sys.executable).with_name("accelmig-pool")
         ready = pdir / "stdout"
         ready.write_bytes(b"")
@@ -433,29 +509,134 @@ class Lab:
         else:
             pki = self.pki()
             LOG.info("lab %s: TLS on both planes (pool certificate for %s, hosts' certificates "
-                     "required on the control plane; CA %s)", self.name, POOL_ADDRESS, pki["ca"])
+                     "required on the control plane; CA %s)", self.name,
+                     ", ".join(self.topology.pool_addresses()), pki["ca"])
             tls_args = ["--tls-cert", pki["pool"]["cert"], "--tls-key", pki["pool"]["key"],
                         "--tls-client-ca", pki["ca"]]
-        argv = [str(exe), "serve", "--listen", f"{POOL_ADDRESS}:{POOL_DATA_PORT}",
-                "--control-listen", f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}",
+        cluster_args, env = [], None
+        if self.cluster:
+            cluster_args = ["--cluster", self.etcd_url, "--node-name", node,
+                            "--cluster-advertise", f"{plan.address}:{POOL_DATA_PORT}",
+                            "--cluster-ttl", str(self.cluster_ttl)]
+            env = {"POCL_DEVICES": NODE_POCL_DEVICES[node]}
+        argv = [str(exe), "serve", "--listen", f"{plan.address}:{POOL_DATA_PORT}",
+                "--control-listen", f"{plan.address}:{POOL_CONTROL_PORT}",
                 "--tokens", str(tokens), "--hosts", str(hosts),
                 "--admin-socket", str(pdir / "pool.sock"), "--log-format", "text",
-                *tls_args, *self.pool_args]
+                *tls_args, *cluster_args, *self.pool_args]
         with open(ready, "ab") as out:
-            proc = self.spawn("pool", "pool", argv, log=pdir / "pool.log", stdout=out)
-        deadline = time.monotonic() + 60
+            proc = self.spawn(node, node, argv, log=pdir / "pool.log", stdout=out, env=env)
+        # a node that joins etcd waits out a dead instance's lease under its name first
+        deadline = time.monotonic() + 60 + (self.cluster_ttl if self.cluster else 0)
         while time.monotonic() < deadline:
             text = ready.read_text()
             if '"ready"' in text:
-                self.state["pool"] = {"ready": json.loads(text.splitlines()[0]), "dir": str(pdir)}
+                line = json.loads(text.splitlines()[0])
+                self.state[node] = {"ready": line, "dir": str(pdir)}
                 self._write_state()
-                self.timings["pool"] = time.monotonic() - t0
-                return
+                self.timings[node] = time.monotonic() - t0
+                LOG.info("lab %s: pool node %s ready (instance %s) on %s", self.name, node,
+                         line.get("instance"), plan.address)
+                return line
             if proc.poll() is not None:
-                raise RuntimeError(f"accelmig-pool exited with {proc.returncode}: "
+                raise RuntimeError(f"accelmig-pool ({node}) exited with {proc.returncode}: "
                                    f"{(pdir / 'pool.log').read_text()[-2000:]}")
             time.sleep(0.05)
-        raise TimeoutError("accelmig-pool did not report ready within 60 s")
+        raise TimeoutError(f"accelmig-pool ({node}) did not report ready within 60 s")
+
+    def kill_pool_node(self, node: str) -> dict:
+        """SIGKILL pool node ``node`` by its recorded PID (no clean stop: its
+        etcd lease is not revoked, it runs out), reaped before this returns.
+        Returns the ready line of the instance that died."""
+        info = self.state.get("processes", {}).get(node) or {}
+        if not same_process(info.get("pid"), info.get("starttime")):
+            raise RuntimeError(f"lab {self.name}: pool node {node} is not running")
+        stop_process(info["pid"], info["starttime"], sig=signal.SIGKILL, popen=self._popens.get(node))
+        self.state["processes"].pop(node, None)
+        self._popens.pop(node, None)
+        gone = self.state.pop(node, {}).get("ready", {})
+        self._write_state()
+        LOG.info("lab %s: pool node %s (pid %s, instance %s) killed", self.name, node, info["pid"],
+                 gone.get("instance"))
+        return gone
+
+    def pool_node_ready(self, node: str = "pool") -> dict:
+        """The ready line of the running instance of pool node ``node``."""
+        return self.state[node]["ready"]
+
+    def pool_admin_socket(self, node: str = "pool") -> Path:
+        return self._pool_dir(node) / "pool.sock"
+
+    def pool_endpoint(self, node: str = "pool", plane: str = "data") -> str:
+        port = POOL_DATA_PORT if plane == "data" else POOL_CONTROL_PORT
+        return f"{self.topology.pool_plans[node].address}:{port}"
+
+    # ------------------------------------------------------------ etcd (a pool of two nodes)
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return f"{ETCD_ADDRESS}:{ETCD_CLIENT_PORT}"
+
+    @property
+    def etcd_url(self) -> str:
+        """What the nodes' ``--cluster`` names: plain ``etcd://`` on the lab's
+        own cluster network, which only the two pool nodes' namespaces join
+        (a deployment uses ``etcds://``: docs/DESIGN.md)."""
+        return f"etcd://{self.etcd_endpoint}"
+
+    def _etcd_dir(self) -> Path:
+        return self.dir / "etcd"
+
+    def start_etcd(self, timeout: float = 30.0):
+        """etcd (Debian's etcd-server) in its own namespace, on the cluster
+        network, its data under the lab's directory (kept across
+        :meth:`restart_etcd`); waits for its "serving client traffic" line."""
+        if not os.access(ETCD, os.X_OK):
+            raise RuntimeError("a pool of two nodes needs etcd: apt-get install etcd-server")
+        t0 = time.monotonic()
+        edir = self._etcd_dir()
+        edir.mkdir(parents=True, exist_ok=True)
+        log = edir / "etcd.log"
+        offset = log.stat().st_size if log.exists() else 0
+        client = f"http://{ETCD_ADDRESS}:{ETCD_CLIENT_PORT}"
+        peer = f"http://{ETCD_ADDRESS}:{ETCD_PEER_PORT}"
+        argv = [ETCD, "--name", "lab", "--data-dir", str(edir / "data"),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"lab={peer}", "--logger", "zap", "--log-outputs", "stderr"]
+        proc = self.spawn("etcd", "etcd", argv, log=log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(log, "rb") as f:
+                f.seek(offset)
+                text = f.read().decode(errors="replace")
+            # 3.4 with zap says it serves; later versions also "ready to serve client requests"
+            if '"msg":"serving client traffic' in text or '"msg":"ready to serve client' in text:
+                self.timings["etcd"] = time.monotonic() - t0
+                LOG.info("lab %s: etcd serves %s", self.name, client)
+                return
+            if proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {proc.returncode}: {text[-2000:]}")
+            time.sleep(0.05)
+        raise TimeoutError(f"etcd did not serve within {timeout} s; see {log}")
+
+    def etcd_nodes(self) -> dict:
+        """The live pool nodes as etcd holds them (read from the first node's
+        namespace: etcd is on the lab's cluster network only)."""
+        from .etcdview import live_nodes
+        return live_nodes(self.ns_of("pool"), self.etcd_endpoint)
+
+    def etcd_watch(self, prefix: str):
+        """An ``EtcdWatch`` of ``prefix`` (lab/etcdview.py), in place when
+        this returns; close it (``with``)."""
+        from .etcdview import EtcdWatch
+        return EtcdWatch(self.ns_of("pool"), self.etcd_endpoint, prefix)
+
+    def restart_etcd(self):
+        """Stop etcd (SIGTERM by its PID) and start it again on the same data:
+        nothing it stored is lost; the nodes' leases live on in its data."""
+        self.stop_spawned("etcd", timeout=10)
+        self.start_etcd()
 
     # ------------------------------------------------------------ TLS
 
@@ -469,8 +650,10 @@ class Lab:
         t0 = time.monotonic()
         # 127.0.0.1 too: a test's relay on a host's own loopback stands in for
         # the pool there (tests/e2e/test_migration.py, the pool blip)
-        made = certs.make_pki(self.dir / "pki", pool_addresses=(POOL_ADDRESS, "127.0.0.1"), pool_dns=(),
-                              hosts=self.HOSTS)
+        # every pool node's address: the nodes share one certificate, and a
+        # driver redirected to pool2 checks that it names pool2's address
+        made = certs.make_pki(self.dir / "pki", pool_addresses=(*self.topology.pool_addresses(), "127.0.0.1"),
+                              pool_dns=(), hosts=self.HOSTS)
         self.state["pki"] = {
             "ca": str(made.ca), "pool": {"cert": str(made.pool.cert), "key": str(made.pool.key)},
             "hosts": {h: {"cert": str(i.cert), "key": str(i.key)} for h, i in made.hosts.items()}}
@@ -527,18 +710,23 @@ class Lab:
         self._conns.clear()
         if self.state_file.exists() and not self.state:
             self._load_state()
-        # 1. processes we recorded (pool, helpers), then the daemons (each
-        #    reaper ends the QEMUs its libvirtd left behind)
-        for key in list(self.state.get("processes", {})):
+        # 1. processes we recorded (pool nodes, helpers; etcd last, so that a
+        #    node stopping cleanly can still revoke its lease), then the
+        #    daemons (each reaper ends the QEMUs its libvirtd left behind)
+        for key in sorted(self.state.get("processes", {}), key=lambda k: k == "etcd"):
             info = self.state["processes"][key]
             stop_process(info.get("pid"), info.get("starttime"), timeout=5, popen=self._popens.get(key))
         for host, node in list(self.nodes.items()):
             node.stop()
         # 2. anything still inside the lab's namespaces (a crash between
-        #    spawning and recording a PID, a QEMU that outlived its reaper)
+        #    spawning and recording a PID, a QEMU that outlived its reaper);
+        #    a pool of two nodes' namespaces too, whatever the state file
+        #    said (an unreadable one, a lab of one node under the same name)
+        self.topology = Topology(self.name, pool_nodes=2)
         netns.stop_processes_inside(self.topology.exists())
         # 3. namespaces (links, bridges, addresses go with them)
         self.topology.down()
+        self.topology = Topology(self.name, self._pool_nodes_wanted or 1)
         self._restore_netns_dir()
         # 4. no mount of ours may be left in this namespace
         self._unmount_leftovers()
@@ -726,6 +914,19 @@ class Lab:
             pool.update(admin_socket=str(pdir / "pool.sock"), tokens=str(pdir / "tokens.toml"),
                         hosts_file=str(pdir / "hosts.toml"), log=str(pdir / "pool.log"),
                         tenants={n: t for n, (t, _q) in self.tenants.items()})
+        if self.cluster:
+            # a pool of two nodes: each node's own namespace, address, device, instance, files
+            pool["nodes"] = {
+                name: {"netns": self.ns_of(name), "address": plan.address,
+                       "data": self.pool_endpoint(name), "control": self.pool_endpoint(name, "control"),
+                       "pocl_devices": NODE_POCL_DEVICES[name], "running": self.pool_running(name),
+                       "instance": self.state.get(name, {}).get("ready", {}).get("instance"),
+                       "admin_socket": str(self.pool_admin_socket(name)),
+                       "log": str(self._pool_dir(name) / "pool.log")}
+                for name, plan in self.topology.pool_plans.items()}
+            pool["etcd"] = {"netns": self.topology.etcd_ns, "url": self.etcd_url,
+                            "running": self.process_running("etcd"), "ttl": self.cluster_ttl,
+                            "log": str(self._etcd_dir() / "etcd.log")}
         a, b = hosts["hostA"], hosts["hostB"]
         return {
             "name": self.name, "dir": str(self.dir), "state_file": str(self.state_file),

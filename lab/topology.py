@@ -41,6 +41,29 @@ namespace, joined by veth pairs (built with the toolkit :mod:`accelmig.lab.netns
   other namespace), never in the root namespace, so names cannot collide
   with anything outside the lab.
 
+**A pool of two nodes** (``Topology(prefix, pool_nodes=2)``, off by default)
+adds two namespaces; everything above stays as it is::
+
+                      etcd  (cl0 10.88.8.1/24: a bridge, ports to-pool and to-pool2)
+                     /     \\
+     to-etcd 10.88.8.2/24   to-etcd 10.88.8.3/24          (the cluster network)
+                   /         \\
+     pool (10.88.0.1)         pool2 (10.88.0.2/32 on lo)
+     (its host links:          to-hostA 10.88.4.1/30 ---- to-pool2 10.88.4.2/30 in hostA
+      as above)                to-hostB 10.88.5.1/30 ---- to-pool2 10.88.5.2/30 in hostB
+
+     pool2's routes: 10.89.1.0/24, 10.90.0.0/24 via 10.88.4.2; 10.89.2.0/24 via 10.88.5.2
+     hostA: 10.88.0.2/32 via 10.88.4.1        hostB: 10.88.0.2/32 via 10.88.5.1
+
+- ``pool2`` is a second pool node with its own service address on its own
+  ``lo`` and its own links to both hosts, so each host (hostd, and its guests
+  through ``fab0``/``ten0``) reaches either node directly and a node's death
+  or restart touches no other node's links.
+- ``etcd`` is a namespace of its own: etcd is neither node's process, so a
+  node killed, or etcd restarted, leaves the other where it was.  The pool
+  nodes reach it on the cluster network (``cl0``), which carries nothing
+  else; no host, no guest is on it (they never talk to etcd).
+
 Setup and teardown are idempotent: ``up()`` completes a half-built topology,
 ``down()`` removes whatever part of it exists, after killing any process
 still inside (a process holding a namespace would keep its links alive
@@ -60,6 +83,15 @@ LOG = logging.getLogger("accelmig.lab.topology")
 
 POOL_ADDRESS = "10.88.0.1"
 BRIDGE = "fab0"
+
+#: A pool of two nodes (``pool_nodes=2``): the second node's service address,
+#: the cluster network's bridge (in the etcd namespace) and etcd's address there.
+POOL2_ADDRESS = "10.88.0.2"
+CLUSTER_BRIDGE = "cl0"
+CLUSTER_SUBNET = "10.88.8.0/24"
+ETCD_ADDRESS = "10.88.8.1"
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
 
 #: The tenant network (a Neutron tenant network's stand-in): one L2 segment
 #: over both hosts, the same subnet everywhere, its gateway on hostA.
@@ -146,25 +178,72 @@ HOSTS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolNodePlan:
+    """One pool node's addressing (a pool of two nodes: ``pool`` and ``pool2``)."""
+
+    name: str                     # pool / pool2: its namespace is <prefix>-<name>
+    address: str                  # its service address (data and control plane), on its lo
+    cluster: str                  # its address on the cluster network (etcd's), CIDR
+    #: per host: (this node's end, the host's end) of their link, CIDR
+    links: dict
+
+    def host_link(self, host: str) -> str:
+        """The name, in ``host``, of its link to this node."""
+        return f"to-{self.name}"
+
+    def host_end(self, host: str) -> str:
+        """``host``'s address on its link to this node: the source address
+        this node sees for that host's own connections."""
+        return self.links[host][1].split("/")[0]
+
+    def node_end(self, host: str) -> str:
+        return self.links[host][0].split("/")[0]
+
+
+POOL_NODES = (
+    PoolNodePlan("pool", POOL_ADDRESS, cluster="10.88.8.2/24",
+                 links={"hostA": ("10.88.1.1/30", "10.88.1.2/30"), "hostB": ("10.88.2.1/30", "10.88.2.2/30")}),
+    PoolNodePlan("pool2", POOL2_ADDRESS, cluster="10.88.8.3/24",
+                 links={"hostA": ("10.88.4.1/30", "10.88.4.2/30"), "hostB": ("10.88.5.1/30", "10.88.5.2/30")}),
+)
+#: its MAC, explicit (a bridge without one takes a port's)
+CLUSTER_BRIDGE_MAC = "02:ac:4d:00:08:01"
+
+
 class Topology:
     """The lab's namespaces and links, named ``<prefix>-pool``,
-    ``<prefix>-hostA``, ``<prefix>-hostB``."""
+    ``<prefix>-hostA``, ``<prefix>-hostB`` (and, with ``pool_nodes=2``,
+    ``<prefix>-pool2`` and ``<prefix>-etcd``)."""
 
-    def __init__(self, prefix: str):
+    def __init__(self, prefix: str, pool_nodes: int = 1):
         if not prefix or len(prefix) > 40 or not all(c.isalnum() or c in "-_." for c in prefix):
             raise ValueError(f"lab prefix {prefix!r}: 1-40 characters of [A-Za-z0-9._-]")
+        if pool_nodes not in (1, 2):
+            raise ValueError(f"pool nodes {pool_nodes!r}: 1 or 2")
         self.prefix = prefix
+        self.pool_nodes = pool_nodes
         self.pool_ns = f"{prefix}-pool"
         self.hosts = {h.name: h for h in HOSTS}
         self.host_ns = {h.name: f"{prefix}-{h.name}" for h in HOSTS}
+        #: the pool nodes' plans and namespaces (``pool`` first), etcd's namespace
+        self.pool_plans = {n.name: n for n in POOL_NODES[:pool_nodes]}
+        self.node_ns = {n: f"{prefix}-{n}" for n in self.pool_plans}
+        self.etcd_ns = f"{prefix}-etcd" if pool_nodes > 1 else None
 
     #: Every interface the topology makes (inside its namespaces only).
     LINKS = ("to-pool", "to-hostA", "to-hostB", BRIDGE, TENANT_BRIDGE,
-             tenant_link("hostA", "hostB"), tenant_link("hostB", "hostA"))
+             tenant_link("hostA", "hostB"), tenant_link("hostB", "hostA"),
+             "to-pool2", "to-etcd", CLUSTER_BRIDGE)
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.pool_ns, *self.host_ns.values()]
+        extra = [self.node_ns["pool2"], self.etcd_ns] if self.pool_nodes > 1 else []
+        return [self.pool_ns, *self.host_ns.values(), *extra]
+
+    def pool_addresses(self) -> list[str]:
+        """Every pool node's service address (``pool`` first)."""
+        return [plan.address for plan in self.pool_plans.values()]
 
     def host(self, name: str) -> HostPlan:
         return self.hosts[name]
@@ -179,7 +258,8 @@ class Topology:
             netns.sysctl(name, {
                 "net.ipv6.conf.all.disable_ipv6": "1",      # no DAD/RS noise on lab links
                 "net.ipv6.conf.default.disable_ipv6": "1",
-                "net.ipv4.ip_forward": "0" if name == self.pool_ns else "1",
+                # only the hosts route (their guests' traffic); pool nodes and etcd never
+                "net.ipv4.ip_forward": "1" if name in self.host_ns.values() else "0",
             })
         a, b = self.hosts["hostA"], self.hosts["hostB"]
         netns.veth(self.pool_ns, "to-hostA", self.host_ns["hostA"], "to-pool")
@@ -209,7 +289,42 @@ class Topology:
                 for link in ("to-pool", f"to-{other.name}", BRIDGE, tenant_port, TENANT_BRIDGE):
                     netns.set_link(ipr, link)
                 netns.route(ipr, f"{POOL_ADDRESS}/32", host.pool_side.split("/")[0])
+        if self.pool_nodes > 1:
+            self._second_node_up(gateway_host)
         LOG.info("topology %s up in %.2f s", self.prefix, time.monotonic() - t0)
+
+    def _second_node_up(self, gateway_host: HostPlan):
+        """``pool2`` linked to both hosts, and the cluster network: etcd's
+        bridge with a port for each pool node (the module docstring's picture)."""
+        second = self.pool_plans["pool2"]
+        pool2_ns = self.node_ns["pool2"]
+        for host in self.hosts.values():
+            netns.veth(pool2_ns, f"to-{host.name}", self.host_ns[host.name], second.host_link(host.name))
+        for plan in self.pool_plans.values():
+            netns.veth(self.etcd_ns, f"to-{plan.name}", self.node_ns[plan.name], "to-etcd")
+        with netns.ipr(self.etcd_ns) as ipr:
+            ports = [f"to-{name}" for name in self.pool_plans]
+            netns.bridge(ipr, CLUSTER_BRIDGE, mac=CLUSTER_BRIDGE_MAC, ports=ports)
+            prefixlen = ipaddress.ip_network(CLUSTER_SUBNET).prefixlen
+            netns.address(ipr, CLUSTER_BRIDGE, f"{ETCD_ADDRESS}/{prefixlen}")
+            for link in (*ports, CLUSTER_BRIDGE):
+                netns.set_link(ipr, link)
+        for plan in self.pool_plans.values():
+            with netns.ipr(self.node_ns[plan.name]) as ipr:
+                netns.address(ipr, "to-etcd", plan.cluster)
+                netns.set_link(ipr, "to-etcd")
+        with netns.ipr(pool2_ns) as ipr:
+            netns.address(ipr, "lo", f"{second.address}/32")
+            for host in self.hosts.values():
+                netns.address(ipr, f"to-{host.name}", second.links[host.name][0])
+                netns.set_link(ipr, f"to-{host.name}")
+                netns.route(ipr, host.guest_subnet, second.host_end(host.name))
+            netns.route(ipr, TENANT_SUBNET, second.host_end(gateway_host.name))
+        for host in self.hosts.values():
+            with netns.ipr(self.host_ns[host.name]) as ipr:
+                netns.address(ipr, second.host_link(host.name), second.links[host.name][1])
+                netns.set_link(ipr, second.host_link(host.name))
+                netns.route(ipr, f"{second.address}/32", second.node_end(host.name))
 
     def exists(self) -> list[str]:
         """Which of this lab's namespaces exist now."""
@@ -233,6 +348,8 @@ class Topology:
         """An /etc/hosts for the host namespaces: the other lab nodes by name
         (the plain names and the prefixed ones)."""
         lines = ["127.0.0.1\tlocalhost", f"{POOL_ADDRESS}\tpool {self.pool_ns}"]
+        if self.pool_nodes > 1:
+            lines.append(f"{POOL2_ADDRESS}\tpool2 {self.node_ns['pool2']}")
         for host in self.hosts.values():
             lines.append(f"{host.address}\t{host.name} {self.host_ns[host.name]}")
         return "\n".join(lines) + "\n"
