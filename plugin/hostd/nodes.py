@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import AccelmigError, ProtocolError, Unavailable, UnknownOp
@@ -43,6 +44,8 @@ LOG = logging.getLogger("accelmig.hostd")
 
 #: the most nodes hostd keeps a client for
 MAX_NODES = 128
+#: s between listings that a session id of an unknown instance makes hostd ask for
+RELIST_INTERVAL = 1.0
 #: steps every node takes, the coordinator first
 STEPS = frozenset({"register_intent", "open_migration", "switchover", "commit", "close", "abort"})
 #: calls every node answers for itself; hostd keeps the coordinator's answer
@@ -57,14 +60,17 @@ _INSTANCE = re.compile(r"^[0-9a-f]{4,32}$")
 
 
 class PoolNodes:
-    def __init__(self, coordinator, make_client):
+    def __init__(self, coordinator, make_client, clock=time.monotonic):
         """``coordinator``: the control client of ``[pool] control``;
         ``make_client(endpoint)``: a client of another node (same host,
         secret and TLS)."""
         self.coordinator = coordinator
         self.make_client = make_client
+        self.clock = clock
+        self._listed_at = float("-inf")        # when an unknown instance last made hostd list again
         self.clustered = False
         self.name: str | None = None            # the coordinator's node name
+        self.instance: str | None = None        # and its instance
         self.nodes: dict[str, tuple[str, str]] = {}   # other node -> (instance, control endpoint)
         self._clients: dict[str, object] = {}   # control endpoint -> client
 
@@ -91,7 +97,9 @@ class PoolNodes:
             except (ValueError, AccelmigError) as exc:
                 LOG.warning("list_nodes: skipping a node: %s", str(exc)[:200])
                 continue
-            if name != answer.get("node") and control is not None:
+            if name == answer.get("node"):
+                self.instance = instance
+            elif control is not None:
                 fresh[name] = (instance, control)
         if fresh != self.nodes or not self.clustered:
             LOG.info("pool of several nodes: coordinator %s at %s, others: %s", answer.get("node"),
@@ -111,13 +119,16 @@ class PoolNodes:
         return client
 
     def for_sid(self, sid):
-        """The client of the node whose instance made ``sid`` (the coordinator's otherwise)."""
+        """The client of the node whose instance made ``sid``: the
+        coordinator's for its own sessions and for what names no instance;
+        None for an instance not listed (yet: a node that just came back)."""
         match = _SID.match(sid) if isinstance(sid, str) else None
-        if match is not None:
-            for name, (instance, _) in self.nodes.items():
-                if instance == match.group(1):
-                    return self.client_of(name)
-        return self.coordinator
+        if match is None or match.group(1) == self.instance:
+            return self.coordinator
+        for name, (instance, _) in self.nodes.items():
+            if instance == match.group(1):
+                return self.client_of(name)
+        return None
 
     def instances(self) -> tuple:
         """The other nodes' instances (a new one: hostd registers there too)."""
@@ -137,7 +148,15 @@ class PoolNodes:
         if not self.clustered:
             return await self.coordinator.call(method, **args)
         if method in PER_SESSION:
-            return await self.for_sid(args.get("sid")).call(method, **args)
+            client = self.for_sid(args.get("sid"))
+            if client is None and self.clock() - self._listed_at >= RELIST_INTERVAL:
+                # a node restarted since the last listing: list again, once (at most every
+                # RELIST_INTERVAL: a guest's made-up session ids cost no listing each)
+                self._listed_at = self.clock()
+                await self.refresh()
+                client = self.for_sid(args.get("sid"))
+            client = client or self.coordinator
+            return await client.call(method, **args)
         if method in STEPS or method in EVERY_NODE:
             answer = await self.coordinator.call(method, **args)
             if method in STEPS and isinstance(answer, dict) and answer.get("migration_id"):

@@ -33,13 +33,13 @@ class Client:
         self.closed = True
 
 
-def routing(listing):
+def routing(listing, clock=None):
     made = {}
 
     def make(endpoint):
         made[endpoint] = Client(endpoint)
         return made[endpoint]
-    return PoolNodes(Client("10.0.0.1:7071", listing), make), made
+    return PoolNodes(Client("10.0.0.1:7071", listing), make, **({"clock": clock} if clock else {})), made
 
 
 def node(name, instance, control):
@@ -89,3 +89,34 @@ def test_a_sessions_calls_go_to_the_node_that_made_it_and_steps_to_every_node():
                         ("open_migration", {"domain_uuid": "d", "migration_id": "m-1"})]   # the coordinator's id
     assert [m for m, _ in nodes.coordinator.calls] == ["unbind_session", "bind_session", "open_migration",
                                                        "note_timeline"]
+
+
+def test_a_session_of_a_node_that_came_back_is_routed_there_after_one_listing_more():
+    """A node restarted (a new instance) since hostd last listed: the first
+    call for one of its sessions lists again, once, and goes there — not to
+    the coordinator, which would refuse it (hostd attests nothing again)."""
+    now = [100.0]
+    nodes, made = routing({"cluster": True, "node": "n1", "nodes": [
+        node("n1", "aaaa0001", "10.0.0.1:7071"), node("n2", "bbbb0002", "10.0.0.2:7071")]}, clock=lambda: now[0])
+    listings = []
+    listed = nodes.refresh
+
+    async def counted():
+        listings.append(now[0])
+        return await listed()
+    nodes.refresh = counted
+
+    async def scenario():
+        await nodes.refresh()
+        nodes.coordinator.listing = {"cluster": True, "node": "n1", "nodes": [
+            node("n1", "aaaa0001", "10.0.0.1:7071"), node("n2", "cccc0003", "10.0.0.2:7071")]}
+        await nodes.call("bind_session", sid="s-cccc0003-1-abcdef", domain_uuid="d")
+        for n in range(50):                    # made-up instances: no listing each, the coordinator refuses
+            await nodes.call("bind_session", sid=f"s-{n:08x}-1-abcdef", domain_uuid="d")
+        now[0] += 1.0
+        await nodes.call("bind_session", sid="s-dddd0004-1-abcdef", domain_uuid="d")
+    asyncio.run(scenario())
+    assert nodes.nodes == {"n2": ("cccc0003", "10.0.0.2:7071")}
+    assert made["10.0.0.2:7071"].calls == [("bind_session", {"sid": "s-cccc0003-1-abcdef", "domain_uuid": "d"})]
+    assert listings == [100.0, 100.0, 101.0]       # the first listing, then one per RELIST_INTERVAL
+    assert len(nodes.coordinator.calls) == 51
