@@ -33,6 +33,7 @@ checked.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -68,6 +69,8 @@ class PoolNodes:
         self.make_client = make_client
         self.clock = clock
         self._listed_at = float("-inf")        # when an unknown instance last made hostd list again
+        # node -> (the version it last gave, its domains): accel_domains asks each with its own
+        self._accel: dict[str, tuple[object, dict]] = {}
         self.clustered = False
         self.name: str | None = None            # the coordinator's node name
         self.instance: str | None = None        # and its instance
@@ -166,6 +169,8 @@ class PoolNodes:
         return await self.coordinator.call(method, **args)
 
     async def call_all(self, method: str, **args):
+        if self.clustered and method == "accel_domains":
+            return await self._accel_domains(args.get("since"))
         if self.clustered and method in UNION and args.get("domain_uuid") is not None:
             answer = await self.coordinator.call_all(method, **args)
             items = list(answer.get(UNION[method]) or [])
@@ -217,6 +222,43 @@ class PoolNodes:
             record.pop("resumed", None)
             reached = reached and bool(answer.get("reached"))
         return dict(first, record=record, reached=reached)
+
+    async def _accel_domains(self, since) -> dict:
+        """Which domains hold sessions on any node (a Nova VM's sessions may
+        all live on a node other than the coordinator): every node asked with
+        the version it last gave, the answers united under one version of
+        the nodes' versions.  A node that does not answer this round keeps
+        its last picture (the hook stays strict for its domains)."""
+        targets = [(self.name or "", self.coordinator)] + [(n, self.client_of(n)) for n in sorted(self.nodes)]
+        views: dict[str, tuple[object, dict]] = {}
+        for name, client in targets:
+            held = self._accel.get(name)
+            try:
+                answer = await client.call_all("accel_domains", since=held[0] if held else None)
+            except AccelmigError as exc:
+                if client is self.coordinator:
+                    raise
+                LOG.warning("accel_domains at node %s: %s (its last picture kept)", name, exc)
+                if held is not None:
+                    views[name] = held
+                continue
+            if not isinstance(answer, dict):
+                continue
+            if answer.get("unchanged") and held is not None:
+                views[name] = held
+            else:
+                domains = answer.get("domains")
+                views[name] = (answer.get("version"), domains if isinstance(domains, dict) else {})
+        self._accel = views                  # a node no longer listed: gone with its sessions
+        version = hashlib.sha256(repr(sorted((n, str(v)) for n, (v, _) in views.items())).encode()).hexdigest()[:32]
+        if since == version:
+            return {"version": version, "unchanged": True}
+        union: dict[str, list] = {}
+        for _, domains in views.values():
+            for uuid, sids in domains.items():
+                if isinstance(uuid, str) and isinstance(sids, list):
+                    union.setdefault(uuid, []).extend(sids)
+        return {"version": version, "domains": union}
 
     async def _others(self, method: str, args: dict, *, required: bool, all_pages: bool = False) -> list:
         """``method`` at every node but the coordinator: [(name, answer)].

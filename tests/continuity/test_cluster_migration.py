@@ -403,6 +403,39 @@ def _local_state(pool, domain):
     return records[0]["state"] if records else None
 
 
+def test_hostd_learns_the_domains_holding_sessions_on_every_node(two_nodes):
+    """A Nova instance carries nothing of accelmig: hostd learns it from the
+    pool's ``accel_domains``, which in a cluster is every node's, united."""
+    store, nodes = two_nodes
+    n1, n2 = nodes["n1"].endpoint, nodes["n2"].endpoint
+    only_n2 = "7c1f0d7e-0000-4000-8000-00000000000a"          # all its sessions on n2, not the coordinator
+    both = "7c1f0d7e-0000-4000-8000-00000000000b"
+    devs = [connect(n2, TOKEN, agent=False, timeout=10, auto_reconnect=False, domain=only_n2),
+            connect(n1, TOKEN, agent=False, timeout=10, auto_reconnect=False, domain=both)]
+    wait_for(load_is(store, n1=1, n2=1), 20, "etcd showing one session on each node")   # a tie: kept where opened
+    devs.append(connect(n2, TOKEN, agent=False, timeout=10, auto_reconnect=False, domain=both))
+    assert [d.endpoint for d in devs] == [n2, n1, n2]
+    routing, _ = hostd(nodes, "hostA")
+
+    async def scenario():
+        await routing.refresh()
+        first = await routing.call_all("accel_domains")
+        again = await routing.call_all("accel_domains", since=first["version"])
+        await asyncio.to_thread(devs[2].close)                 # n2's picture changes
+        changed = await routing.call_all("accel_domains", since=first["version"])
+        return first, again, changed
+    try:
+        first, again, changed = asyncio.run(scenario())
+        assert {u: sorted(s) for u, s in first["domains"].items()} == {
+            only_n2: [devs[0].sid], both: sorted([devs[1].sid, devs[2].sid])}
+        assert again == {"version": first["version"], "unchanged": True}     # nothing new: a few bytes
+        assert changed["version"] != first["version"]
+        assert changed["domains"] == {only_n2: [devs[0].sid], both: [devs[1].sid]}
+    finally:
+        for dev in devs:
+            dev.close()
+
+
 def test_hostd_registers_at_every_node_its_coordinator_lists(two_nodes, tmp_path):
     """The real ``HostDaemon`` (libvirt's test driver): its registration
     round lists the nodes at its ``[pool] control`` and registers there and

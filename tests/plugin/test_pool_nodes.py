@@ -29,6 +29,16 @@ class Client:
         self.calls.append((method, args))
         return {"migration_id": "m-1"} if method == "open_migration" else {"ok": self.endpoint}
 
+    async def call_all(self, method, **args):
+        if isinstance(self.pictures, Exception):
+            raise self.pictures
+        version, domains = self.pictures
+        self.calls.append((method, args))
+        return {"version": version, "unchanged": True} if args.get("since") == version else \
+            {"version": version, "domains": domains}
+
+    pictures = ("v0", {})
+
     async def close(self):
         self.closed = True
 
@@ -120,3 +130,24 @@ def test_a_session_of_a_node_that_came_back_is_routed_there_after_one_listing_mo
     assert made["10.0.0.2:7071"].calls == [("bind_session", {"sid": "s-cccc0003-1-abcdef", "domain_uuid": "d"})]
     assert listings == [100.0, 100.0, 101.0]       # the first listing, then one per RELIST_INTERVAL
     assert len(nodes.coordinator.calls) == 51
+
+
+def test_a_node_that_does_not_answer_keeps_its_last_picture_of_the_domains_holding_sessions():
+    from accelmig.wire.errors import Unavailable
+    nodes, made = routing({"cluster": True, "node": "n1", "nodes": [
+        node("n1", "aaaa0001", "10.0.0.1:7071"), node("n2", "bbbb0002", "10.0.0.2:7071")]})
+
+    async def scenario():
+        await nodes.refresh()
+        nodes.coordinator.pictures = ("c1", {"dom-a": ["s-aaaa0001-1-00"]})
+        nodes.client_of("n2").pictures = ("x1", {"dom-b": ["s-bbbb0002-1-00"], "dom-a": ["s-bbbb0002-2-00"]})
+        first = await nodes.call_all("accel_domains")
+        nodes.client_of("n2").pictures = Unavailable(what="n2", reason="down")
+        while_down = await nodes.call_all("accel_domains", since=first["version"])
+        return first, while_down
+    first, while_down = asyncio.run(scenario())
+    assert first["domains"] == {"dom-a": ["s-aaaa0001-1-00", "s-bbbb0002-2-00"], "dom-b": ["s-bbbb0002-1-00"]}
+    assert while_down == {"version": first["version"], "unchanged": True}    # n2's domains still counted
+    n2 = made["10.0.0.2:7071"]
+    assert n2.calls == [("accel_domains", {"since": None})]     # asked with the version it last gave
+    assert nodes.coordinator.calls[-1] == ("accel_domains", {"since": "c1"})
