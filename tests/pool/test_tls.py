@@ -340,11 +340,12 @@ def _resumed_handshake(dev) -> bool:
     return isinstance(sock, ssl.SSLSocket) and sock.session_reused
 
 
-def test_a_resume_resumes_the_tls_session_of_the_last_connection(pki, pool):
+def test_a_resume_resumes_the_tls_session_of_the_last_connection(pki, pool, caplog):
     """A reconnect offers the pool's ticket of the last connection: the
     handshake resumes (no certificate chain, no signature), the proof is
     still bound to the pool's certificate, and each connection's ticket
-    serves the next."""
+    serves the next.  The pool's log says so too."""
+    caplog.set_level(logging.INFO, logger="accelmig.pool")
     with connect(pool.endpoint, TOKEN, cafile=str(pki["pki"].ca), agent=False) as dev:
         buf = dev.upload(SECRET_DATA)
         assert not _resumed_handshake(dev)              # the first one is a full handshake
@@ -356,6 +357,8 @@ def test_a_resume_resumes_the_tls_session_of_the_last_connection(pki, pool):
             assert dev._session.link.binding == binding
             assert dev.read(buf) == SECRET_DATA
         assert dev.stats["tls_resumed"] == 2
+    said = [r.getMessage() for r in caplog.records if f"session {dev.sid} resumed" in r.getMessage()]
+    assert len(said) == 2 and all(line.endswith("TLS session resumed") for line in said), said
 
 
 def test_a_tls_session_is_offered_only_to_the_endpoint_it_came_from(pki, pool):
