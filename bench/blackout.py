@@ -25,7 +25,21 @@ record's opening, ``none`` only the switchover).  Caution, measured on
 2026-12-04: under TCG a migration throttled to 30 MiB/s once arrived with
 the guest's kernel panicking in an interrupt (the VM rebooted on the
 destination, its old session stranded) — not accelmig's doing, but it ends
-the run; unthrottled migrations on a loaded machine last 3–7 s already.  The lab goes down at
+the run; unthrottled migrations on a loaded machine last 3–7 s already.
+
+``--dirty MIB`` (the issue's long migration, without a bandwidth limit; on
+by default, 1024, ``--dirty 0`` skips it): afterwards a second guest
+(``--dirty-memory`` MiB) boots with the lab's memory dirtier
+(``accelmig.lab.guest.memory_dirtier_files``) rewriting
+MIB MiB of its memory at ``--dirty-rate`` MiB/s beside the solver, so
+QEMU's pre-copy goes round after round and the migration lasts seconds;
+it is migrated ``--migrations`` times per ``--dirty-policies`` (none,
+start).  Its own table, ``blackout-long`` (JSON, PNG): policy ``start``
+against ``none`` in the same run — accelerator blackout, VM downtime and
+the migration's own time (libvirt's job statistics, which the JSON keeps
+per migration: pre-copy rounds, bytes, dirty rate).  Should that part
+fail (a guest kernel that panicked on arrival: docs/lab-notes.md), the
+first table stands and this one is said missing.  The lab goes down at
 the end (``--keep`` leaves it up).  Without root, or without libvirt/QEMU,
 it says so and measures nothing.
 """
@@ -42,7 +56,10 @@ import time
 from bench.common import Table, report
 
 VM = "bench-vm"
+DIRTY_VM = "bench-dirty"
 POLICIES = ("none", "switchover", "start")
+#: the issue's bar for a long migration: it lasts at least this long
+LONG_MIGRATION_S = 3.0
 
 
 def skip_reason() -> str | None:
@@ -71,11 +88,26 @@ def main(argv=None) -> None:
                         help="also migrate throttled to this bandwidth (a migration of seconds) [off]")
     parser.add_argument("--slow-policies", default="none,start", help="policies of the throttled "
                         "migrations [none,start]")
+    parser.add_argument("--dirty", type=int, default=1024, metavar="MIB",
+                        help="also migrate a guest that rewrites this much of its memory (a migration "
+                             "of seconds, table blackout-long); 0: not [1024]")
+    parser.add_argument("--dirty-rate", type=float, default=64.0, metavar="MIB_PER_S",
+                        help="how fast the dirtier rewrites it after filling it once; near what the "
+                             "migration moves per second, pre-copy never ends [64]")
+    parser.add_argument("--dirty-memory", type=int, default=0, metavar="MIB",
+                        help="the dirty guest's memory [MIB + 512]")
+    parser.add_argument("--dirty-policies", default="none,start",
+                        help="policies of the dirty guest's migrations [none,start]")
     args = parser.parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     slow_policies = [p.strip() for p in args.slow_policies.split(",") if p.strip()] if args.slow else []
-    if any(p not in POLICIES for p in policies + slow_policies) or args.migrations < 1:
+    dirty_policies = [p.strip() for p in args.dirty_policies.split(",") if p.strip()] if args.dirty else []
+    if any(p not in POLICIES for p in policies + slow_policies + dirty_policies) or args.migrations < 1:
         parser.error(f"policies are {', '.join(POLICIES)}; --migrations >= 1")
+    args.dirty_memory = args.dirty_memory or args.dirty + 512
+    if args.dirty and (args.dirty < 0 or args.dirty_rate <= 0 or args.dirty_memory < args.dirty + 256):
+        parser.error("--dirty MIB > 0, --dirty-rate > 0, and --dirty-memory at least MIB + 256 "
+                     "(the RAM-only guest's own files and processes)")
     reason = skip_reason()
     if reason:
         print(f"bench blackout: SKIPPED, nothing measured: {reason}", flush=True)
@@ -84,69 +116,105 @@ def main(argv=None) -> None:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    from accelmig.lab.accel import AccelLab
+    from accelmig.lab.accel import AccelLab, demo_command
+    from accelmig.lab.guest import DIRTIER_STARTED, dirty_cmdline, memory_dirtier_files
     accel = AccelLab(args.lab_name)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     runs.update({slow_label(p, args.slow): [] for p in slow_policies})
+    long_runs: dict[str, list[dict]] = {p: [] for p in dirty_policies}
+    long_error = None
     t_start = time.monotonic()
+    where = "hostA"
+
+    def migrate(vm: str, label: str, policy: str, bandwidth: float | None, into: dict) -> None:
+        nonlocal where
+        time.sleep(args.settle)
+        dst = "hostB" if where == "hostA" else "hostA"
+        # the bandwidth a migration may use (MiB/s): slow, or as fast as it goes
+        speed = accel.virsh(where, "migrate-setspeed", vm, str(int(bandwidth or 1 << 20)))
+        if speed.returncode != 0:
+            raise RuntimeError(f"migrate-setspeed on {where}: {speed.stderr.strip()}")
+        r = accel.migrate_accelmig(vm, where, dst, "--pause-policy", policy)
+        if not r.get("ok"):
+            raise RuntimeError(f"migration {where}->{dst} (policy {policy}) failed: "
+                               f"{r.get('error') or r.get('cli') or r.get('record')}")
+        record = r.get("record") or {}
+        downtime = r.get("downtime_ms")
+        if downtime is None:
+            downtime = (r.get("cli") or {}).get("downtime_ms")
+        blackout = max(r["blackout_ms"].values(), default=None)
+        if downtime is None or blackout is None:
+            raise RuntimeError(f"migration {where}->{dst}: no downtime ({downtime}) or no "
+                               f"blackout ({r['blackout_ms']}) measured")
+        times = record.get("times") or {}
+        phases = {}
+        if times.get("switchover") and times.get("completed"):
+            # the pool's blackout starts at record open ('start') or at switchover
+            stopped = times["opened"] if policy == "start" else times["switchover"]
+            resumed_at = stopped + blackout / 1000
+            phases = {"switchover_to_complete_ms": round((times["completed"] - times["switchover"]) * 1e3, 1),
+                      "complete_to_resume_ms": round((resumed_at - times["completed"]) * 1e3, 1)}
+        timeline = (r.get("cli") or {}).get("timeline") or {}
+        job = r.get("job") or {}
+        into[label].append({"from": where, "to": dst, "downtime_ms": float(downtime),
+                            "policy": policy, "bandwidth_mib_s": bandwidth,
+                            "timeline": timeline, "steps_ms": blackout_steps(timeline, policy),
+                            "blackout_ms": float(blackout), "wall_s": r["wall_s"],
+                            "migration_ms": job.get("time_elapsed"), "job": job,
+                            "load": os.getloadavg()[0],
+                            "sessions": r["sessions"], "resumed": r["resumed"],
+                            "bytes_resent": r["bytes_resent"], "rebuilds": r["rebuilds"], **phases,
+                            "record_times": {key: round(v - times["opened"], 4)
+                                             for key, v in times.items()} if times else {}})
+        took = f", migration {job['time_elapsed'] / 1000:.1f} s in {job.get('memory_iteration', '?')} rounds" \
+            if "time_elapsed" in job else ""
+        log(f"  {label:10} {where}->{dst}: VM downtime {downtime} ms, accelerator blackout "
+            f"{blackout:.0f} ms, wall {r['wall_s']:.2f} s{took}, re-sent {r['bytes_resent']} B")
+        where = dst
+
+    def solver_goes_on(vm: str) -> None:
+        """The solver is still computing, on the pool, after every move."""
+        last = max(l.get("step", 0) for l in accel.demo_lines(vm))
+        line = accel.wait_demo(vm, lambda ls: next((l for l in ls if l.get("step", 0) > last or "done" in l),
+                                                   None), timeout=60, what="solver progress after the moves")
+        if "done" in line and not line.get("done"):
+            raise RuntimeError(f"the solver of {vm} failed: {line}")
+
     try:
         log(f"blackout: bringing lab {args.lab_name} up ...")
         accel.up()
-        image = accel.demo_image(steps=10_000_000, report=10, pause=0.05)
+        # one image for both guests: the dirtier runs only where the command line says so
+        image = accel.image(app_command=demo_command(accel.token, 10_000_000, 128, 10, 0.05),
+                            extra_files=memory_dirtier_files())
         accel.boot(VM, image, "hostA")
         accel.wait_demo(VM, lambda ls: [l for l in ls if "step" in l], timeout=180,
                         what="the solver's first progress")
         virt = {"qemu": "TCG"}.get(accel.lab.virt_type, accel.lab.virt_type.upper())
         log(f"  lab up, {VM} computing on the pool ({virt}), {time.monotonic() - t_start:.0f} s")
-        where = "hostA"
         plan = [(p, p, None) for p in policies] + [(slow_label(p, args.slow), p, args.slow) for p in slow_policies]
         for label, policy, bandwidth in plan:
-            for k in range(args.migrations):
-                time.sleep(args.settle)
-                dst = "hostB" if where == "hostA" else "hostA"
-                # the bandwidth a migration may use (MiB/s): slow, or as fast as it goes
-                speed = accel.virsh(where, "migrate-setspeed", VM, str(int(bandwidth or 1 << 20)))
-                if speed.returncode != 0:
-                    raise RuntimeError(f"migrate-setspeed on {where}: {speed.stderr.strip()}")
-                r = accel.migrate_accelmig(VM, where, dst, "--pause-policy", policy)
-                if not r.get("ok"):
-                    raise RuntimeError(f"migration {where}->{dst} (policy {policy}) failed: "
-                                       f"{r.get('error') or r.get('cli') or r.get('record')}")
-                record = r.get("record") or {}
-                downtime = r.get("downtime_ms")
-                if downtime is None:
-                    downtime = (r.get("cli") or {}).get("downtime_ms")
-                blackout = max(r["blackout_ms"].values(), default=None)
-                if downtime is None or blackout is None:
-                    raise RuntimeError(f"migration {where}->{dst}: no downtime ({downtime}) or no "
-                                       f"blackout ({r['blackout_ms']}) measured")
-                times = record.get("times") or {}
-                phases = {}
-                if times.get("switchover") and times.get("completed"):
-                    # the pool's blackout starts at record open ('start') or at switchover
-                    stopped = times["opened"] if policy == "start" else times["switchover"]
-                    resumed_at = stopped + blackout / 1000
-                    phases = {"switchover_to_complete_ms": round((times["completed"] - times["switchover"]) * 1e3, 1),
-                              "complete_to_resume_ms": round((resumed_at - times["completed"]) * 1e3, 1)}
-                timeline = (r.get("cli") or {}).get("timeline") or {}
-                runs[label].append({"from": where, "to": dst, "downtime_ms": float(downtime),
-                                     "policy": policy, "bandwidth_mib_s": bandwidth,
-                                     "timeline": timeline, "steps_ms": blackout_steps(timeline, policy),
-                                     "blackout_ms": float(blackout), "wall_s": r["wall_s"],
-                                     "sessions": r["sessions"], "resumed": r["resumed"],
-                                     "bytes_resent": r["bytes_resent"], "rebuilds": r["rebuilds"], **phases,
-                                     "record_times": {key: round(v - times["opened"], 4)
-                                                      for key, v in times.items()} if times else {}})
-                log(f"  {label:10} {where}->{dst}: VM downtime {downtime} ms, accelerator blackout "
-                    f"{blackout:.0f} ms, wall {r['wall_s']:.2f} s, re-sent {r['bytes_resent']} B")
-                where = dst
-        # the solver is still computing, on the pool, after every move
-        last = max(l.get("step", 0) for l in accel.demo_lines(VM))
-        line = accel.wait_demo(VM, lambda ls: next((l for l in ls if l.get("step", 0) > last or "done" in l),
-                                                   None), timeout=60, what="solver progress after the moves")
-        if "done" in line and not line.get("done"):
-            raise RuntimeError(f"the solver failed: {line}")
+            for _ in range(args.migrations):
+                migrate(VM, label, policy, bandwidth, runs)
+        solver_goes_on(VM)
         solver_ok = True
+        if dirty_policies:
+            try:
+                # the fast guest goes: the dirty one has the machine's CPU to itself
+                accel.virsh(where, "destroy", VM)
+                accel.boot(DIRTY_VM, image, where, memory_mib=args.dirty_memory,
+                           cmdline_options={"extra": dirty_cmdline(args.dirty, args.dirty_rate)})
+                accel.wait_demo(DIRTY_VM, lambda ls: [l for l in ls if "step" in l], timeout=180,
+                                what="the dirty guest's solver's first progress")
+                accel.wait_demo(DIRTY_VM, lambda ls: any(DIRTIER_STARTED in l for l in accel.console(DIRTY_VM)),
+                                timeout=60, what="the memory dirtier")
+                log(f"  {DIRTY_VM} computing and rewriting {args.dirty} MiB at {args.dirty_rate:g} MiB/s")
+                for policy in dirty_policies:
+                    for _ in range(args.migrations):
+                        migrate(DIRTY_VM, policy, policy, None, long_runs)
+                solver_goes_on(DIRTY_VM)
+            except Exception as exc:     # the fast policies' table stands; this one is said missing
+                long_error = f"{type(exc).__name__}: {exc}"
+                log(f"blackout: the long migrations FAILED, table blackout-long not written: {long_error}")
     finally:
         if args.keep:
             log(f"lab {args.lab_name} left up: accelmig lab down --name {args.lab_name}")
@@ -187,6 +255,60 @@ def main(argv=None) -> None:
                   f"(migrations of {med(r['wall_s'] for r in slow):.1f} s)")
     print(f"(blackout: the pool's record, from when the session stopped executing — record open for "
           f"'start', switchover otherwise — to its resume on the destination; {extra['seconds']:.0f} s in all)")
+    if long_error is not None:
+        print(f"\nlong migrations (--dirty): NOT MEASURED: {long_error}")
+    elif long_runs:
+        report_long(long_runs, args, virt)
+
+
+def report_long(long_runs: dict, args, virt: str) -> None:
+    """The long migrations' own table: ``start`` against ``none`` (the
+    baseline: the default policy, measured in the same run)."""
+    med = statistics.median
+    rows = {label: rows for label, rows in long_runs.items() if rows}
+    what = f"a guest rewriting {args.dirty} MiB of its {args.dirty_memory} MiB at {args.dirty_rate:g} MiB/s"
+    if "none" in rows and "start" in rows:
+        base, subject = rows["none"], rows["start"]
+        table = Table(f"long migrations, pause policy start vs none ({virt} lab, {what}, "
+                      f"{args.migrations} migrations each, median)", "policy none", "policy start")
+        table.add("accelerator blackout", med(r["blackout_ms"] for r in base),
+                  med(r["blackout_ms"] for r in subject), "ms")
+        table.add("VM downtime", med(r["downtime_ms"] for r in base), med(r["downtime_ms"] for r in subject), "ms")
+        timed = [r for r in base + subject if r["migration_ms"] is not None]
+        if all(r["migration_ms"] is not None for r in base + subject):
+            table.add("migration (libvirt's job)", med(r["migration_ms"] for r in base),
+                      med(r["migration_ms"] for r in subject), "ms")
+    else:      # not both: each policy's blackout against the VM's own downtime
+        if not rows:
+            print("\nlong migrations (--dirty): none measured")
+            return
+        table = Table(f"long migrations ({virt} lab, {what}, {args.migrations} migrations per policy, "
+                      f"median)", "VM downtime", "accel blackout")
+        for label, only in rows.items():
+            table.add(f"pause policy {label}", med(r["downtime_ms"] for r in only),
+                      med(r["blackout_ms"] for r in only), "ms")
+        timed = [r for only in rows.values() for r in only if r["migration_ms"] is not None]
+    shortest = min((r["migration_ms"] for r in timed), default=None)
+    extra = {"args": vars(args), "migrations": long_runs, "long_migration_s": LONG_MIGRATION_S,
+             "shortest_migration_ms": shortest,
+             "median_steps_ms": {label: median_steps(r) for label, r in rows.items()}}
+    report(table, "blackout-long", extra)
+    print(steps_table(extra["median_steps_ms"]))
+    for label, rs in rows.items():
+        took = ", ".join(f"{r['migration_ms'] / 1000:.1f}" if r["migration_ms"] else "?" for r in rs)
+        rounds = ", ".join(str(r["job"].get("memory_iteration", "?")) for r in rs)
+        downs = ", ".join(f"{r['downtime_ms']:.0f}" for r in rs)
+        blacks = ", ".join(f"{r['blackout_ms']:.0f}" for r in rs)
+        loads = ", ".join(f"{r['load']:.1f}" for r in rs)
+        print(f"{label:10}: migration {took} s (pre-copy rounds {rounds}); downtime {downs} ms; "
+              f"blackout {blacks} ms; load {loads}")
+    if shortest is not None and shortest < LONG_MIGRATION_S * 1000:
+        print(f"NOTE: a migration took {shortest / 1000:.1f} s, under the {LONG_MIGRATION_S:g} s a long "
+              f"migration should last: raise --dirty or --dirty-rate")
+    if "none" in rows:
+        none = rows["none"]
+        over = med(r["blackout_ms"] - r["downtime_ms"] for r in none)
+        print(f"policy none: blackout - VM downtime = {over:.0f} ms (median of each migration's own)")
 
 
 def slow_label(policy: str, bandwidth: float) -> str:

@@ -365,6 +365,10 @@ libvirt_uri = "qemu:///system"
             time.sleep(0.1)
         return None
 
+    #: libvirt's completed-job statistics a migration's result carries
+    JOB_STATS = ("time_elapsed", "downtime", "memory_iteration", "memory_processed", "memory_total",
+                 "memory_dirty_rate", "memory_bps", "setup_time")
+
     def _measure(self, name: str, uuid: str, dst: str, before: dict, wall: float, via: str) -> dict:
         started = time.time() - wall - 1
         record = self.wait_rehomed(uuid, dst, started)
@@ -380,6 +384,8 @@ libvirt_uri = "qemu:///system"
         resumed = (record or {}).get("resumed") or {}
         return {"ok": record is not None and record["state"] != "aborted", "via": via, "to": dst,
                 "wall_s": round(wall, 3), "downtime_ms": stats.get("downtime"),
+                # the migration itself, as QEMU saw it (pre-copy rounds, bytes, the guest's dirtying)
+                "job": {k: stats[k] for k in self.JOB_STATS if k in stats},
                 "blackout_ms": {sid[-6:]: round(v * 1000, 1) for sid, v in resumed.items()},
                 "sessions": len((record or {}).get("sessions") or []), "resumed": len(resumed),
                 "bytes_resent": resent, "rebuilds": delta["builds"],

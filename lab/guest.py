@@ -138,6 +138,86 @@ def echo_responder_files() -> tuple[ExtraFile, ...]:
     )
 
 
+#: The memory dirtier, guest side (standard library only; runs as
+#: ``python3 /usr/local/bin/accelmig-dirtier MIB RATE``): a guest that keeps
+#: rewriting memory makes a live migration's pre-copy go round after round,
+#: so the migration lasts seconds (``bench/blackout --dirty``).
+MEMORY_DIRTIER = r'''
+"""accelmig lab memory dirtier: fills MIB MiB of its own memory at once
+(a first pre-copy round that lasts: QEMU sends zero pages almost for
+free, these in full), then rewrites them one byte per 4 KiB page (each
+page then differs: QEMU must send it again), RATE MiB of pages per
+second, forever, spinning in between: a busy guest.  The writes are C
+loops over strided slices."""
+import os, sys, time
+
+PAGE, SLICE = 4096, 4 << 20
+
+
+def main():
+    mib, rate = int(sys.argv[1]), float(sys.argv[2])
+    os.nice(19)         # it keeps the vCPU busy, yet the agent and the application run first
+    buf = bytearray(mib << 20)
+    buf[::PAGE] = b"\xff" * len(range(0, len(buf), PAGE))
+    print("accelmig-dirtier: rewriting %d MiB at %g MiB/s" % (mib, rate), flush=True)
+    value, start, done = 1, time.monotonic(), 0.0
+    while True:
+        for offset in range(0, len(buf), SLICE):
+            end = min(offset + SLICE, len(buf))
+            buf[offset:end:PAGE] = bytes((value,)) * len(range(offset, end, PAGE))
+            done += (end - offset) / (1 << 20)
+            due = start + done / rate
+            if time.monotonic() < due:
+                # busy, never idle: the guest kernels that panicked after a
+                # TCG migration were all of idle guests (docs/lab-notes.md)
+                while time.monotonic() < due:
+                    pass
+            elif time.monotonic() - due > 1.0:      # paused (a migration's downtime): no burst
+                start, done = time.monotonic(), 0.0
+        value = value % 255 + 1
+
+
+main()
+'''
+
+DIRTIER_INIT = """#!/bin/sh
+# accelmig lab memory dirtier (bench images only): accelmig.dirty=MIB,RATE
+# on the kernel command line starts it; without it nothing runs.
+. /etc/accelmig/lib.sh
+load_settings
+[ -n "${ACCELMIG_DIRTY:-}" ] || exit 0
+mib=${ACCELMIG_DIRTY%%,*}; rate=${ACCELMIG_DIRTY#*,}
+case "$ACCELMIG_DIRTY" in
+    *[!0-9.,]*|,*|*,|*,*,*|*.*,*) log "dirtier: bad accelmig.dirty=$ACCELMIG_DIRTY (MIB,RATE)"; exit 0;;
+    *,*) ;;
+    *) log "dirtier: bad accelmig.dirty=$ACCELMIG_DIRTY (MIB,RATE)"; exit 0;;
+esac
+(
+    exec python3 /usr/local/bin/accelmig-dirtier "$mib" "$rate"
+) </dev/null >/dev/console 2>&1 &
+"""
+
+#: the dirtier's first line on the console, once it runs
+DIRTIER_STARTED = "accelmig-dirtier: rewriting"
+
+
+def memory_dirtier_files() -> tuple[ExtraFile, ...]:
+    """Extra image files for the memory dirtier; it runs only in a guest
+    booted with ``dirty_cmdline(...)`` on its kernel command line."""
+    return (
+        ExtraFile("/usr/local/bin/accelmig-dirtier", MEMORY_DIRTIER.lstrip().encode(), 0o755),
+        ExtraFile("/etc/accelmig/init.d/55-dirtier", DIRTIER_INIT.encode(), 0o755),
+    )
+
+
+def dirty_cmdline(mib: int, rate: float) -> str:
+    """The kernel command line word that starts the dirtier: ``mib`` MiB
+    rewritten at ``rate`` MiB/s."""
+    if not (isinstance(mib, int) and mib > 0 and rate > 0):
+        raise ValueError(f"dirty: {mib} MiB at {rate} MiB/s: both must be positive (MiB a whole number)")
+    return f"accelmig.dirty={mib},{rate:g}"
+
+
 # ---------------------------------------------------------------- host side
 
 def channel_source(domain_xml: str, name: str = AGENT_CHANNEL_NAME) -> str:

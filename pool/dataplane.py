@@ -50,6 +50,7 @@ class DataConnection(asyncio.BufferedProtocol):
         self.pool = pool
         self.server_cert_der = server_cert_der
         self.binding = b""          # wire.tls.channel_binding, once TLS is up
+        self.tls_resumed = False    # the driver resumed a TLS session (a reconnect's ticket)
         self._first_bytes = True    # a TLS hello on a plain pool gets a clear log line
         self._buffer: memoryview | None = None
         self.reader = FrameReader(PREAUTH_LIMITS, staging_floor=0,
@@ -77,6 +78,7 @@ class DataConnection(asyncio.BufferedProtocol):
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:
             self.binding = tls.channel_binding(ssl_object, self.server_cert_der)
+            self.tls_resumed = ssl_object.session_reused
             self._first_bytes = False
         self.pool.connections.add(self)
         refused = self.pool.admit(self)

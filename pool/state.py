@@ -351,10 +351,12 @@ class Pool:
                 self.metrics.blackout.observe(blackout)
                 session.unpause(record.key)
         self.metrics.resumes.labels("ok").inc()
-        LOG.info("session %s resumed at epoch %d from %s (host %s), %d replies replayed, next seq %d",
+        tls_resumed = bool(getattr(conn, "tls_resumed", False))
+        LOG.info("session %s resumed at epoch %d from %s (host %s), %d replies replayed, next seq %d%s",
                  sid, session.epoch, conn.peer[0], conn.peer_host, len(replay), session.log.next_seq,
+                 ", TLS session resumed" if tls_resumed else "",
                  extra={"sid": sid, "epoch": session.epoch, "ticket": claims is not None,
-                        "blackout_s": blackout})
+                        "blackout_s": blackout, "tls_resumed": tls_resumed})
         return session, replay
 
     def connection_lost(self, session: Session, conn, now: float | None = None) -> None:

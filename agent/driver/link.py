@@ -134,6 +134,13 @@ class Link:
         self.session = session
         self.tls_context = tls_context             # None: plain TCP (insecure, said explicitly)
         self.binding = b""                         # the last dial's channel binding
+        # TLS resumption: the session (with the pool's ticket) of the last
+        # connection, offered only to the endpoint it came from; a resumed
+        # handshake skips the certificate chain and the pool's signature,
+        # the most expensive part of a reconnect in a just-migrated guest
+        self._tls_session: ssl.SSLSession | None = None
+        self._tls_session_endpoint: str | None = None
+        self.tls_resumed = False                   # the last dial resumed a TLS session
         self.limits = Limits()
         self.send_lock = threading.Lock()
         self.sock: socket.socket | None = None     # the session's cond guards sock and gen
@@ -193,14 +200,28 @@ class Link:
             sock.close()
             raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
         self.binding = binding
+        if self.tls_context is not None:
+            self._keep_tls_session(sock, endpoint)
         return sock, reader, welcome, leftovers
+
+    def _keep_tls_session(self, sock: ssl.SSLSocket, endpoint: str) -> None:
+        """Keep this connection's TLS session for the next dial to
+        ``endpoint``.  Under TLS 1.3 the pool's tickets come after the
+        handshake, ahead of the welcome: read now, they are in."""
+        session = sock.session
+        if session is not None and session.has_ticket:
+            self._tls_session, self._tls_session_endpoint = session, endpoint
 
     def _start_tls(self, sock: socket.socket, host: str, endpoint: str):
         """TLS over the connected ``sock``, the pool's certificate verified
         for ``host`` (an IP endpoint: an IP SAN); (TLS socket, binding)."""
         self.attempt_sock = sock
+        # Resumption proves the peer knows the ticket's key (the pool's own,
+        # a verified pool's at the first handshake); a ticket the pool no
+        # longer takes (restarted, expired) falls back to a full handshake.
+        session = self._tls_session if self._tls_session_endpoint == endpoint else None
         try:
-            tsock = self.tls_context.wrap_socket(sock, server_hostname=host)
+            tsock = self.tls_context.wrap_socket(sock, server_hostname=host, session=session)
         except socket.timeout:
             sock.close()
             raise Timeout(what=f"the TLS handshake with {endpoint}", timeout=sock.gettimeout() or 0) from None
@@ -212,6 +233,9 @@ class Link:
             raise Unavailable(what=f"the pool at {endpoint}", reason=f"TLS handshake: {exc}") from None
         finally:
             self.attempt_sock = None
+        self.tls_resumed = tsock.session_reused
+        if session is not None and not self.tls_resumed:
+            LOG.info("the pool at %s did not resume the TLS session: full handshake", endpoint)
         return tsock, tls.channel_binding(tsock)
 
     def cut_attempt(self) -> None:

@@ -136,7 +136,8 @@ class Session:
         self.bound_host: str | None = None
         self.pool_instance: str | None = None
         self.stats = {"resumes": 0, "resent_commands": 0, "resent_bytes": 0, "replies": 0,
-                      "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None}
+                      "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None,
+                      "tls_resumed": 0}     # resumes whose TLS handshake resumed the last session
         self.link = Link(self, tls_context)
         self._challenge = ""
         self._max_payload = self.link.limits.max_payload
@@ -483,11 +484,14 @@ class Session:
         self.stats["resent_commands"] += len(resend)
         self.stats["resent_bytes"] += resent_bytes
         self.stats["last_resume_s"] = elapsed
+        if link.tls_resumed:
+            self.stats["tls_resumed"] += 1
         result = {"sid": self.sid, "epoch": self.epoch, "endpoint": endpoint,
                   "replayed": answer.get("replay", 0), "resent": len(resend),
                   "seconds": round(elapsed, 6), "ticket": bool(ticket), "times": times}
-        LOG.info("session %s resumed at %s: epoch %d, %d replayed, %d re-sent, %.1f ms", self.sid,
-                 endpoint, self.epoch, result["replayed"], len(resend), elapsed * 1000)
+        LOG.info("session %s resumed at %s: epoch %d, %d replayed, %d re-sent, %.1f ms%s", self.sid,
+                 endpoint, self.epoch, result["replayed"], len(resend), elapsed * 1000,
+                 " (TLS session resumed)" if link.tls_resumed else "")
         return result
 
     # -- housekeeping -----------------------------------------------------------------

@@ -332,3 +332,67 @@ def test_many_cuts_and_resumes_over_tls(pki, pool):
             assert dev.stats["resumes"] >= 8
     finally:
         proxy.close()
+
+
+# -- TLS session resumption (issue 11, item 4: the reconnect after a move) ---------------
+def _resumed_handshake(dev) -> bool:
+    sock = dev._session.link.sock
+    return isinstance(sock, ssl.SSLSocket) and sock.session_reused
+
+
+def test_a_resume_resumes_the_tls_session_of_the_last_connection(pki, pool, caplog):
+    """A reconnect offers the pool's ticket of the last connection: the
+    handshake resumes (no certificate chain, no signature), the proof is
+    still bound to the pool's certificate, and each connection's ticket
+    serves the next.  The pool's log says so too."""
+    caplog.set_level(logging.INFO, logger="accelmig.pool")
+    with connect(pool.endpoint, TOKEN, cafile=str(pki["pki"].ca), agent=False) as dev:
+        buf = dev.upload(SECRET_DATA)
+        assert not _resumed_handshake(dev)              # the first one is a full handshake
+        binding = dev._session.link.binding
+        for epoch in (2, 3):
+            assert dev.resume()["epoch"] == epoch
+            assert _resumed_handshake(dev) and dev._session.link.tls_resumed
+            # the same certificate binds the proof: what the first handshake verified
+            assert dev._session.link.binding == binding
+            assert dev.read(buf) == SECRET_DATA
+        assert dev.stats["tls_resumed"] == 2
+    said = [r.getMessage() for r in caplog.records if f"session {dev.sid} resumed" in r.getMessage()]
+    assert len(said) == 2 and all(line.endswith("TLS session resumed") for line in said), said
+
+
+def test_a_tls_session_is_offered_only_to_the_endpoint_it_came_from(pki, pool):
+    """Another endpoint gets a full handshake, even with the same pool behind it."""
+    proxy = CutProxy(pool.endpoint)
+    try:
+        with connect(pool.endpoint, TOKEN, cafile=str(pki["pki"].ca), agent=False) as dev:
+            buf = dev.upload(SECRET_DATA)
+            dev.resume(proxy.endpoint)
+            assert not _resumed_handshake(dev) and not dev._session.link.tls_resumed
+            assert dev.read(buf) == SECRET_DATA
+            dev.resume(proxy.endpoint)          # now the proxy's endpoint has a session of its own
+            assert _resumed_handshake(dev)
+            assert dev.stats["tls_resumed"] == 1
+    finally:
+        proxy.close()
+
+
+def test_a_ticket_the_pool_does_not_know_is_a_full_handshake(pki):
+    """A pool that restarted has a new ticket key: the driver's ticket is
+    refused by the handshake itself and the connection is a full one (here
+    the session is gone too, and the driver is told so)."""
+    from accelmig.wire.errors import AccelmigError
+    with tls_pool(pki) as first:
+        dev = connect(first.endpoint, TOKEN, cafile=str(pki["pki"].ca), agent=False, auto_reconnect=False)
+        kept = dev._session.link._tls_session
+        assert kept is not None and kept.has_ticket
+    with tls_pool(pki) as second:
+        try:
+            link = dev._session.link
+            link._tls_session_endpoint = second.endpoint     # as if the restarted pool kept its address
+            with pytest.raises(AccelmigError) as lost:
+                dev.resume(second.endpoint)
+            assert lost.value.code == "SESSION_LOST"
+            assert not link.tls_resumed
+        finally:
+            dev.close()
