@@ -172,6 +172,13 @@ class PoolConfig:
                "kernels, a build) may take; then the tenant's device process is killed and its "
                "sessions end with KILLED. Only with `device_isolation = \"process\"`.",
         "type": "number (seconds)"})
+    upload_arena: int = dataclasses.field(default=256 << 20, metadata={
+        "doc": "Per tenant and device (with `device_isolation = \"process\"`): shared memory "
+               "between the pool and the tenant's device process that write payloads are "
+               "received into straight from the network, so they do not cross a socket to the "
+               "device process; at most the tenant's `quota`. A payload that finds no room "
+               "takes the older path (copied through the socket). 256 MiB holds a driver's "
+               "whole flight of chunks; `0`: off.", "type": "size"})
     max_source_bytes: int = dataclasses.field(default=1 << 20, metadata={
         "doc": "Largest program source a build takes (sources are self-contained: `#include` "
                "and options that name files are refused).", "type": "size"})
@@ -260,7 +267,7 @@ class PoolConfig:
                "device_time_limit")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
-    _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes")
+    _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes", "upload_arena")
     _BOOLS = ("insecure",)
 
     @classmethod

@@ -49,9 +49,11 @@ class DeviceBackend(abc.ABC):
         """Name, vendor, memory sizes, limits: JSON-safe."""
 
     @abc.abstractmethod
-    def new_context(self, tenant: str = "") -> "DeviceContext":
+    def new_context(self, tenant: str = "", upload_arena: int = 0) -> "DeviceContext":
         """A fresh per-session context with its own in-order queue, for a
-        session of ``tenant`` (a backend may keep tenants apart)."""
+        session of ``tenant`` (a backend may keep tenants apart).
+        ``upload_arena``: bytes of shared memory the backend may set aside
+        for the tenant's write payloads (``DeviceContext.lease_upload``)."""
 
     def close(self) -> None:
         """Release the device."""
@@ -73,6 +75,20 @@ class DeviceContext(abc.ABC):
 
     @abc.abstractmethod
     def write(self, handle: int, offset: int, data) -> None: ...
+
+    def lease_upload(self, nbytes: int):
+        """Where the data plane may receive a write's payload of ``nbytes``
+        so that this context takes it without a copy: an ``ArenaLease``
+        (``pool.devices.arena``), or None: a buffer of the pool's own."""
+        return None
+
+    def write_leased(self, handle: int, offset: int, lease, meanwhile=None) -> None:
+        """A write whose payload was received into ``lease``; ``meanwhile()``
+        (which only reads the payload) runs while the write does, where the
+        backend can run them side by side."""
+        if meanwhile is not None:
+            meanwhile()
+        self.write(handle, offset, lease.view)
 
     @abc.abstractmethod
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:

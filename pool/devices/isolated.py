@@ -18,6 +18,12 @@ its sessions' contexts live there.  So:
 
 The process is not trusted: its answers are checked (the call they answer
 must be in flight, a read's payload must have the size asked for).
+
+A write's payload reaches the process through the tenant's upload arena
+where there is room (``accelmig.pool.devices.arena``): the data plane
+receives it there straight from TCP (``IsolatedContext.lease_upload``) and
+the call carries only where it lies (``write_arena``); else it goes down
+the socket pair as before.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import tempfile
 import threading
 import time
 
+from accelmig.pool.devices.arena import ArenaLease, UploadArena
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
 from accelmig.pool.devices.worker import PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
@@ -83,7 +90,7 @@ class _Call:
 class TenantProcess:
     """One tenant's device process: calls out, answers back, a watchdog."""
 
-    def __init__(self, backend: "IsolatedBackend", tenant: str):
+    def __init__(self, backend: "IsolatedBackend", tenant: str, upload_arena: int = 0):
         self.backend = backend
         self.tenant = tenant
         self.dead: Killed | None = None
@@ -94,20 +101,29 @@ class TenantProcess:
         self._lock = threading.Condition()
         self._watch_until = 0.0          # when the watchdog looks next (it sets it; the lock guards it)
         self.calls_started = 0           # every call sent (status, tests: a finish that skipped it)
+        self.pipe_payload_bytes = 0      # payload bytes sent down the socket pair
+        self.arena_bytes = 0             # write bytes the process took from the arena instead
+        self.arena = self._make_arena(tenant, upload_arena)
+        self.arena_ready = False         # the process said it mapped it ("ready")
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
         # the pool's environment (POCL_KERNEL_CACHE=0 turns the cache off), its own cache directory
         env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"))
+        arena_args: list[str] = []
+        if self.arena is not None:
+            arena_args = ["--arena-fd", str(self.arena.child_fd), "--arena-size", str(self.arena.size)]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "accelmig.pool.devices.worker", "--fd", str(theirs.fileno()),
                  "--device", backend.device_spec, "--max-builds", str(backend.max_builds),
-                 "--tenant", tenant],
-                pass_fds=[theirs.fileno()], cwd=self.directory, env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL)
+                 "--tenant", tenant, *arena_args],
+                pass_fds=[theirs.fileno()] + ([self.arena.child_fd] if self.arena else []),
+                cwd=self.directory, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         finally:
             theirs.close()
+            if self.arena is not None:
+                self.arena.close_child_fd()
         self.sock = ours
         self._frames = FrameWriter(ours)       # whole frames, one writer at a time (as the process's)
         self.reader = FrameReader(PIPE_LIMITS, payload_sink=self._payload_sink)
@@ -117,6 +133,25 @@ class TenantProcess:
                  extra={"tenant": tenant, "pid": self.proc.pid})
         threading.Thread(target=self._read_answers, name=f"devproc-{tenant}-rx", daemon=True).start()
         threading.Thread(target=self._watch, name=f"devproc-{tenant}-watchdog", daemon=True).start()
+
+    @staticmethod
+    def _make_arena(tenant: str, size: int) -> UploadArena | None:
+        if size <= 0:
+            return None
+        try:
+            return UploadArena(size)
+        except (OSError, ValueError) as exc:      # no memfd here, or too small: the copy path
+            LOG.warning("tenant %s: no upload arena (%s); writes go through the device process's "
+                        "socket", tenant, exc, extra={"tenant": tenant})
+            return None
+
+    def lease_upload(self, nbytes: int) -> ArenaLease | None:
+        """Where to receive a write's payload of ``nbytes``: a lease of the
+        arena, or None (no arena, not mapped yet, full, or the process is
+        gone): the caller then takes a buffer of its own."""
+        if self.arena is None or not self.arena_ready or self.dead is not None:
+            return None
+        return self.arena.lease(nbytes)
 
     # -- calls -------------------------------------------------------------------------
     def new_context(self) -> int:
@@ -139,6 +174,7 @@ class TenantProcess:
             call_id = next(self._ids)
             self._calls[call_id] = call
             self.calls_started += 1
+            self.pipe_payload_bytes += len(payload)
             if call.deadline < self._watch_until:
                 # the watchdog sleeps past this deadline: wake it (a call
                 # after another one has a later deadline: no wake-up each)
@@ -226,7 +262,10 @@ class TenantProcess:
                             raise ProtocolError(reason="it did not start: " + (
                                 str(error.get("message")) if isinstance(error, dict) else str(frame.header)[:200]))
                         started = True
-                        LOG.info("device process of tenant %s ready", self.tenant, extra={"tenant": self.tenant})
+                        self.arena_ready = self.arena is not None and frame.header.get("arena") == self.arena.size
+                        LOG.info("device process of tenant %s ready (upload arena: %s)", self.tenant,
+                                 f"{self.arena.size} bytes" if self.arena_ready else "none",
+                                 extra={"tenant": self.tenant})
                         continue
                     with self._lock:
                         call = self._calls.pop(frame.header.get("id"), None)
@@ -348,11 +387,11 @@ class IsolatedBackend(DeviceBackend):
     def info(self) -> dict:
         return dict(self._info)
 
-    def new_context(self, tenant: str = "") -> "IsolatedContext":
+    def new_context(self, tenant: str = "", upload_arena: int = 0) -> "IsolatedContext":
         with self._lock:
             process = self._tenants.get(tenant)
             if process is None or process.dead is not None:
-                process = self._tenants[tenant] = TenantProcess(self, tenant)
+                process = self._tenants[tenant] = TenantProcess(self, tenant, upload_arena)
             ctx_id = process.new_context()
         return IsolatedContext(self, process, ctx_id)
 
@@ -432,6 +471,24 @@ class IsolatedContext(DeviceContext):
 
     def write(self, handle: int, offset: int, data) -> None:
         self._call("write", {"buf": handle, "offset": offset}, data)
+
+    def lease_upload(self, nbytes: int) -> ArenaLease | None:
+        return self.process.lease_upload(nbytes)
+
+    def write_leased(self, handle: int, offset: int, lease: ArenaLease, meanwhile=None) -> None:
+        if lease.arena is not self.process.arena:     # (not this process's: the copy path)
+            super().write_leased(handle, offset, lease, meanwhile)
+            return
+        self._quiet = False
+        call = self.process.start(self.ctx_id, "write_arena", {"buf": handle, "offset": offset,
+                                                               "at": lease.offset, "size": lease.size})
+        try:
+            if meanwhile is not None:
+                meanwhile()          # (the pool's digest of the payload, beside the process's write)
+        finally:
+            self.process.wait(call)  # the lease is the caller's again only once the write is over
+        with self.process._lock:
+            self.process.arena_bytes += lease.size
 
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")

@@ -72,7 +72,7 @@ class _Context:
 
 
 class _Backend:
-    def new_context(self, tenant=""):
+    def new_context(self, tenant="", upload_arena=0):
         return _Context()
 
 
