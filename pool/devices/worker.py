@@ -141,6 +141,12 @@ class ContextThread:
         threading.Thread(target=self._run, name=f"ctx-{ctx_id}", daemon=True).start()
 
     def _run(self) -> None:
+        try:
+            self._answer_calls()
+        except OSError as exc:       # the pool's end closed (it stopped): nobody to answer
+            LOG.info("context %d: the pool went away (%s)", self.ctx_id, exc)
+
+    def _answer_calls(self) -> None:
         held: list[dict] = []        # payload-less answers not sent yet
         while True:
             header, payload = self.calls.get()
