@@ -43,7 +43,7 @@ import time
 
 from accelmig.pool.devices.arena import ArenaLease, UploadArena
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
-from accelmig.pool.devices.worker import PIPE_LIMITS, FrameWriter, encode_args
+from accelmig.pool.devices.worker import LAUNCH_BATCH, PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
 from accelmig.wire.frames import FrameReader
 
@@ -85,6 +85,20 @@ class _Call:
         self.answer: dict | None = None
         self.payload = b""
         self.error: AccelmigError | None = None
+
+
+class _LaunchBatch:
+    """Pipelined launches of one context gathered into one ``launches`` call
+    (one frame, one answer, one loop in the device process).  Written and
+    read by the session's worker only."""
+
+    __slots__ = ("launches", "call", "error", "failed")
+
+    def __init__(self):
+        self.launches: list = []
+        self.call: _Call | None = None
+        self.error: AccelmigError | None = None     # it could not be sent
+        self.failed: dict | None = None             # index -> error (wire form), once answered
 
 
 class TenantProcess:
@@ -440,9 +454,13 @@ class IsolatedContext(DeviceContext):
         # a new buffer's zeroing run on after their call returns): a finish
         # would wait for nothing.  Written by the session's worker only.
         self._quiet = False
+        # Launches not sent yet: they go as one call at the next wait for
+        # one of them, the next other call, or LAUNCH_BATCH of them.
+        self._batch: _LaunchBatch | None = None
 
     def _call(self, method: str, args: dict | None = None, payload=b"", out=None):
         self._quiet = False
+        self._send_batch()                   # (in order: the launches before it go first)
         return self.process.call(self.ctx_id, method, args or {}, payload, out)
 
     def finish_is_noop(self) -> bool:
@@ -480,6 +498,7 @@ class IsolatedContext(DeviceContext):
             super().write_leased(handle, offset, lease, meanwhile)
             return
         self._quiet = False
+        self._send_batch()
         call = self.process.start(self.ctx_id, "write_arena", {"buf": handle, "offset": offset,
                                                                "at": lease.offset, "size": lease.size})
         try:
@@ -519,13 +538,58 @@ class IsolatedContext(DeviceContext):
         self.process.wait(self._start_launch(program, kernel, gsize, lsize, args))
 
     def launch_begin(self, program: int, kernel: str, gsize, lsize, args):
-        # Pipelined: a round trip to the process per launch would cost more
-        # than the launch; its answer is settled before the command's reply.
-        call = self._start_launch(program, kernel, gsize, lsize, args)
-        return lambda: self.process.wait(call)
+        # Pipelined and gathered: a call per launch cost the pool and the
+        # process more than the launch; its outcome is settled before the
+        # command's reply (the first settle sends the batch).
+        self._quiet = False
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = _LaunchBatch()
+        index = len(batch.launches)
+        batch.launches.append([program, kernel, list(gsize), list(lsize) if lsize else None,
+                               encode_args(args)])
+        if len(batch.launches) >= LAUNCH_BATCH:
+            self._send_batch()
+        return lambda: self._launch_outcome(batch, index)
+
+    def _send_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        try:
+            batch.call = self.process.start(self.ctx_id, "launches", {"l": batch.launches}, cork=True)
+        except AccelmigError as exc:          # the process is gone: each launch says so
+            batch.error = exc
+
+    def _launch_outcome(self, batch: _LaunchBatch, index: int) -> None:
+        if batch is self._batch:
+            self._send_batch()
+        if batch.error is not None:
+            raise batch.error
+        if batch.failed is None:
+            try:
+                result, _ = self.process.wait(batch.call)
+            except AccelmigError as exc:     # the whole call failed (KILLED): every launch of it
+                batch.error = exc
+                raise
+            batch.failed = self._failures(result, len(batch.launches))
+        error = batch.failed.get(index)
+        if error is not None:
+            raise from_wire(error)
+
+    def _failures(self, result, count: int) -> dict:
+        """The process's answer to a batch, checked: [index, error] pairs."""
+        failed = result.get("failed") if isinstance(result, dict) else None
+        if not isinstance(failed, list) or not all(
+                isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                and 0 <= item[0] < count and isinstance(item[1], dict) for item in failed):
+            self.process._kill(f"it answered a launch batch with {str(result)[:200]}")
+            raise self.process.dead
+        return {index: error for index, error in failed}
 
     def _start_launch(self, program, kernel, gsize, lsize, args):
         self._quiet = False
+        self._send_batch()
         return self.process.start(self.ctx_id, "launch", {
             "prog": program, "kernel": kernel, "gsize": list(gsize),
             "lsize": list(lsize) if lsize else None, "args": encode_args(args)}, cork=True)
@@ -551,6 +615,7 @@ class IsolatedContext(DeviceContext):
             first, self._released = not self._released, True
         if first:
             try:
+                self._send_batch()
                 self.process.start(self.ctx_id, "release", {})
             except AccelmigError:
                 pass                             # the process is gone: nothing to drop

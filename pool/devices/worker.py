@@ -73,6 +73,9 @@ def decode_args(args: list) -> list:
 #: corked frames go out at this size at the latest
 CORK_BYTES = 256 << 10
 
+#: pipelined launches the pool sends as one call at most (``launches``)
+LAUNCH_BATCH = 256
+
 
 class FrameWriter:
     """Whole frames onto a socket of the pair, one writer at a time (both
@@ -178,6 +181,24 @@ class ContextThread:
                     self.answers.send_headers(held)
                 return
 
+    def _launches(self, launches: list) -> list:
+        """A batch of pipelined launches, in order, in one loop: each is its
+        own command, so one that fails stops none after it; the answer
+        lists only the failures, [index, error] each."""
+        if not isinstance(launches, list) or len(launches) > LAUNCH_BATCH:
+            raise BadRequest(reason="device process: a launch batch is a list of at most "
+                                    f"{LAUNCH_BATCH} launches")
+        ctx, failed = self.context, []
+        for index, launch in enumerate(launches):
+            try:
+                prog, kernel, gsize, lsize, args = launch
+                ctx.launch(prog, kernel, gsize, lsize, decode_args(args))
+            except AccelmigError as exc:
+                failed.append([index, exc.to_wire()])
+            except Exception as exc:       # a runtime failing oddly, or a malformed entry
+                failed.append([index, InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()])
+        return failed
+
     def _execute(self, h: dict, payload) -> tuple:
         ctx, a, method = self.context, h.get("a", {}), h.get("m")
         if method == "alloc":
@@ -215,6 +236,8 @@ class ContextThread:
             ctx.free_program(a["prog"])
         elif method == "launch":
             ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]))
+        elif method == "launches":
+            return {"failed": self._launches(a["l"])}, b""
         elif method == "finish":
             ctx.finish()
         elif method == "release":
