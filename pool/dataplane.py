@@ -308,7 +308,7 @@ class DataConnection(asyncio.BufferedProtocol):
                 raise ProtocolError(reason=f"expected open or resume, got {op.value}")
             return
         # ATTACHED
-        lease = self._take_lease(payload)
+        lease = self._take_lease(payload) if self._leases else None
         try:
             submitted = self._handle_command(op, header, payload, lease)
         except BaseException:
