@@ -126,6 +126,8 @@ class Pool:
                 record.close(now)
             elif record.state is RecordStateName.COMPLETED:
                 record.close(now)
+        for device in self.devices:
+            device.backend.trim_idle(self.config.upload_arena_keep)
         # forget final records after a while (bounded memory)
         for key, record in list(self.records.items()):
             if record.final and now - max(record.times.values()) > 3600:

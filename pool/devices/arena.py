@@ -24,6 +24,11 @@ write from its own mapping of the same pages.
   the tenant's quota).  A payload that does not fit in what is free is
   received the old way (a pool buffer, copied through the socket pair):
   the arena never waits and never grows.
+- **Resident only while used**: pages written stay (touching fresh shared
+  pages costs ten times the copy into them), until the arena has held
+  nothing for ``upload_arena_keep`` seconds; then they go back to the
+  system (``MADV_REMOVE``: ~0.1 s for 256 MiB, so on a thread of its own,
+  never the loop; payloads meanwhile take the copy path).
 
 Leases are taken on the pool's event loop (the frame reader's payload
 sink) and given back from the loop or a session's worker: one lock.
@@ -37,6 +42,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 
 LOG = logging.getLogger("accelmig.pool.devices")
 
@@ -70,7 +76,7 @@ class UploadArena:
 
     NAME = "accelmig-upload-arena"
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, clock=time.monotonic):
         if size < ALIGN:
             raise ValueError(f"an upload arena of {size} bytes holds not one page")
         self.size = size - size % ALIGN
@@ -90,6 +96,11 @@ class UploadArena:
         self.in_use = 0
         self.leases = 0                     # payloads received into the arena
         self.fallbacks = 0                  # payloads that did not fit: the copy path took them
+        self.clock = clock
+        self.last_used = clock()
+        self.touched = False                # pages written since the last trim: resident
+        self.trimming = False               # its pages are going back: no lease meanwhile
+        self.trims = 0
 
     def close_child_fd(self) -> None:
         """Once the device process holds it: the pool keeps only its mapping."""
@@ -101,6 +112,9 @@ class UploadArena:
         """A run of ``nbytes`` (first fit), or None when none is free."""
         need = -(-nbytes // ALIGN) * ALIGN
         with self._lock:
+            if self.trimming:
+                self.fallbacks += 1
+                return None
             for index, offset in enumerate(self._free_offsets):
                 have = self._free_sizes[offset]
                 if have < need:
@@ -113,6 +127,7 @@ class UploadArena:
                     self._free_sizes[offset + need] = have - need
                 self.in_use += need
                 self.leases += 1
+                self.touched = True
                 return ArenaLease(self, offset, nbytes)
             self.fallbacks += 1
             return None
@@ -121,6 +136,7 @@ class UploadArena:
         offset, size = lease.offset, -(-lease.size // ALIGN) * ALIGN
         with self._lock:
             self.in_use -= size
+            self.last_used = self.clock()
             index = bisect.bisect(self._free_offsets, offset)
             # join the free run after it, then the one before it
             after = offset + size
@@ -133,6 +149,30 @@ class UploadArena:
             else:
                 self._free_offsets.insert(index, offset)
                 self._free_sizes[offset] = size
+
+    def begin_trim(self, idle_for: float) -> bool:
+        """True when nothing was leased for ``idle_for`` seconds and pages
+        are resident: the caller must ``end_trim`` (no lease until then)."""
+        with self._lock:
+            if self.in_use or not self.touched or self.trimming or self.clock() - self.last_used < idle_for:
+                return False
+            self.trimming = True
+            return True
+
+    def end_trim(self) -> int:
+        """Give the pages back (without the lock: it takes a while); the bytes."""
+        try:
+            self.map.madvise(mmap.MADV_REMOVE)
+        finally:
+            with self._lock:
+                self.trimming = False
+                self.touched = False
+                self.trims += 1
+        return self.size
+
+    def trim_if_idle(self, idle_for: float) -> int:
+        """Both at once: the bytes given back (0: in use, recent, or trimmed already)."""
+        return self.end_trim() if self.begin_trim(idle_for) else 0
 
     def free_runs(self) -> list[tuple[int, int]]:
         """(offset, size) of every free run, in order (tests, status)."""

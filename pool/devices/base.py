@@ -58,6 +58,10 @@ class DeviceBackend(abc.ABC):
     def close(self) -> None:
         """Release the device."""
 
+    def trim_idle(self, idle_for: float) -> None:
+        """Give back host memory kept for reuse that nothing used for
+        ``idle_for`` seconds (upload arenas); called from the pool's janitor."""
+
 
 class DeviceContext(abc.ABC):
     """One session's objects on a device.  Handles are the driver's."""

@@ -428,6 +428,22 @@ class IsolatedBackend(DeviceBackend):
             if self._tenants.get(process.tenant) is process:
                 del self._tenants[process.tenant]
 
+    def trim_idle(self, idle_for: float) -> None:
+        """(On the loop) idle arenas' pages go back on a thread: giving back
+        256 MiB takes ~0.1 s, which the loop must not wait for."""
+        with self._lock:
+            processes = [p for p in self._tenants.values() if p.arena is not None and p.dead is None]
+        due = [p for p in processes if p.arena.begin_trim(idle_for)]
+        if due:
+            threading.Thread(target=self._trim, args=(due, idle_for), name="arena-trim", daemon=True).start()
+
+    @staticmethod
+    def _trim(due: list, idle_for: float) -> None:
+        for process in due:
+            given = process.arena.end_trim()
+            LOG.info("tenant %s: upload arena idle for %g s: its pages (up to %d MiB) given back",
+                     process.tenant, idle_for, given >> 20, extra={"tenant": process.tenant})
+
     def processes(self) -> dict[str, int]:
         """Tenant -> pid of its device process (for status and tests)."""
         with self._lock:

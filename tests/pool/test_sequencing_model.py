@@ -75,6 +75,9 @@ class _Backend:
     def new_context(self, tenant="", upload_arena=0):
         return _Context()
 
+    def trim_idle(self, idle_for):       # nothing kept for reuse
+        pass
+
 
 class ModelConnection(DataConnection):
     """The pool's own connection logic; its frames go to ``frames``."""

@@ -276,6 +276,7 @@ def test_a_device_process_refuses_a_write_outside_its_arena():
 # -- the allocator -----------------------------------------------------------------
 def test_the_allocator_fits_first_joins_neighbours_and_counts_what_did_not_fit():
     arena = UploadArena(8 * ALIGN)
+    arena.close_child_fd()                   # (no device process here to hand it to)
     a, b, c = arena.lease(ALIGN), arena.lease(2 * ALIGN + 1), arena.lease(ALIGN)
     assert (a.offset, b.offset, c.offset) == (0, ALIGN, 4 * ALIGN)    # page-aligned, first fit
     assert arena.lease(4 * ALIGN) is None and arena.fallbacks == 1    # 3 pages free, not 4
@@ -296,6 +297,7 @@ def test_the_allocator_fits_first_joins_neighbours_and_counts_what_did_not_fit()
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * ALIGN)), max_size=60))
 def test_leases_never_overlap_and_every_byte_comes_back(steps):
     arena = UploadArena(16 * ALIGN)
+    arena.close_child_fd()
     held: list = []
     for take, nbytes in steps:
         if take or not held:
@@ -313,3 +315,51 @@ def test_leases_never_overlap_and_every_byte_comes_back(steps):
     for lease in held:
         lease.release()
     assert arena.free_runs() == [(0, arena.size)]
+
+
+# -- resident only while used ------------------------------------------------------
+def test_an_idle_arena_gives_its_pages_back_once_and_only_when_idle_long_enough():
+    now = [100.0]
+    arena = UploadArena(16 * ALIGN, clock=lambda: now[0])
+    blocks = lambda: os.fstat(arena.child_fd).st_blocks      # the memfd's pages, counted by the kernel
+    lease = arena.lease(8 * ALIGN)
+    lease.view[:] = b"\xab" * (8 * ALIGN)
+    assert blocks() > 0
+    now[0] += 100
+    assert arena.trim_if_idle(30) == 0                        # in use: kept
+    lease.release()
+    now[0] += 29
+    assert arena.trim_if_idle(30) == 0 and blocks() > 0       # idle, not long enough
+    now[0] += 2
+    assert arena.trim_if_idle(30) == arena.size and blocks() == 0
+    assert bytes(arena.map[:8]) == bytes(8)                   # given back: zeros if read again
+    assert arena.trim_if_idle(30) == 0 and arena.trims == 1   # once
+    now[0] += 100
+    assert arena.begin_trim(30) is False                      # nothing resident: nothing to do
+    lease = arena.lease(ALIGN)
+    lease.release()
+    now[0] += 100
+    assert arena.begin_trim(30) is True
+    assert arena.lease(ALIGN) is None                         # while trimming: the copy path
+    assert arena.begin_trim(30) is False                      # (one trim at a time)
+    arena.end_trim()
+    again = arena.lease(ALIGN)                                # and usable again
+    again.view[:3] = b"new"
+    assert bytes(arena.map[:3]) == b"new" and arena.touched
+    again.release()
+    arena.close_child_fd()
+
+
+def test_the_janitor_gives_an_idle_tenants_arena_pages_back():
+    with PoolThread(tenants=TENANTS, upload_arena_keep=0.2) as pool:
+        with connect(pool.endpoint, ALICE, agent=False, timeout=60) as dev:
+            buf = dev.alloc(4 * MIB)
+            dev.finish()
+            dev.write(buf, pattern(4 * MIB, 1))
+            process = process_of(pool, "alice")
+            (fd,) = _arena_fds(process.proc.pid)
+            wait_for(lambda: process.arena.trims == 1, 20, "the janitor to trim the idle arena")
+            assert os.stat(f"/proc/{process.proc.pid}/fd/{fd}").st_blocks == 0
+            dev.write(buf, pattern(4 * MIB, 2))                # the arena takes writes again
+            assert bytes(dev.read(buf)) == pattern(4 * MIB, 2)
+            assert figures(pool, "alice")["leases"] == 2
