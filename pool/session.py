@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Callable
 
-from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg, buildpolicy
+from accelmig.pool.devices import DeviceContext, buildpolicy
 from accelmig.pool.sequencing import SequenceLog, StoredReply
-from accelmig.wire.dataplane import Op, decode_scalar
+from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
 
@@ -506,18 +506,6 @@ def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
             for command, reply in batch]
 
 
-def _launch_args(header: dict) -> list:
-    args = []
-    for index, arg in enumerate(header["args"]):
-        if "buf" in arg:
-            args.append(BufferArg(arg["buf"]))
-        elif "local" in arg:
-            args.append(LocalArg(arg["local"]))
-        else:
-            args.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
-    return args
-
-
 def _check_object_limit(session: Session, kind: str) -> None:
     """Before a buffer or program is made: the session's count limit."""
     if session.objects >= session.max_objects:
@@ -542,7 +530,7 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         if settle is not None and command.lease is None:
             settle()                    # digest the payload here, off the event loop
         if op is Op.LAUNCH:
-            outcome = ctx.launch_begin(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
+            outcome = ctx.launch_begin_wire(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), h["args"])
             if outcome is not None:
                 return PendingReply(session, command, outcome)
             counters.launches += 1

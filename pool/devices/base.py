@@ -38,6 +38,20 @@ class BuildResult:
     binary_size: int = 0
 
 
+def args_from_wire(args: list) -> list:
+    """Validated wire arguments as ``BufferArg``, ``LocalArg``, ``ScalarArg``."""
+    from accelmig.wire.dataplane import decode_scalar
+    out = []
+    for index, arg in enumerate(args):
+        if "buf" in arg:
+            out.append(BufferArg(arg["buf"]))
+        elif "local" in arg:
+            out.append(LocalArg(arg["local"]))
+        else:
+            out.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
+    return out
+
+
 class DeviceBackend(abc.ABC):
     """One accelerator device, shared by many sessions."""
 
@@ -125,6 +139,14 @@ class DeviceContext(abc.ABC):
         its error).  The session settles it before it answers the command."""
         self.launch(program, kernel, gsize, lsize, args)
         return None
+
+    def launch_begin_wire(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
+                          args: list):
+        """``launch_begin`` with the arguments as the data plane carries
+        them (``wire.dataplane``, validated already: ``{"buf"}``,
+        ``{"local"}``, ``{"t", "x"}``); a backend that passes them on as
+        they are (to a device process) skips their decoding."""
+        return self.launch_begin(program, kernel, gsize, lsize, args_from_wire(args))
 
     @abc.abstractmethod
     def finish(self) -> None: ...

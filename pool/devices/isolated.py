@@ -554,16 +554,19 @@ class IsolatedContext(DeviceContext):
         self.process.wait(self._start_launch(program, kernel, gsize, lsize, args))
 
     def launch_begin(self, program: int, kernel: str, gsize, lsize, args):
+        return self.launch_begin_wire(program, kernel, gsize, lsize, encode_args(args))
+
+    def launch_begin_wire(self, program: int, kernel: str, gsize, lsize, args: list):
         # Pipelined and gathered: a call per launch cost the pool and the
         # process more than the launch; its outcome is settled before the
-        # command's reply (the first settle sends the batch).
+        # command's reply (the first settle sends the batch).  The data
+        # plane's argument form is the device process's: passed on as it is.
         self._quiet = False
         batch = self._batch
         if batch is None:
             batch = self._batch = _LaunchBatch()
         index = len(batch.launches)
-        batch.launches.append([program, kernel, list(gsize), list(lsize) if lsize else None,
-                               encode_args(args)])
+        batch.launches.append([program, kernel, list(gsize), list(lsize) if lsize else None, args])
         if len(batch.launches) >= LAUNCH_BATCH:
             self._send_batch()
         return lambda: self._launch_outcome(batch, index)
