@@ -153,3 +153,26 @@ def test_a_launch_that_fails_in_a_batch_fails_alone():
             assert (np.frombuffer(dev.read(buf), np.uint32) == expected(start, ns + ns)).all()
             counters = pool.session(dev.sid)["counters"]
             assert counters["launches"] == 2 * len(ns)           # the two failed ones did not count
+
+
+MIX = ("__kernel void blend(__global uint *a, __local uint *tmp, uint n, ulong m) {"
+       " size_t i = get_global_id(0); tmp[get_local_id(0)] = a[i] * 3u + n + (uint)m;"
+       " barrier(CLK_LOCAL_MEM_FENCE); a[i] = tmp[get_local_id(0)]; }")
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_launch_arguments_of_every_kind_reach_the_kernel_in_a_device_process_or_in_the_pool(isolation):
+    """Buffer, local-memory and scalar arguments: passed on as the data plane
+    carried them to a device process, decoded for the in-process backend;
+    the same result either way."""
+    from accelmig.agent.driver.args import LocalMemory
+    with PoolThread(tenants=TENANTS, device_isolation=isolation) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            start = np.arange(64, dtype=np.uint32)
+            buf = dev.upload(start.tobytes())
+            prog = dev.build(MIX)
+            for n in range(1, 6):
+                prog.launch("blend", 64, 16, buf, LocalMemory(16 * 4), np.uint32(n), np.uint64(1 << 33 | n))
+            got = np.frombuffer(dev.read(buf), np.uint32)
+            assert (got == expected(start, [2 * n for n in range(1, 6)])).all()
+            assert pool.session(dev.sid)["counters"]["launches"] == 5
