@@ -109,7 +109,10 @@ class UploadArena:
             self.child_fd = -1
 
     def lease(self, nbytes: int) -> ArenaLease | None:
-        """A run of ``nbytes`` (first fit), or None when none is free."""
+        """A run of ``nbytes`` (first fit), or None when none is free (or
+        for nothing: an empty payload needs no place)."""
+        if nbytes <= 0:
+            return None
         need = -(-nbytes // ALIGN) * ALIGN
         with self._lock:
             if self.trimming:

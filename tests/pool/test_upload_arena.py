@@ -291,6 +291,7 @@ def test_the_allocator_fits_first_joins_neighbours_and_counts_what_did_not_fit()
     assert bytes(arena.map[:5]) == b"hello"
     assert arena.lease(1) is None
     whole.release()
+    assert arena.lease(0) is None and arena.free_runs() == [(0, 8 * ALIGN)]   # nothing to place
 
 
 @settings(max_examples=150, deadline=None)
