@@ -3,6 +3,7 @@ tenant's device process at once, while the driver runs one hot loop.
 
     python -m bench.profile finish     # finish() on an idle session, in a loop
     python -m bench.profile launch     # pipelined launches of a trivial kernel, a finish per 1,000
+    python -m bench.profile upload     # 64 MiB writes into one buffer, back to back
 
 Needs py-spy (``.venv/bin/pip install py-spy``; not a dependency of the
 project) and the rights to attach to the processes it starts (root, or
@@ -30,11 +31,17 @@ from bench.common import RESULTS
 from bench.remoting import COUNTER, SMALL, start_pool
 
 
-def hot_loop(dev, prog, small, which: str, seconds: float) -> float:
-    """Run the loop for ``seconds``; its rate per second."""
+UPLOAD = 64 << 20
+
+
+def hot_loop(dev, prog, small, which: str, seconds: float, bulk=None) -> float:
+    """Run the loop for ``seconds``; its rate per second (bytes for uploads)."""
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        if which == "finish":
+        if which == "upload":
+            dev.write(bulk[0], bulk[1])
+            done += len(bulk[1])
+        elif which == "finish":
             for _ in range(100):
                 dev.finish()
             done += 100
@@ -67,7 +74,7 @@ def summarise(path: str, top: int = 15) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="bench profile", description=__doc__.split("\n")[0])
-    parser.add_argument("loop", choices=("finish", "launch"))
+    parser.add_argument("loop", choices=("finish", "launch", "upload"))
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     args = parser.parse_args(argv)
@@ -84,7 +91,9 @@ def main(argv=None) -> None:
         dev = connect(endpoint, "bench-token-0001", agent=False, insecure=True)
         prog = dev.build(COUNTER)          # the tenant's device process runs from here on
         small = dev.upload(bytes(SMALL))
-        hot_loop(dev, prog, small, args.loop, 0.5)     # warm up
+        data = os.urandom(UPLOAD) if args.loop == "upload" else b""
+        bulk = (dev.upload(data), data) if data else None
+        hot_loop(dev, prog, small, args.loop, 0.5, bulk)     # warm up
         children = subprocess.run(["pgrep", "-P", str(pool.pid)], capture_output=True,
                                   text=True).stdout.split()
         targets = {"driver": os.getpid(), "pool": pool.pid, "device-process": int(children[0])}
@@ -96,11 +105,12 @@ def main(argv=None) -> None:
                  "-o", outputs[name], "--pid", str(pid), "-d", str(int(args.seconds))],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.5)                    # the samplers attach
-        rate = hot_loop(dev, prog, small, args.loop, args.seconds)
+        rate = hot_loop(dev, prog, small, args.loop, args.seconds, bulk)
         for spy_proc in spies:
             spy_proc.wait(60)
         dev.close()
-        print(f"{args.loop}: {rate:,.0f}/s under the samplers")
+        print(f"{args.loop}: " + (f"{rate / (1 << 30):.2f} GiB/s" if bulk else f"{rate:,.0f}/s")
+              + " under the samplers")
         for name, path in outputs.items():
             print(f"\n== {name}: " + (summarise(path) if os.path.exists(path) else "py-spy wrote nothing"))
     finally:

@@ -92,6 +92,10 @@ def main():
 @click.option("--device-time-limit", type=float, metavar="SECONDS", help="Longest one device call of a "
               "tenant (a finish, a read, a build) may take before its device process is killed "
               "[default 60].")
+@click.option("--upload-arena", metavar="SIZE", help="Shared memory per tenant and device that write "
+              "payloads are received into straight from the network, so they reach the tenant's device "
+              "process without a copy through its socket; at most the tenant's quota; 0: off "
+              "[config: upload_arena; default 256MiB].")
 @click.option("--admin-socket", metavar="PATH", help="Local admin socket for 'sessions' and "
               "'migrations' [default /run/accelmig/pool.sock]; '' disables it.")
 @click.option("--metrics-listen", type=ListenAddress(optional=True), help="Serve Prometheus metrics over HTTP "

@@ -176,6 +176,17 @@ class PoolConfig:
                "kernels, a build) may take; then the tenant's device process is killed and its "
                "sessions end with KILLED. Only with `device_isolation = \"process\"`.",
         "type": "number (seconds)"})
+    upload_arena: int = dataclasses.field(default=256 << 20, metadata={
+        "doc": "Per tenant and device (with `device_isolation = \"process\"`): shared memory "
+               "between the pool and the tenant's device process that write payloads are "
+               "received into straight from the network, so they do not cross a socket to the "
+               "device process; at most the tenant's `quota`. A payload that finds no room "
+               "takes the older path (copied through the socket). 256 MiB holds a driver's "
+               "whole flight of chunks; `0`: off.", "type": "size"})
+    upload_arena_keep: float = dataclasses.field(default=30.0, metadata={
+        "doc": "Seconds an upload arena that holds no payload keeps its pages resident (written "
+               "pages are reused: touching fresh ones costs ten times the copy into them); then "
+               "they go back to the system until the next write.", "type": "number (seconds)"})
     max_source_bytes: int = dataclasses.field(default=1 << 20, metadata={
         "doc": "Largest program source a build takes (sources are self-contained: `#include` "
                "and options that name files are refused).", "type": "size"})
@@ -271,10 +282,10 @@ class PoolConfig:
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
     _FLOATS = ("cluster_ttl", "grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
-               "device_time_limit")
+               "device_time_limit", "upload_arena_keep")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
-    _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes")
+    _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes", "upload_arena")
     _BOOLS = ("insecure",)
 
     @classmethod

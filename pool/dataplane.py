@@ -12,6 +12,7 @@ looked at once it is fenced.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import secrets
@@ -53,8 +54,10 @@ class DataConnection(asyncio.BufferedProtocol):
         self.tls_resumed = False    # the driver resumed a TLS session (a reconnect's ticket)
         self._first_bytes = True    # a TLS hello on a plain pool gets a clear log line
         self._buffer: memoryview | None = None
-        self.reader = FrameReader(PREAUTH_LIMITS, staging_floor=0,
-                                  payload_sink=lambda header, size: pool.buffers.get(size))
+        self.reader = FrameReader(PREAUTH_LIMITS, staging_floor=0, payload_sink=self._payload_sink)
+        # (view, lease) of payloads received into the upload arena, in frame
+        # order, until their frame is handled (or the connection ends)
+        self._leases: collections.deque = collections.deque()
         self.state = ConnState.HELLO
         self.transport: asyncio.Transport | None = None
         self.session = None
@@ -136,6 +139,29 @@ class DataConnection(asyncio.BufferedProtocol):
             # then finds nothing.
             self.flush()
 
+    def _payload_sink(self, header: dict, size: int):
+        """Where a large payload is received: a write's into its tenant's
+        upload arena when there is room (its device process takes it from
+        there, no copy through a socket), anything else into a pool buffer.
+        The header is not validated yet: a bad one gives its lease back in
+        ``_handle``, a connection that ends gives back every one it holds."""
+        if self.state is ConnState.ATTACHED and header.get("op") == Op.WRITE.value:
+            lease = self.session.context.lease_upload(size)
+            if lease is not None:
+                self._leases.append((lease.view, lease))
+                return lease.view
+        return self.pool.buffers.get(size)
+
+    def _take_lease(self, payload):
+        """The arena lease ``payload`` was received into, if any (now the caller's)."""
+        if self._leases and self._leases[0][0] is payload:
+            return self._leases.popleft()[1]
+        return None
+
+    def _drop_leases(self) -> None:
+        while self._leases:
+            self._leases.popleft()[1].release()
+
     def eof_received(self):
         return False  # close our side too
 
@@ -146,6 +172,7 @@ class DataConnection(asyncio.BufferedProtocol):
             self._handshake_timer.cancel()
             self._handshake_timer = None
         self.state = ConnState.CLOSED
+        self._drop_leases()        # payloads received (or half received) that no command took
         # Whoever closed it (the peer, or this side after an error), a
         # session still attached here is detached: its grace starts, and at
         # the end of it the quota, device memory and worker are released.
@@ -283,10 +310,24 @@ class DataConnection(asyncio.BufferedProtocol):
                 raise ProtocolError(reason=f"expected open or resume, got {op.value}")
             return
         # ATTACHED
+        lease = self._take_lease(payload) if self._leases else None
+        try:
+            submitted = self._handle_command(op, header, payload, lease)
+        except BaseException:
+            if lease is not None:
+                lease.release()          # (no command took it: it raised before)
+            raise
+        if submitted:
+            self.flow_changed()
+
+    def _handle_command(self, op: Op, header: dict, payload, lease) -> bool:
+        """A frame on an attached connection; ``lease``: the arena lease its
+        payload is in.  True: a new command took it (and nothing after may
+        raise); else it was given back here or the caller gives it back."""
         session = self.session
         if op is Op.ACK:
             self._acknowledge(session, header.get("ack"))
-            return
+            return False
         if op in dp.CONNECTION_OPS:
             raise ProtocolError(reason=f"{op.value} on an attached connection")
         dp.validate_command(header, len(payload))
@@ -299,17 +340,21 @@ class DataConnection(asyncio.BufferedProtocol):
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
             session.log.accept(seq, identity)
-            session.submit(Command(seq, op, header, payload, identity))
-            self.flow_changed()
-        elif verdict is Verdict.DUPLICATE:
+            session.submit(Command(seq, op, header, payload, identity, lease))
+            return True
+        if verdict is Verdict.DUPLICATE:
             session.counters.duplicates += 1
             self.pool.metrics.duplicates.inc()
-            self.pool.buffers.put(payload)
+            if lease is not None:
+                lease.release()
+            else:
+                self.pool.buffers.put(payload)
             stored = session.log.stored_reply(seq)
             if stored is not None:
                 self.send_reply(stored)
             # else: still queued; its reply will come on this connection
-        elif verdict is Verdict.DIVERGED:
+            return False
+        if verdict is Verdict.DIVERGED:
             raise SessionDiverged(sid=session.sid, reason=(
                 f"command {seq} ({op.value}) differs from the command the pool accepted "
                 f"under that sequence number"), details={"seq": seq})

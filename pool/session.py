@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Callable
 
-from accelmig.pool.devices import BufferArg, DeviceContext, LocalArg, ScalarArg, buildpolicy
+from accelmig.pool.devices import DeviceContext, buildpolicy
 from accelmig.pool.sequencing import SequenceLog, StoredReply
-from accelmig.wire.dataplane import Op, decode_scalar
+from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
 
@@ -132,6 +132,20 @@ class Command:
     header: dict
     payload: bytes | bytearray | memoryview
     identity: object = None      # its CommandIdentity, settled before it runs
+    # A write's payload received into the tenant's upload arena (an
+    # ArenaLease; ``payload`` is its view): given back once the write ran,
+    # or whenever the command is dropped, never to the pool's buffers.
+    lease: object = None
+
+    def drop_payload(self, buffers) -> None:
+        """The payload's memory may be reused: back to the arena or to ``buffers``."""
+        if self.lease is not None:
+            # (``execute`` took the identity's digest before the write ended;
+            # a command that never ran belongs to a released session, whose
+            # identities nothing compares again)
+            self.lease.release()
+        elif buffers is not None and self.payload:
+            buffers.put(self.payload)
 
 
 class Session:
@@ -279,6 +293,8 @@ class Session:
             self.device.session_released()
         self.released_reason = reason
         self.connection = None
+        for command in self.held:
+            command.drop_payload(None)       # (an arena lease must go back; a buffer may go to GC)
         self.held.clear()
         self.held_bytes = 0
         # quota back now where the backend can (a kernel may still be running)
@@ -365,8 +381,7 @@ class Session:
         for command, reply in results:
             self.queued_bytes -= len(command.payload)
             self.in_worker -= 1
-            if self.buffers is not None and command.payload:
-                self.buffers.put(command.payload)     # ran on the device: reusable
+            command.drop_payload(self.buffers)        # ran on the device: reusable
             if self.state is SessionState.RELEASED:
                 continue
             self.log.record_reply(reply)
@@ -443,6 +458,7 @@ class SessionWorker:
             if command is None:
                 break
             if self._stopping:
+                command.drop_payload(None)     # never runs: its arena lease goes back
                 continue
             reply = execute(session, command)
             batch.append((command, reply))
@@ -490,18 +506,6 @@ def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
             for command, reply in batch]
 
 
-def _launch_args(header: dict) -> list:
-    args = []
-    for index, arg in enumerate(header["args"]):
-        if "buf" in arg:
-            args.append(BufferArg(arg["buf"]))
-        elif "local" in arg:
-            args.append(LocalArg(arg["local"]))
-        else:
-            args.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
-    return args
-
-
 def _check_object_limit(session: Session, kind: str) -> None:
     """Before a buffer or program is made: the session's count limit."""
     if session.objects >= session.max_objects:
@@ -521,16 +525,26 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
     fields: dict = {}
     payload: bytes | bytearray = b""
     try:
-        if command.identity is not None:
-            command.identity.settle()   # digest the payload here, off the event loop
         op = command.op
+        settle = command.identity.settle if command.identity is not None else None
+        if settle is not None and command.lease is None:
+            settle()                    # digest the payload here, off the event loop
         if op is Op.LAUNCH:
-            outcome = ctx.launch_begin(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), _launch_args(h))
+            outcome = ctx.launch_begin_wire(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), h["args"])
             if outcome is not None:
                 return PendingReply(session, command, outcome)
             counters.launches += 1
         elif op is Op.WRITE:
-            ctx.write(h["buf"], h["offset"], command.payload)
+            if command.lease is not None:
+                # received into the upload arena: no copy on the way, and
+                # the digest is taken while the device process writes
+                try:
+                    ctx.write_leased(h["buf"], h["offset"], command.lease, meanwhile=settle)
+                finally:
+                    if settle is not None:
+                        settle()        # (a no-op unless the call failed first)
+            else:
+                ctx.write(h["buf"], h["offset"], command.payload)
             counters.bytes_uploaded += len(command.payload)
         elif op is Op.READ:
             size = h["size"]

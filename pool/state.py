@@ -130,6 +130,8 @@ class Pool:
                 record.close(now)
             elif record.state is RecordStateName.COMPLETED:
                 record.close(now)
+        for device in self.devices:
+            device.backend.trim_idle(self.config.upload_arena_keep)
         # forget final records after a while (bounded memory)
         for key, record in list(self.records.items()):
             if record.final and now - max(record.times.values()) > 3600:
@@ -251,7 +253,10 @@ class Pool:
                 f"hold ({source} = {limit}); close or release one first"))
         # The device for the session's whole life (NO_SUCH_DEVICE names what exists).
         device = self.devices.place(selector)
-        session = Session(self._new_sid(), tenant, secret, device.backend.new_context(tenant.name), self.post,
+        # its upload arena (made with the tenant's device process): never more than its quota
+        context = device.backend.new_context(tenant.name, upload_arena=min(self.config.upload_arena,
+                                                                           tenant.quota))
+        session = Session(self._new_sid(), tenant, secret, context, self.post,
                           device=device, serial=self._counter, metrics=self.metrics, buffers=self.buffers,
                           max_reply_bytes=self.config.max_reply_bytes,
                           max_queued_bytes=self.config.max_reply_bytes,

@@ -38,6 +38,20 @@ class BuildResult:
     binary_size: int = 0
 
 
+def args_from_wire(args: list) -> list:
+    """Validated wire arguments as ``BufferArg``, ``LocalArg``, ``ScalarArg``."""
+    from accelmig.wire.dataplane import decode_scalar
+    out = []
+    for index, arg in enumerate(args):
+        if "buf" in arg:
+            out.append(BufferArg(arg["buf"]))
+        elif "local" in arg:
+            out.append(LocalArg(arg["local"]))
+        else:
+            out.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
+    return out
+
+
 class DeviceBackend(abc.ABC):
     """One accelerator device, shared by many sessions."""
 
@@ -49,12 +63,18 @@ class DeviceBackend(abc.ABC):
         """Name, vendor, memory sizes, limits: JSON-safe."""
 
     @abc.abstractmethod
-    def new_context(self, tenant: str = "") -> "DeviceContext":
+    def new_context(self, tenant: str = "", upload_arena: int = 0) -> "DeviceContext":
         """A fresh per-session context with its own in-order queue, for a
-        session of ``tenant`` (a backend may keep tenants apart)."""
+        session of ``tenant`` (a backend may keep tenants apart).
+        ``upload_arena``: bytes of shared memory the backend may set aside
+        for the tenant's write payloads (``DeviceContext.lease_upload``)."""
 
     def close(self) -> None:
         """Release the device."""
+
+    def trim_idle(self, idle_for: float) -> None:
+        """Give back host memory kept for reuse that nothing used for
+        ``idle_for`` seconds (upload arenas); called from the pool's janitor."""
 
 
 class DeviceContext(abc.ABC):
@@ -73,6 +93,20 @@ class DeviceContext(abc.ABC):
 
     @abc.abstractmethod
     def write(self, handle: int, offset: int, data) -> None: ...
+
+    def lease_upload(self, nbytes: int):
+        """Where the data plane may receive a write's payload of ``nbytes``
+        so that this context takes it without a copy: an ``ArenaLease``
+        (``pool.devices.arena``), or None: a buffer of the pool's own."""
+        return None
+
+    def write_leased(self, handle: int, offset: int, lease, meanwhile=None) -> None:
+        """A write whose payload was received into ``lease``; ``meanwhile()``
+        (which only reads the payload) runs while the write does, where the
+        backend can run them side by side."""
+        if meanwhile is not None:
+            meanwhile()
+        self.write(handle, offset, lease.view)
 
     @abc.abstractmethod
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:
@@ -105,6 +139,14 @@ class DeviceContext(abc.ABC):
         its error).  The session settles it before it answers the command."""
         self.launch(program, kernel, gsize, lsize, args)
         return None
+
+    def launch_begin_wire(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
+                          args: list):
+        """``launch_begin`` with the arguments as the data plane carries
+        them (``wire.dataplane``, validated already: ``{"buf"}``,
+        ``{"local"}``, ``{"t", "x"}``); a backend that passes them on as
+        they are (to a device process) skips their decoding."""
+        return self.launch_begin(program, kernel, gsize, lsize, args_from_wire(args))
 
     @abc.abstractmethod
     def finish(self) -> None: ...

@@ -18,6 +18,12 @@ its sessions' contexts live there.  So:
 
 The process is not trusted: its answers are checked (the call they answer
 must be in flight, a read's payload must have the size asked for).
+
+A write's payload reaches the process through the tenant's upload arena
+where there is room (``accelmig.pool.devices.arena``): the data plane
+receives it there straight from TCP (``IsolatedContext.lease_upload``) and
+the call carries only where it lies (``write_arena``); else it goes down
+the socket pair as before.
 """
 
 from __future__ import annotations
@@ -35,8 +41,9 @@ import tempfile
 import threading
 import time
 
+from accelmig.pool.devices.arena import ArenaLease, UploadArena
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
-from accelmig.pool.devices.worker import PIPE_LIMITS, FrameWriter, encode_args
+from accelmig.pool.devices.worker import LAUNCH_BATCH, PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
 from accelmig.wire.frames import FrameReader
 
@@ -80,10 +87,24 @@ class _Call:
         self.error: AccelmigError | None = None
 
 
+class _LaunchBatch:
+    """Pipelined launches of one context gathered into one ``launches`` call
+    (one frame, one answer, one loop in the device process).  Written and
+    read by the session's worker only."""
+
+    __slots__ = ("launches", "call", "error", "failed")
+
+    def __init__(self):
+        self.launches: list = []
+        self.call: _Call | None = None
+        self.error: AccelmigError | None = None     # it could not be sent
+        self.failed: dict | None = None             # index -> error (wire form), once answered
+
+
 class TenantProcess:
     """One tenant's device process: calls out, answers back, a watchdog."""
 
-    def __init__(self, backend: "IsolatedBackend", tenant: str):
+    def __init__(self, backend: "IsolatedBackend", tenant: str, upload_arena: int = 0):
         self.backend = backend
         self.tenant = tenant
         self.dead: Killed | None = None
@@ -94,20 +115,29 @@ class TenantProcess:
         self._lock = threading.Condition()
         self._watch_until = 0.0          # when the watchdog looks next (it sets it; the lock guards it)
         self.calls_started = 0           # every call sent (status, tests: a finish that skipped it)
+        self.pipe_payload_bytes = 0      # payload bytes sent down the socket pair
+        self.arena_bytes = 0             # write bytes the process took from the arena instead
+        self.arena = self._make_arena(tenant, upload_arena)
+        self.arena_ready = False         # the process said it mapped it ("ready")
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
         # the pool's environment (POCL_KERNEL_CACHE=0 turns the cache off), its own cache directory
         env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"))
+        arena_args: list[str] = []
+        if self.arena is not None:
+            arena_args = ["--arena-fd", str(self.arena.child_fd), "--arena-size", str(self.arena.size)]
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "accelmig.pool.devices.worker", "--fd", str(theirs.fileno()),
                  "--device", backend.device_spec, "--max-builds", str(backend.max_builds),
-                 "--tenant", tenant],
-                pass_fds=[theirs.fileno()], cwd=self.directory, env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL)
+                 "--tenant", tenant, *arena_args],
+                pass_fds=[theirs.fileno()] + ([self.arena.child_fd] if self.arena else []),
+                cwd=self.directory, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         finally:
             theirs.close()
+            if self.arena is not None:
+                self.arena.close_child_fd()
         self.sock = ours
         self._frames = FrameWriter(ours)       # whole frames, one writer at a time (as the process's)
         self.reader = FrameReader(PIPE_LIMITS, payload_sink=self._payload_sink)
@@ -117,6 +147,25 @@ class TenantProcess:
                  extra={"tenant": tenant, "pid": self.proc.pid})
         threading.Thread(target=self._read_answers, name=f"devproc-{tenant}-rx", daemon=True).start()
         threading.Thread(target=self._watch, name=f"devproc-{tenant}-watchdog", daemon=True).start()
+
+    @staticmethod
+    def _make_arena(tenant: str, size: int) -> UploadArena | None:
+        if size <= 0:
+            return None
+        try:
+            return UploadArena(size)
+        except (OSError, ValueError) as exc:      # no memfd here, or too small: the copy path
+            LOG.warning("tenant %s: no upload arena (%s); writes go through the device process's "
+                        "socket", tenant, exc, extra={"tenant": tenant})
+            return None
+
+    def lease_upload(self, nbytes: int) -> ArenaLease | None:
+        """Where to receive a write's payload of ``nbytes``: a lease of the
+        arena, or None (no arena, not mapped yet, full, or the process is
+        gone): the caller then takes a buffer of its own."""
+        if self.arena is None or not self.arena_ready or self.dead is not None:
+            return None
+        return self.arena.lease(nbytes)
 
     # -- calls -------------------------------------------------------------------------
     def new_context(self) -> int:
@@ -139,6 +188,7 @@ class TenantProcess:
             call_id = next(self._ids)
             self._calls[call_id] = call
             self.calls_started += 1
+            self.pipe_payload_bytes += len(payload)
             if call.deadline < self._watch_until:
                 # the watchdog sleeps past this deadline: wake it (a call
                 # after another one has a later deadline: no wake-up each)
@@ -226,7 +276,10 @@ class TenantProcess:
                             raise ProtocolError(reason="it did not start: " + (
                                 str(error.get("message")) if isinstance(error, dict) else str(frame.header)[:200]))
                         started = True
-                        LOG.info("device process of tenant %s ready", self.tenant, extra={"tenant": self.tenant})
+                        self.arena_ready = self.arena is not None and frame.header.get("arena") == self.arena.size
+                        LOG.info("device process of tenant %s ready (upload arena: %s)", self.tenant,
+                                 f"{self.arena.size} bytes" if self.arena_ready else "none",
+                                 extra={"tenant": self.tenant})
                         continue
                     with self._lock:
                         call = self._calls.pop(frame.header.get("id"), None)
@@ -348,11 +401,11 @@ class IsolatedBackend(DeviceBackend):
     def info(self) -> dict:
         return dict(self._info)
 
-    def new_context(self, tenant: str = "") -> "IsolatedContext":
+    def new_context(self, tenant: str = "", upload_arena: int = 0) -> "IsolatedContext":
         with self._lock:
             process = self._tenants.get(tenant)
             if process is None or process.dead is not None:
-                process = self._tenants[tenant] = TenantProcess(self, tenant)
+                process = self._tenants[tenant] = TenantProcess(self, tenant, upload_arena)
             ctx_id = process.new_context()
         return IsolatedContext(self, process, ctx_id)
 
@@ -374,6 +427,22 @@ class IsolatedBackend(DeviceBackend):
         with self._lock:
             if self._tenants.get(process.tenant) is process:
                 del self._tenants[process.tenant]
+
+    def trim_idle(self, idle_for: float) -> None:
+        """(On the loop) idle arenas' pages go back on a thread: giving back
+        256 MiB takes ~0.1 s, which the loop must not wait for."""
+        with self._lock:
+            processes = [p for p in self._tenants.values() if p.arena is not None and p.dead is None]
+        due = [p for p in processes if p.arena.begin_trim(idle_for)]
+        if due:
+            threading.Thread(target=self._trim, args=(due, idle_for), name="arena-trim", daemon=True).start()
+
+    @staticmethod
+    def _trim(due: list, idle_for: float) -> None:
+        for process in due:
+            given = process.arena.end_trim()
+            LOG.info("tenant %s: upload arena idle for %g s: its pages (up to %d MiB) given back",
+                     process.tenant, idle_for, given >> 20, extra={"tenant": process.tenant})
 
     def processes(self) -> dict[str, int]:
         """Tenant -> pid of its device process (for status and tests)."""
@@ -401,9 +470,13 @@ class IsolatedContext(DeviceContext):
         # a new buffer's zeroing run on after their call returns): a finish
         # would wait for nothing.  Written by the session's worker only.
         self._quiet = False
+        # Launches not sent yet: they go as one call at the next wait for
+        # one of them, the next other call, or LAUNCH_BATCH of them.
+        self._batch: _LaunchBatch | None = None
 
     def _call(self, method: str, args: dict | None = None, payload=b"", out=None):
         self._quiet = False
+        self._send_batch()                   # (in order: the launches before it go first)
         return self.process.call(self.ctx_id, method, args or {}, payload, out)
 
     def finish_is_noop(self) -> bool:
@@ -432,6 +505,25 @@ class IsolatedContext(DeviceContext):
 
     def write(self, handle: int, offset: int, data) -> None:
         self._call("write", {"buf": handle, "offset": offset}, data)
+
+    def lease_upload(self, nbytes: int) -> ArenaLease | None:
+        return self.process.lease_upload(nbytes)
+
+    def write_leased(self, handle: int, offset: int, lease: ArenaLease, meanwhile=None) -> None:
+        if lease.arena is not self.process.arena:     # (not this process's: the copy path)
+            super().write_leased(handle, offset, lease, meanwhile)
+            return
+        self._quiet = False
+        self._send_batch()
+        call = self.process.start(self.ctx_id, "write_arena", {"buf": handle, "offset": offset,
+                                                               "at": lease.offset, "size": lease.size})
+        try:
+            if meanwhile is not None:
+                meanwhile()          # (the pool's digest of the payload, beside the process's write)
+        finally:
+            self.process.wait(call)  # the lease is the caller's again only once the write is over
+        with self.process._lock:
+            self.process.arena_bytes += lease.size
 
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")
@@ -462,13 +554,61 @@ class IsolatedContext(DeviceContext):
         self.process.wait(self._start_launch(program, kernel, gsize, lsize, args))
 
     def launch_begin(self, program: int, kernel: str, gsize, lsize, args):
-        # Pipelined: a round trip to the process per launch would cost more
-        # than the launch; its answer is settled before the command's reply.
-        call = self._start_launch(program, kernel, gsize, lsize, args)
-        return lambda: self.process.wait(call)
+        return self.launch_begin_wire(program, kernel, gsize, lsize, encode_args(args))
+
+    def launch_begin_wire(self, program: int, kernel: str, gsize, lsize, args: list):
+        # Pipelined and gathered: a call per launch cost the pool and the
+        # process more than the launch; its outcome is settled before the
+        # command's reply (the first settle sends the batch).  The data
+        # plane's argument form is the device process's: passed on as it is.
+        self._quiet = False
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = _LaunchBatch()
+        index = len(batch.launches)
+        batch.launches.append([program, kernel, list(gsize), list(lsize) if lsize else None, args])
+        if len(batch.launches) >= LAUNCH_BATCH:
+            self._send_batch()
+        return lambda: self._launch_outcome(batch, index)
+
+    def _send_batch(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        try:
+            batch.call = self.process.start(self.ctx_id, "launches", {"l": batch.launches}, cork=True)
+        except AccelmigError as exc:          # the process is gone: each launch says so
+            batch.error = exc
+
+    def _launch_outcome(self, batch: _LaunchBatch, index: int) -> None:
+        if batch is self._batch:
+            self._send_batch()
+        if batch.error is not None:
+            raise batch.error
+        if batch.failed is None:
+            try:
+                result, _ = self.process.wait(batch.call)
+            except AccelmigError as exc:     # the whole call failed (KILLED): every launch of it
+                batch.error = exc
+                raise
+            batch.failed = self._failures(result, len(batch.launches))
+        error = batch.failed.get(index)
+        if error is not None:
+            raise from_wire(error)
+
+    def _failures(self, result, count: int) -> dict:
+        """The process's answer to a batch, checked: [index, error] pairs."""
+        failed = result.get("failed") if isinstance(result, dict) else None
+        if not isinstance(failed, list) or not all(
+                isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)
+                and 0 <= item[0] < count and isinstance(item[1], dict) for item in failed):
+            self.process._kill(f"it answered a launch batch with {str(result)[:200]}")
+            raise self.process.dead
+        return {index: error for index, error in failed}
 
     def _start_launch(self, program, kernel, gsize, lsize, args):
         self._quiet = False
+        self._send_batch()
         return self.process.start(self.ctx_id, "launch", {
             "prog": program, "kernel": kernel, "gsize": list(gsize),
             "lsize": list(lsize) if lsize else None, "args": encode_args(args)}, cork=True)
@@ -494,6 +634,7 @@ class IsolatedContext(DeviceContext):
             first, self._released = not self._released, True
         if first:
             try:
+                self._send_batch()
                 self.process.start(self.ctx_id, "release", {})
             except AccelmigError:
                 pass                             # the process is gone: nothing to drop

@@ -90,7 +90,7 @@ class OpenCLBackend(DeviceBackend):
     def info(self) -> dict:
         return dict(self._info)
 
-    def new_context(self, tenant: str = "") -> "OpenCLContext":
+    def new_context(self, tenant: str = "", upload_arena: int = 0) -> "OpenCLContext":
         return OpenCLContext(self)
 
 

@@ -15,6 +15,11 @@ tenant's own, so no tenant can time another's builds).  The pool kills this
 process when a call overruns its time limit.  It exits by itself when the
 pool's end of the socket closes.
 
+A write's payload usually does not cross the socket: the pool receives it
+into the tenant's upload arena (``accelmig.pool.devices.arena``: shared
+memory this process inherits read-only) and calls ``write_arena`` with
+where it lies; the write is enqueued from this process's mapping.
+
 Nothing here trusts the pool less than the pool trusts it: the pool treats
 every answer from this process as hostile (sizes, ids), since a tenant's
 kernel may have rewritten this process's memory.
@@ -67,6 +72,9 @@ def decode_args(args: list) -> list:
 
 #: corked frames go out at this size at the latest
 CORK_BYTES = 256 << 10
+
+#: pipelined launches the pool sends as one call at most (``launches``)
+LAUNCH_BATCH = 256
 
 
 class FrameWriter:
@@ -125,15 +133,23 @@ class FrameWriter:
 class ContextThread:
     """One session's context and the thread that runs its calls in order."""
 
-    def __init__(self, ctx_id: int, context, answers: FrameWriter, builds: threading.Semaphore):
+    def __init__(self, ctx_id: int, context, answers: FrameWriter, builds: threading.Semaphore,
+                 arena: memoryview | None = None):
         self.ctx_id = ctx_id
         self.context = context
         self.answers = answers
         self.builds = builds
+        self.arena = arena
         self.calls: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run, name=f"ctx-{ctx_id}", daemon=True).start()
 
     def _run(self) -> None:
+        try:
+            self._answer_calls()
+        except OSError as exc:       # the pool's end closed (it stopped): nobody to answer
+            LOG.info("context %d: the pool went away (%s)", self.ctx_id, exc)
+
+    def _answer_calls(self) -> None:
         held: list[dict] = []        # payload-less answers not sent yet
         while True:
             header, payload = self.calls.get()
@@ -165,6 +181,24 @@ class ContextThread:
                     self.answers.send_headers(held)
                 return
 
+    def _launches(self, launches: list) -> list:
+        """A batch of pipelined launches, in order, in one loop: each is its
+        own command, so one that fails stops none after it; the answer
+        lists only the failures, [index, error] each."""
+        if not isinstance(launches, list) or len(launches) > LAUNCH_BATCH:
+            raise BadRequest(reason="device process: a launch batch is a list of at most "
+                                    f"{LAUNCH_BATCH} launches")
+        ctx, failed = self.context, []
+        for index, launch in enumerate(launches):
+            try:
+                prog, kernel, gsize, lsize, args = launch
+                ctx.launch(prog, kernel, gsize, lsize, decode_args(args))
+            except AccelmigError as exc:
+                failed.append([index, exc.to_wire()])
+            except Exception as exc:       # a runtime failing oddly, or a malformed entry
+                failed.append([index, InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()])
+        return failed
+
     def _execute(self, h: dict, payload) -> tuple:
         ctx, a, method = self.context, h.get("a", {}), h.get("m")
         if method == "alloc":
@@ -173,6 +207,16 @@ class ContextThread:
             return ctx.free(a["buf"]), b""
         elif method == "write":
             ctx.write(a["buf"], a["offset"], payload)
+        elif method == "write_arena":
+            # the payload lies in the upload arena; the write is blocking, so
+            # the pool may reuse those bytes once this call is answered
+            at, size = a["at"], a["size"]
+            arena = self.arena
+            if arena is None or not (isinstance(at, int) and isinstance(size, int)
+                                     and 0 <= at and 0 <= size and at + size <= len(arena)):
+                raise BadRequest(reason=f"device process: write_arena of {size!r} bytes at {at!r} "
+                                        f"is outside its upload arena")
+            ctx.write(a["buf"], a["offset"], arena[at:at + size])
         elif method == "read":
             out = bytearray(a["size"])
             ctx.read_into(a["buf"], a["offset"], memoryview(out))
@@ -192,6 +236,8 @@ class ContextThread:
             ctx.free_program(a["prog"])
         elif method == "launch":
             ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]))
+        elif method == "launches":
+            return {"failed": self._launches(a["l"])}, b""
         elif method == "finish":
             ctx.finish()
         elif method == "release":
@@ -201,9 +247,11 @@ class ContextThread:
         return None, b""
 
 
-def serve(sock: socket.socket, backend, max_builds: int) -> None:
+def serve(sock: socket.socket, backend, max_builds: int, arena: memoryview | None = None) -> None:
     answers = FrameWriter(sock)
-    answers.send({"op": "ready", "info": backend.info(), "pid": os.getpid()})
+    # "arena": the size mapped (0: none), so the pool uses it only when it is there
+    answers.send({"op": "ready", "info": backend.info(), "pid": os.getpid(),
+                  "arena": len(arena) if arena is not None else 0})
     builds = threading.Semaphore(max_builds)
     contexts: dict[int, ContextThread] = {}
     reader = FrameReader(PIPE_LIMITS)
@@ -215,7 +263,7 @@ def serve(sock: socket.socket, backend, max_builds: int) -> None:
             h = frame.header
             ctx_id = h.get("ctx")
             if h["op"] == "new":
-                contexts[ctx_id] = ContextThread(ctx_id, backend.new_context(), answers, builds)
+                contexts[ctx_id] = ContextThread(ctx_id, backend.new_context(), answers, builds, arena)
             elif h["op"] == "call":
                 target = contexts.get(ctx_id)
                 if target is None:
@@ -234,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", required=True, help="opencl:N")
     parser.add_argument("--max-builds", type=int, default=2)
     parser.add_argument("--tenant", default="?", help="for the log")
+    parser.add_argument("--arena-fd", type=int, default=-1,
+                        help="the tenant's upload arena (a memfd the pool shares, read-only here)")
+    parser.add_argument("--arena-size", type=int, default=0, help="its size in bytes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"accelmig-pool device process (tenant {args.tenant}): %(message)s")
@@ -244,8 +295,16 @@ def main(argv: list[str] | None = None) -> int:
     except AccelmigError as exc:
         FrameWriter(sock).send({"op": "failed", "error": exc.to_wire()})
         return 1
+    arena = None
+    if args.arena_fd >= 0:
+        from accelmig.pool.devices.arena import map_child_arena
+        try:
+            arena = map_child_arena(args.arena_fd, args.arena_size)
+        except (OSError, ValueError) as exc:
+            # the pool sees "arena": 0 and sends every payload through the socket
+            LOG.warning("no upload arena (every write's payload comes through the socket): %s", exc)
     try:
-        serve(sock, backend, args.max_builds)
+        serve(sock, backend, args.max_builds, arena)
     except (OSError, AccelmigError) as exc:
         LOG.warning("stopping: %s", exc)
     return 0

@@ -4,9 +4,10 @@ Real pools, real PoCL, real device processes.  A finish with nothing in
 flight is answered on the pool's loop, without the session's worker and
 without a round trip to the tenant's device process; a finish after work
 still goes to the device and waits for it; a finish on a device process
-the pool knows dead still says ``KILLED``.  Pipelined launches are corked
-into few writes to the device process: they still run exactly once each,
-in order, across cuts.
+the pool knows dead still says ``KILLED``.  Pipelined launches go to the
+device process as batches, one call of up to 256 launches enqueued in one
+loop there: they still run exactly once each, in order, across cuts, and
+one that fails fails alone.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.pool.testing import CutProxy, PoolThread
-from accelmig.wire.errors import AccelmigError
+from accelmig.pool.devices.worker import LAUNCH_BATCH
+from accelmig.wire.errors import AccelmigError, DeviceError, NoSuchObject
 from tests.support.wait import wait_for
 
 # order matters: a[i] = 3 a[i] + n is not the same result in another order
@@ -103,3 +105,74 @@ def test_pipelined_launches_run_once_each_in_order_with_finishes_between_and_cut
                 assert dev.stats["resumes"] >= 3
         finally:
             proxy.close()
+
+
+def test_a_burst_of_launches_is_a_few_calls_to_the_device_process():
+    """1,000 pipelined launches then a finish: at most a call per 256
+    launches (more where the pool settles a burst in parts), never one each."""
+    with PoolThread(tenants=TENANTS) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            start = np.arange(64, dtype=np.uint32)
+            buf = dev.upload(start.tobytes())
+            prog = dev.build(ADVANCE)
+            dev.finish()
+            before = calls_started(pool)
+            ns = [(i * 31) % 977 for i in range(1000)]
+            for n in ns:
+                prog.launch("advance", 64, None, buf, np.uint32(n))
+            dev.finish()
+            calls = calls_started(pool) - before
+            assert -(-len(ns) // LAUNCH_BATCH) + 1 <= calls <= len(ns) // 10, calls
+            assert (np.frombuffer(dev.read(buf), np.uint32) == expected(start, ns)).all()
+            assert pool.session(dev.sid)["counters"]["launches"] == len(ns)
+
+
+def test_a_launch_that_fails_in_a_batch_fails_alone():
+    """Failures in the middle of a burst (a kernel that does not exist, a
+    wrong argument count): each is its own command's error, raised once at
+    the next waiting call; the launches around them all ran, in order."""
+    with PoolThread(tenants=TENANTS) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            start = np.arange(64, dtype=np.uint32)
+            buf = dev.upload(start.tobytes())
+            prog = dev.build(ADVANCE)
+            ns = list(range(1, 41))
+            for i, n in enumerate(ns):
+                prog.launch("advance", 64, None, buf, np.uint32(n))
+                if i == 10:
+                    prog.launch("no_such_kernel", 64, None, buf, np.uint32(0))
+            with pytest.raises(NoSuchObject, match="no_such_kernel"):
+                dev.finish()
+            for i, n in enumerate(ns):
+                prog.launch("advance", 64, None, buf, np.uint32(n))
+                if i == 20:
+                    prog.launch("advance", 64, None, buf)         # one argument short
+            with pytest.raises(DeviceError, match="takes 2 arguments, 1 given"):
+                dev.finish()
+            dev.finish()                                         # raised once, then clear
+            assert (np.frombuffer(dev.read(buf), np.uint32) == expected(start, ns + ns)).all()
+            counters = pool.session(dev.sid)["counters"]
+            assert counters["launches"] == 2 * len(ns)           # the two failed ones did not count
+
+
+MIX = ("__kernel void blend(__global uint *a, __local uint *tmp, uint n, ulong m) {"
+       " size_t i = get_global_id(0); tmp[get_local_id(0)] = a[i] * 3u + n + (uint)m;"
+       " barrier(CLK_LOCAL_MEM_FENCE); a[i] = tmp[get_local_id(0)]; }")
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_launch_arguments_of_every_kind_reach_the_kernel_in_a_device_process_or_in_the_pool(isolation):
+    """Buffer, local-memory and scalar arguments: passed on as the data plane
+    carried them to a device process, decoded for the in-process backend;
+    the same result either way."""
+    from accelmig.agent.driver.args import LocalMemory
+    with PoolThread(tenants=TENANTS, device_isolation=isolation) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            start = np.arange(64, dtype=np.uint32)
+            buf = dev.upload(start.tobytes())
+            prog = dev.build(MIX)
+            for n in range(1, 6):
+                prog.launch("blend", 64, 16, buf, LocalMemory(16 * 4), np.uint32(n), np.uint64(1 << 33 | n))
+            got = np.frombuffer(dev.read(buf), np.uint32)
+            assert (got == expected(start, [2 * n for n in range(1, 6)])).all()
+            assert pool.session(dev.sid)["counters"]["launches"] == 5
