@@ -103,6 +103,18 @@ async def attest(routing, domain, devs):
         assert bound["bound_host"] is not None
 
 
+async def opened_and_switched_over(a, b, domain, devs) -> str:
+    """hostA's and hostB's hostd list the nodes; ``devs`` attested to
+    ``domain`` on hostA, its migration to hostB opened and switched over:
+    the migration's id."""
+    for routing, _ in (a, b):
+        await routing.refresh()
+    await attest(a[0], domain, devs)
+    mid = (await b[1].pool("open_migration", domain_uuid=domain))["migration_id"]
+    await a[1].pool("switchover", domain_uuid=domain, migration_id=mid)
+    return mid
+
+
 async def migrate(src, dst, domain, devs, coordinator_endpoint, *, between=None):
     """open (destination), switchover (source), complete (destination),
     each driver resumed with its ticket at the destination's coordinator,
@@ -188,12 +200,7 @@ def test_an_abort_releases_both_nodes_parts_and_the_sessions_go_on_at_the_source
         async def scenario():
             a, b = hostd(nodes, "hostA"), hostd(nodes, "hostB")
             try:
-                for routing, _ in (a, b):
-                    await routing.refresh()
-                await attest(a[0], domain, devs)
-                record = await b[1].pool("open_migration", domain_uuid=domain)
-                mid = record["migration_id"]
-                await a[1].pool("switchover", domain_uuid=domain, migration_id=mid)
+                mid = await opened_and_switched_over(a, b, domain, devs)
                 watch = types.SimpleNamespace(name="vm", uuid=domain,
                                               record=types.SimpleNamespace(migration_id=mid))
                 await a[1].abort(watch, "the migration failed; the guest resumed on the source")
@@ -246,12 +253,7 @@ def test_a_node_killed_mid_migration_loses_its_sessions_the_other_nodes_resume(t
         async def scenario():
             a, b = hostd(nodes, "hostA"), hostd(nodes, "hostB")
             try:
-                for routing, _ in (a, b):
-                    await routing.refresh()
-                await attest(a[0], domain, devs)
-                record = await b[1].pool("open_migration", domain_uuid=domain)
-                mid = record["migration_id"]
-                await a[1].pool("switchover", domain_uuid=domain, migration_id=mid)
+                mid = await opened_and_switched_over(a, b, domain, devs)
                 gone = PrefixWatch(store, NODES)
                 nodes["n2"].signal(signal.SIGKILL)            # no deregistration: its lease runs out
                 nodes["n2"].proc.wait(10)
@@ -511,11 +513,7 @@ def test_the_guest_agent_rehomes_every_session_to_its_own_node_from_one_rehome(t
             delivery = ChannelDelivery(inspect=_nothing, on_event=lambda w, m: None, timeout=15)
             watch = types.SimpleNamespace(name="vm", uuid=domain, channel_path=str(tmp_path / "channel.sock"))
             try:
-                for routing, _ in (a, b):
-                    await routing.refresh()
-                await attest(a[0], domain, devs)
-                mid = (await b[1].pool("open_migration", domain_uuid=domain))["migration_id"]
-                await a[1].pool("switchover", domain_uuid=domain, migration_id=mid)
+                mid = await opened_and_switched_over(a, b, domain, devs)
                 done = await b[1].pool_all("complete", domain_uuid=domain, migration_id=mid)
                 identity = {"host_id": "hostB", "pool_endpoint": n1}       # hostB's view: its coordinator
                 return await delivery.rehome(None, watch, {"migration_id": mid, "identity": identity,
