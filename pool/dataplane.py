@@ -18,6 +18,8 @@ import logging
 import secrets
 import asyncio
 
+import xxhash
+
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
@@ -26,6 +28,12 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameEr
 from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
 from accelmig.pool.sequencing import StoredReply, Verdict
 from accelmig.pool.session import Command
+
+#: What a command's payload is digested with, for divergence checks
+#: (``dp.CommandIdentity``).  Every byte of every upload passes through it,
+#: beside the device process's write: zlib's CRC-32 ran at ~2.2–2.8 GiB/s
+#: on the lab's cores, XXH3 at ~11 GiB/s (and 64 bits instead of 32).
+PAYLOAD_DIGEST = xxhash.xxh3_64_intdigest
 
 LOG = logging.getLogger(__name__)
 
@@ -336,7 +344,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if "ack" in header:
             self._acknowledge(session, header["ack"])
         seq = header["seq"]
-        identity = dp.CommandIdentity(header, payload)
+        identity = dp.CommandIdentity(header, payload, PAYLOAD_DIGEST)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
             session.log.accept(seq, identity)

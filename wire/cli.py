@@ -18,7 +18,7 @@ DISTRIBUTION = "accelmig"
 #: the import names of each extra's libraries (setup.cfg's extras_require)
 EXTRAS = {
     "host": frozenset({"click", "jinja2", "libvirt", "libvirtmod", "pyroute2", "prometheus_client"}),
-    "pool": frozenset({"click", "numpy", "pyopencl", "prometheus_client"}),
+    "pool": frozenset({"click", "numpy", "pyopencl", "prometheus_client", "xxhash"}),
     # 'accelmig fleet', on an operator's machine
     "fleet": frozenset({"click", "paramiko", "tomli_w"}),
 }

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -86,6 +87,57 @@ def test_a_resent_command_with_other_content_is_refused_as_diverged(pool):
         frames = [f for f in third.reader.feed(third.sock.recv_into(third.reader.get_buffer()))
                   if f.op == "reply"]
     assert bytes(frames[0].payload) == b"original"
+
+
+def _crc32_twin(prefix: bytes, of: bytes) -> bytes:
+    """``prefix`` plus four bytes, with the CRC-32 (and the length, for a
+    4-byte shorter prefix) of ``of``: CRC-32 is linear, so its last four
+    bytes can be solved for (the table's top bytes are all distinct, which
+    names each step's index walking back from the target)."""
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
+        table.append(c)
+    by_top = {entry >> 24: i for i, entry in enumerate(table)}
+    indices, c = [], zlib.crc32(of) ^ 0xFFFFFFFF
+    for _ in range(4):
+        i = by_top[c >> 24]
+        indices.append(i)
+        c = ((c ^ table[i]) << 8) & 0xFFFFFFFF
+    c, tail = zlib.crc32(prefix) ^ 0xFFFFFFFF, bytearray()
+    for i in reversed(indices):
+        tail.append((c ^ i) & 0xFF)
+        c = (c >> 8) ^ table[i]
+    return prefix + bytes(tail)
+
+
+def test_a_resent_write_with_the_same_length_and_crc32_but_other_bytes_is_diverged(pool):
+    """The pool's payload digest is not CRC-32 alone: a copy of the driver
+    whose write under a sequence number has other bytes of the same length
+    and the same CRC-32 is still told it diverged, and its bytes never land."""
+    original = b"original-pay"
+    twin = _crc32_twin(b"forged!!", original)
+    assert len(twin) == len(original) and zlib.crc32(twin) == zlib.crc32(original) and twin != original
+    raw = Raw(pool.endpoint)
+    raw.open()
+    raw.send({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": len(original)})
+    raw.send({"op": "write", "seq": 2, "epoch": 1, "buf": 1, "offset": 0}, original)
+    assert raw.recv()["ok"] and raw.recv()["ok"]
+    copy = Raw(pool.endpoint)
+    copy.resume(raw.sid, raw.secret, 1, 1)
+    assert copy.recv()["seq"] == 2                     # the replayed reply
+    copy.send({"op": "write", "seq": 2, "epoch": 2, "buf": 1, "offset": 0}, twin)
+    assert copy.recv()["error"]["code"] == "SESSION_DIVERGED"
+    third = Raw(pool.endpoint)
+    third.resume(raw.sid, raw.secret, 2, 2)
+    third.send({"op": "read", "seq": 3, "epoch": 3, "buf": 1, "offset": 0, "size": len(original)})
+    frames = []
+    while not frames:
+        frames = [f for f in third.reader.feed(third.sock.recv_into(third.reader.get_buffer()))
+                  if f.op == "reply"]
+    assert bytes(frames[0].payload) == original
 
 
 def test_the_same_command_resent_is_answered_from_the_log_not_run_twice(pool):
