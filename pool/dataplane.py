@@ -18,6 +18,7 @@ import logging
 import secrets
 import asyncio
 
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
@@ -280,7 +281,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if self.state is ConnState.HELLO:
             if op is not Op.HELLO:
                 raise ProtocolError(reason=f"expected hello first, got {op.value}")
-            self.version = dp.negotiate(header.get("versions", []))
+            self.version = dp.negotiate(header.get("versions", []), self.pool.data_versions)
             self.state = ConnState.READY
             self.send({"op": Op.WELCOME.value, "version": self.version,
                        "instance": self.pool.instance, "challenge": self.challenge,
@@ -330,11 +331,36 @@ class DataConnection(asyncio.BufferedProtocol):
             return False
         if op in dp.CONNECTION_OPS:
             raise ProtocolError(reason=f"{op.value} on an attached connection")
+        if op is Op.LAUNCHES:
+            self._launches(session, header, payload)
+            return False
         dp.validate_command(header, len(payload))
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         if "ack" in header:
             self._acknowledge(session, header["ack"])
+        return self._sequenced(session, op, header, payload, lease)
+
+    def _launches(self, session, header: dict, payload) -> None:
+        """A batch of launches (protocol 2): each one the command it would
+        have been alone, classified and taken one by one (``wire.batch``)."""
+        if self.version < batch.BATCH_VERSION:
+            raise ProtocolError(reason=f"launches on a connection that agreed to protocol {self.version} "
+                                       f"(batches need {batch.BATCH_VERSION})")
+        commands = batch.decode_batch(header, payload)     # bounds first: nothing trusted before
+        if header["epoch"] != session.epoch or self.epoch != session.epoch:
+            raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
+        self._acknowledge(session, header["ack"])
+        session.counters.batched_launches += len(commands)
+        submitted = False
+        for command in commands:
+            submitted |= self._sequenced(session, Op.LAUNCH, command, b"", None)
+        if submitted:
+            self.flow_changed()
+
+    def _sequenced(self, session, op: Op, header: dict, payload, lease) -> bool:
+        """A checked command: new (handed to the session), a duplicate (its
+        reply again) or a divergence (refused); see ``_handle_command``."""
         seq = header["seq"]
         identity = dp.CommandIdentity(header, payload)
         verdict = session.log.classify(seq, identity)

@@ -117,6 +117,7 @@ class SessionCounters:
     bytes_downloaded: int = 0      # read replies
     source_bytes: int = 0          # program sources and binaries received
     launches: int = 0
+    batched_launches: int = 0      # launches that came in batch frames (protocol 2)
     duplicates: int = 0            # re-sent commands answered from the log
     resumes: int = 0
     replayed: int = 0              # replies sent again on a resume

@@ -38,6 +38,7 @@ import time
 from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all
 from accelmig.agent.driver.window import CommandWindow, PendingCommand
 from accelmig.agent.statemachine import StateMachine
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
 from accelmig.wire.devices import parse_selector
@@ -280,12 +281,21 @@ class Session:
         """The largest payload one frame may carry (the pool said at hello)."""
         return self._max_payload
 
-    def submit(self, op: Op, fields: dict, payload=b"", *, wait: bool, sink=None,
-               timeout: float | None = None, defer: bool = False) -> PendingCommand:
+    @property
+    def batching(self) -> bool:
+        """The pool agreed to launch batches (protocol 2, ``wire.batch``)."""
+        return self.link.version >= batch.BATCH_VERSION
+
+    def submit(self, op: Op, fields: dict | None, payload=b"", *, wait: bool, sink=None,
+               timeout: float | None = None, defer: bool = False,
+               record: bytes | None = None) -> PendingCommand:
         """Number a command, keep it in the window and send it; with ``wait``,
         block for its reply (and raise a pipelined command's failure).  With
         ``defer`` it is sent at once and the caller waits later
-        (``wait_reply``): its failure is the caller's, not a pipelined one."""
+        (``wait_reply``): its failure is the caller's, not a pipelined one.
+        ``record``: a pipelined launch as its batch record (``wire.batch``;
+        ``fields`` None), corked into a batch frame; sent alone as JSON
+        where the link does not batch."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         nbytes = len(payload)
@@ -301,12 +311,19 @@ class Session:
                     if not self.states.connected or link.sock is None or not self.window.has_room(nbytes):
                         continue   # lost it between the two locks: wait again
                     header = {"op": op.value, "epoch": self.epoch, "ack": self.window.last_seen}
-                    header.update(fields)
-                    cmd = self.window.add(header, payload, waited=wait or defer, sink=sink)
+                    if record is not None and link.version >= batch.BATCH_VERSION:
+                        cmd = self.window.add(header, record=record)
+                    else:
+                        header.update(fields if record is None else batch.launch_fields(record))
+                        cmd = self.window.add(header, payload, waited=wait or defer, sink=sink)
+                        record = None
                     sock, gen = link.sock, link.gen
                     link.acked_sent = max(link.acked_sent, header["ack"])
-                link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
-                                  pipelined=not wait)
+                if record is not None:
+                    link.cork_launch(sock, gen, cmd.seq, header["epoch"], header["ack"], record)
+                else:
+                    link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
+                                      pipelined=not wait)
             break
         if not wait:
             return cmd
@@ -470,7 +487,10 @@ class Session:
                     cmd.header["epoch"] = self.epoch
                     cmd.header["ack"] = ack
                     cmd.resent += 1
-                    send_all(sock, encode_prefix_and_header(cmd.header, len(cmd.payload)), cmd.payload)
+                    # alone, as JSON: the pool knows a launch a cut batch
+                    # carried by its identity, whichever frame brought it
+                    send_all(sock, encode_prefix_and_header(cmd.wire_header(), len(cmd.payload)),
+                             cmd.payload)
                     resent_bytes += len(cmd.payload)
             except OSError as exc:
                 LOG.warning("session %s: connection lost while re-sending: %s", self.sid, exc)

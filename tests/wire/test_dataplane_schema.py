@@ -80,7 +80,9 @@ def test_digest_ignores_what_a_resend_changes_and_nothing_else():
 
 
 def test_version_negotiation():
-    assert dp.negotiate([1, 2, 99]) == 1
+    assert dp.negotiate([1, 2, 99]) == 2
+    assert dp.negotiate([1, 99]) == 1                  # a driver from before launch batches
+    assert dp.negotiate([1, 2], supported=(1,)) == 1   # a pool from before them
     with pytest.raises(VersionUnsupported, match="peer offers"):
         dp.negotiate([7])
     with pytest.raises(VersionUnsupported):
