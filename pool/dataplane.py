@@ -351,10 +351,11 @@ class DataConnection(asyncio.BufferedProtocol):
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         self._acknowledge(session, header["ack"])
-        session.counters.batched_launches += len(commands)
         submitted = False
         for command in commands:
-            submitted |= self._sequenced(session, Op.LAUNCH, command, b"", None)
+            if self._sequenced(session, Op.LAUNCH, command, b"", None):
+                session.counters.batched_launches += 1       # (a duplicate is not counted)
+                submitted = True
         if submitted:
             self.flow_changed()
 

@@ -150,10 +150,12 @@ def decode_batch(header: dict, payload) -> list[dict]:
         raise BadRequest(reason=f"launches: 'to' ({last}) before 'from' ({first})")
     count = last - first + 1
     if count > MAX_LAUNCHES:
-        raise FrameTooLarge(part="launch batch (launches)", size=count, limit=MAX_LAUNCHES)
+        raise FrameTooLarge(f"a launch batch of {count} launches (seq {first}..{last}) exceeds the "
+                            f"limit of {MAX_LAUNCHES} launches", details={"size": count, "limit": MAX_LAUNCHES})
     size = len(payload)
     if size > MAX_PAYLOAD:
-        raise FrameTooLarge(part="launch batch payload", size=size, limit=MAX_PAYLOAD)
+        raise FrameTooLarge(part="launch batch payload", size=size, limit=MAX_PAYLOAD,
+                            details={"size": size, "limit": MAX_PAYLOAD})
     data = bytes(payload)
     commands = []
     pos = 0

@@ -118,6 +118,17 @@ def negotiate(offered, supported=PROTOCOL_VERSIONS) -> int:
     return max(common)
 
 
+def offered_versions(versions) -> tuple:
+    """Versions a side chooses to offer: some of those this code speaks."""
+    try:
+        chosen = tuple(sorted({int(v) for v in versions}))
+    except (TypeError, ValueError):
+        raise BadRequest(reason=f"protocol versions must be integers, not {str(versions)[:40]!r}") from None
+    if not chosen or not set(chosen) <= set(PROTOCOL_VERSIONS):
+        raise BadRequest(reason=f"protocol versions {list(chosen)}: this code speaks {list(PROTOCOL_VERSIONS)}")
+    return chosen
+
+
 def parse_op(header: dict) -> Op:
     try:
         return Op(header["op"])

@@ -112,7 +112,10 @@ class Device:
     device (``wire.devices``: an id, or terms such as ``"type=gpu"``,
     ``"vendor=nvidia,min_memory=8GiB"``; ``None``: the pool chooses, least
     loaded); the session stays on the device it got (``device_id``) for its
-    whole life, across every resume and migration.
+    whole life, across every resume and migration.  ``protocol_versions``:
+    the data-plane versions offered at hello (default: all this driver
+    speaks; ``(1,)`` sends every launch alone, as JSON, as drivers before
+    launch batches did).
 
     TLS: the pool's certificate is verified against ``cafile`` (else
     ``$ACCELMIG_CAFILE``, else the system's trust store) and must name the
@@ -126,13 +129,15 @@ class Device:
                  auto_reconnect: bool = True, agent: str | bool | None = None,
                  name: str | None = None, connect_timeout: float = 10.0,
                  cafile: str | None = None, insecure: bool | None = None,
-                 domain: str | bool | None = None, device: str | None = None):
+                 domain: str | bool | None = None, device: str | None = None,
+                 protocol_versions=None):
         if domain is None:
             domain = domain_of_this_guest(agent if agent is not False else None)
         self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
                                 window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
                                 connect_timeout=connect_timeout, domain=domain or None, device=device,
-                                tls_context=tls_context(endpoint, cafile, insecure))
+                                tls_context=tls_context(endpoint, cafile, insecure),
+                                protocol_versions=protocol_versions)
         self._agent = None
         if agent is not False:
             self._agent = AgentRegistration.start(self._session, agent)

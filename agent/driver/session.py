@@ -108,7 +108,8 @@ class Session:
 
     def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
                  window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float,
-                 tls_context=None, domain: str | None = None, device: str | None = None):
+                 tls_context=None, domain: str | None = None, device: str | None = None,
+                 protocol_versions=None):
         dp.parse_endpoint(endpoint)
         self.domain = dp.domain_claim(domain)  # checked here: a bad one is the caller's error, not the pool's
         selector = parse_selector(device)      # so is a bad device selector
@@ -140,6 +141,8 @@ class Session:
                       "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None,
                       "tls_resumed": 0}     # resumes whose TLS handshake resumed the last session
         self.link = Link(self, tls_context)
+        if protocol_versions is not None:
+            self.link.versions = dp.offered_versions(protocol_versions)
         self._challenge = ""
         self._max_payload = self.link.limits.max_payload
         self._next_handle = 1
