@@ -9,7 +9,7 @@ launches of the trivial counter kernel of ``bench/remoting`` then a finish,
 of the machine's load hits both.  Local pyopencl (this tree's
 ``bench.remoting.local_launches``) is measured in every round too.  Also
 CPU per launch: the driver's, the pool's and its device process's user +
-system time over the samples, summed.  The table (medians of the rounds)
+system time over the samples, each and summed.  The table (medians of the rounds)
 and the JSON go to ``bench/results/launch-ab.*``, with the load average at
 the start and the end.  A benchmark, never a test.
 """
@@ -41,11 +41,9 @@ try:
     pool = psutil.Process(proc.pid)
     def cpu():
         own = resource.getrusage(resource.RUSAGE_SELF)
-        total = own.ru_utime + own.ru_stime
-        for p in [pool] + pool.children(recursive=True):
-            t = p.cpu_times()
-            total += t.user + t.system
-        return total
+        t = pool.cpu_times()
+        kids = sum(c.cpu_times().user + c.cpu_times().system for c in pool.children(recursive=True))
+        return [own.ru_utime + own.ru_stime, t.user + t.system, kids]
     def launches():
         for _ in range(count):
             prog.launch("bump", 16, None, small)
@@ -57,11 +55,13 @@ try:
         start = time.perf_counter()
         launches()
         samples.append(time.perf_counter() - start)
-    spent = cpu() - c0
+    spent = [b - a for a, b in zip(c0, cpu())]
     counter = int.from_bytes(bytes(dev.read(small, 4)), "little")
     assert counter == (repeat + 1) * count, (counter, (repeat + 1) * count)   # each ran once
     dev.close()
-    print(json.dumps({"seconds": statistics.median(samples), "cpu_us": spent / (repeat * count) * 1e6}))
+    per = [s / (repeat * count) * 1e6 for s in spent]
+    print(json.dumps({"seconds": statistics.median(samples), "cpu_us": sum(per),
+                      "driver_us": per[0], "pool_us": per[1], "device_us": per[2]}))
 finally:
     proc.terminate(); proc.wait(10)
 """
@@ -107,6 +107,9 @@ def main(argv=None) -> None:
               med(lambda r: n / r["after"]["seconds"]), "ops/s", "higher")
     table.add("CPU per launch (3 processes)", med(lambda r: r["before"]["cpu_us"]),
               med(lambda r: r["after"]["cpu_us"]), "us")
+    for side in ("driver", "pool", "device"):
+        table.add(f"  of which the {side} process", med(lambda r: r["before"][f"{side}_us"]),
+                  med(lambda r: r["after"][f"{side}_us"]), "us")
     table.add("local pyopencl, same rounds", med(lambda r: n / r["local"]), med(lambda r: n / r["local"]),
               "ops/s", "higher")
     report(table, "launch-ab", {"args": vars(args), "rounds": rounds,

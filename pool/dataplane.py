@@ -72,6 +72,7 @@ class DataConnection(asyncio.BufferedProtocol):
         self._done: tuple[int, int] | None = None   # a run of plain successes not yet sent
         self._flush_scheduled = False
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
 
     # -- asyncio protocol ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -347,7 +348,9 @@ class DataConnection(asyncio.BufferedProtocol):
         if self.version < batch.BATCH_VERSION:
             raise ProtocolError(reason=f"launches on a connection that agreed to protocol {self.version} "
                                        f"(batches need {batch.BATCH_VERSION})")
-        commands = batch.decode_batch(header, payload)     # bounds first: nothing trusted before
+        if self._records is None:
+            self._records = batch.RecordCache()
+        commands = batch.decode_batch(header, payload, self._records)   # bounds first: nothing trusted before
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         self._acknowledge(session, header["ack"])

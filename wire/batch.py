@@ -22,12 +22,17 @@ launch (coalesced into ``done`` frames as any plain successes).
 A launch record, little endian (OpenCL devices are; scalars travel as the
 device reads them)::
 
-    +---------+------+-------+-------+-----------+---------+--------------+--------------+------+
-    | prog    | ndim | flags | nargs | name len  | kernel  | gsize        | lsize        | args |
-    | i64     | u8   | u8    | u8    | u8        | UTF-8   | ndim x u64   | ndim x u64,  |      |
-    |         | 1-3  | bit 0:|       | 0-255     |         | each >= 1    | if flags & 1 |      |
-    |         |      | lsize |       |           |         |              |              |      |
-    +---------+------+-------+-------+-----------+---------+--------------+--------------+------+
+    +------+---------+------+-------+-------+-----------+---------+------------+--------------+------+
+    | size | prog    | ndim | flags | nargs | name len  | kernel  | gsize      | lsize        | args |
+    | u16  | i64     | u8   | u8    | u8    | u8        | UTF-8   | ndim x u64 | ndim x u64,  |      |
+    |      | >= 0    | 1-3  | bit 0:|       | 0-255     |         | each >= 1  | if flags & 1 |      |
+    |      |         |      | lsize |       |           |         |            |              |      |
+    +------+---------+------+-------+-------+-----------+---------+------------+--------------+------+
+
+``size`` is the whole record's, itself included: the pool splits a batch
+into records without parsing them, and a record it has parsed before (a
+loop launches the same kernel on the same arguments again and again) is
+not parsed again (``RecordCache``).
 
     an argument: u8 tag, then   0 (buffer):  i64 handle
                                 1 (local):   u64 bytes (>= 1)
@@ -65,7 +70,8 @@ MAX_PAYLOAD = 64 << 10
 #: process takes launches in runs of 256 (``pool.devices.isolated``)
 DRIVER_LAUNCHES = 256
 
-HEAD = struct.Struct("<qBBBB")
+SIZE = struct.Struct("<H")
+HEAD = struct.Struct("<HqBBBB")
 ARG_TAG = struct.Struct("<B")
 BUF_ARG = struct.Struct("<Bq")
 LOCAL_ARG = struct.Struct("<BQ")
@@ -106,13 +112,14 @@ def encode_launch(prog: int, kernel: bytes, gsize: list, lsize, args: list) -> b
     if len(kernel) > _MAX_NAME or len(args) > _MAX_ARGS or not 1 <= ndim <= 3:
         return None
     dims = _DIMS[ndim]
+    size = HEAD.size + len(kernel) + dims.size + sum(map(len, args))
     try:
         if lsize is None:
-            return b"".join((HEAD.pack(prog, ndim, 0, len(args), len(kernel)), kernel, dims.pack(*gsize),
+            return b"".join((HEAD.pack(size, prog, ndim, 0, len(args), len(kernel)), kernel, dims.pack(*gsize),
                              *args))
         if len(lsize) != ndim:
             return None
-        return b"".join((HEAD.pack(prog, ndim, LSIZE_FLAG, len(args), len(kernel)), kernel,
+        return b"".join((HEAD.pack(size + dims.size, prog, ndim, LSIZE_FLAG, len(args), len(kernel)), kernel,
                          dims.pack(*gsize), dims.pack(*lsize), *args))
     except struct.error:          # a value out of range: the JSON path says what is wrong
         return None
@@ -121,10 +128,10 @@ def encode_launch(prog: int, kernel: bytes, gsize: list, lsize, args: list) -> b
 def launch_fields(record: bytes) -> dict:
     """A record's launch as the JSON fields it stands for (prog, kernel,
     gsize, args, lsize): what a launch re-sent alone carries."""
-    fields, end = _decode_record(record, 0, 0)
-    if end != len(record):
-        raise BadRequest(reason=f"launches: {len(record) - end} bytes after a launch record")
-    return fields
+    record = bytes(record)
+    if len(record) < SIZE.size or SIZE.unpack_from(record)[0] != len(record):
+        raise BadRequest(reason="launches: a launch record's size is not its length")
+    return _decode_record(record, 0)
 
 
 def batch_header(epoch: int, ack: int, first: int, last: int) -> dict:
@@ -139,11 +146,34 @@ def _nonneg(header: dict, key: str) -> int:
     return value
 
 
-def decode_batch(header: dict, payload) -> list[dict]:
+class RecordCache:
+    """The fields of records parsed lately (one per connection): a loop's
+    launches are the same few records again and again.  Bounded in entries
+    and in the size of a record it keeps; full, it starts again.  The
+    fields it hands out are shared: nobody changes them."""
+
+    ENTRIES = 32
+    LARGEST = 256        # bytes: a record's fields grow with it
+
+    def __init__(self):
+        self._fields: dict[bytes, dict] = {}
+
+    def get(self, record: bytes):
+        return self._fields.get(record)
+
+    def keep(self, record: bytes, fields: dict) -> None:
+        if len(record) <= self.LARGEST:
+            if len(self._fields) >= self.ENTRIES:
+                self._fields.clear()
+            self._fields[record] = fields
+
+
+def decode_batch(header: dict, payload, cache: RecordCache | None = None) -> list[dict]:
     """A ``launches`` frame as the launch commands it stands for: one header
     dict per launch, exactly as ``op: launch`` in JSON would have carried it
     (``seq``, ``epoch``, ``ack`` and the launch's fields).  BadRequest or
-    FrameTooLarge for anything out of bounds; nothing is trusted before."""
+    FrameTooLarge for anything out of bounds; nothing is trusted before.
+    ``cache``: records parsed before (their fields are shared)."""
     epoch, ack = _nonneg(header, "epoch"), _nonneg(header, "ack")
     first, last = _nonneg(header, "from"), _nonneg(header, "to")
     if last < first:
@@ -160,7 +190,18 @@ def decode_batch(header: dict, payload) -> list[dict]:
     commands = []
     pos = 0
     for seq in range(first, last + 1):
-        fields, pos = _decode_record(data, pos, seq)
+        if pos + SIZE.size > size:
+            _need(data, pos, SIZE.size, seq, "size")
+        end = pos + SIZE.unpack_from(data, pos)[0]
+        if end > size:
+            _need(data, end, 0, seq, "record")
+        record = data[pos:end]
+        fields = cache.get(record) if cache is not None else None
+        if fields is None:
+            fields = _decode_record(record, seq)
+            if cache is not None:
+                cache.keep(record, fields)
+        pos = end
         command = {"op": "launch", "seq": seq, "epoch": epoch, "ack": ack}
         command.update(fields)
         commands.append(command)
@@ -176,9 +217,12 @@ def _need(data: bytes, pos: int, nbytes: int, seq: int, what: str) -> None:
                                 f"(the batch's records end early)")
 
 
-def _decode_record(data: bytes, pos: int, seq: int) -> tuple[dict, int]:
+def _decode_record(data: bytes, seq: int) -> dict:
+    """One whole record (``data``, its size checked against its length by
+    the caller) as its launch's fields."""
+    pos = 0
     _need(data, pos, HEAD.size, seq, "fixed header")
-    prog, ndim, flags, nargs, name_len = HEAD.unpack_from(data, pos)
+    _size, prog, ndim, flags, nargs, name_len = HEAD.unpack_from(data, pos)
     pos += HEAD.size
     if prog < 0:
         raise BadRequest(reason=f"launch: field 'prog' must not be negative (launch {seq})")
@@ -235,4 +279,7 @@ def _decode_record(data: bytes, pos: int, seq: int) -> tuple[dict, int]:
     fields["args"] = args
     if flags & LSIZE_FLAG:
         fields["lsize"] = lsize
-    return fields, pos
+    if pos != len(data):
+        raise BadRequest(reason=f"launches: launch {seq}: its size says {len(data)} bytes, "
+                                f"its fields take {pos}")
+    return fields

@@ -130,7 +130,7 @@ def refused(first, last, payload, code=ErrorCode.BAD_REQUEST, match=None, header
 
 def test_a_truncated_batch_is_refused():
     two = record() * 2
-    for cut in (1, batch.HEAD.size - 1, batch.HEAD.size + 2, len(two) // 2 + 5, len(two) - 1):
+    for cut in (1, batch.HEAD.size - 1, batch.HEAD.size + 2, len(two) // 2 - 1, len(two) // 2 + 5, len(two) - 1):
         refused(1, 2, two[:cut], match="cut short")
 
 
@@ -155,19 +155,49 @@ def test_batch_header_fields_must_be_non_negative_integers(field, value):
     refused(1, 1, record(), header=header, match=repr(field))
 
 
+def sized(body: bytes) -> bytes:
+    """A record of ``body`` (everything after its size)."""
+    return struct.pack("<H", len(body) + 2) + body
+
+
 @pytest.mark.parametrize("bad, match", [
-    (struct.pack("<qBBBB", -1, 1, 0, 0, 0) + struct.pack("<Q", 1), "'prog' must not be negative"),
-    (struct.pack("<qBBBB", 1, 0, 0, 0, 0), "1 to 3 dimensions"),
-    (struct.pack("<qBBBB", 1, 4, 0, 0, 0) + b"\1" * 32, "1 to 3 dimensions"),
-    (struct.pack("<qBBBB", 1, 1, 2, 0, 0) + struct.pack("<Q", 1), "unknown flags"),
-    (struct.pack("<qBBBB", 1, 1, 0, 0, 2) + b"\xff\xfe" + struct.pack("<Q", 1), "not UTF-8"),
-    (struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 0), "gsize entries must be positive"),
-    (struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 1 << 63), "gsize entries must be positive"),
-    (struct.pack("<qBBBB", 1, 1, 1, 0, 0) + struct.pack("<QQ", 1, 0), "lsize entries must be positive"),
-    (struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QB", 1, 12), "unknown tag 12"),
-    (struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QBQ", 1, 1, 0), "local must be a positive size"),
-    (struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QBq", 1, 0, -(1 << 63)), "buf must be an integer"),
-    (struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QB", 1, 6) + b"\0\0", "cut short"),
+    (sized(struct.pack("<qBBBB", -1, 1, 0, 0, 0) + struct.pack("<Q", 1)), "'prog' must not be negative"),
+    (sized(struct.pack("<qBBBB", 1, 0, 0, 0, 0)), "1 to 3 dimensions"),
+    (sized(struct.pack("<qBBBB", 1, 4, 0, 0, 0) + b"\1" * 32), "1 to 3 dimensions"),
+    (sized(struct.pack("<qBBBB", 1, 1, 2, 0, 0) + struct.pack("<Q", 1)), "unknown flags"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 0, 2) + b"\xff\xfe" + struct.pack("<Q", 1)), "not UTF-8"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 0)), "gsize entries must be positive"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 1 << 63)), "gsize entries must be positive"),
+    (sized(struct.pack("<qBBBB", 1, 1, 1, 0, 0) + struct.pack("<QQ", 1, 0)), "lsize entries must be positive"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QB", 1, 12)), "unknown tag 12"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QBQ", 1, 1, 0)), "local must be a positive size"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QBq", 1, 0, -(1 << 63))), "buf must be an integer"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 1, 0) + struct.pack("<QB", 1, 6) + b"\0\0"), "cut short"),
+    (sized(struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 1))[:-1], "cut short"),
+    (struct.pack("<H", 40) + struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 1), "cut short"),
+    (struct.pack("<H", 30) + struct.pack("<qBBBB", 1, 1, 0, 0, 0) + struct.pack("<Q", 1) + b"\0" * 8,
+     "its size says 30 bytes, its fields take 22"),
+    (struct.pack("<H", 0) + b"\0" * 20, "cut short"),
 ])
 def test_a_malformed_record_is_refused_with_its_reason(bad, match):
     refused(1, 1, bad, match=match)
+
+
+def test_records_parsed_before_decode_the_same_and_the_cache_stays_bounded():
+    cache = batch.RecordCache()
+    records = [record(gsize=(n,)) for n in range(1, 2 * batch.RecordCache.ENTRIES + 2)]
+    payload = b"".join(records)
+    first = decode(1, len(records), payload)
+    assert batch.decode_batch(batch.batch_header(1, 0, 1, len(records)), payload, cache) == first
+    assert batch.decode_batch(batch.batch_header(1, 0, 1, len(records)), payload, cache) == first   # from the cache
+    assert len(cache._fields) <= batch.RecordCache.ENTRIES
+    big = record(args=[batch.buffer_arg(1)] * 40)          # over LARGEST: parsed every time, never kept
+    assert len(big) > batch.RecordCache.LARGEST
+    batch.decode_batch(batch.batch_header(1, 0, 1, 1), big, cache)
+    assert big not in cache._fields
+    good = record()
+    bad = good[:-9] + b"\x0c" + good[-8:]                   # an unknown tag: refused each time, never kept
+    for _ in range(2):
+        with pytest.raises(BadRequest):
+            batch.decode_batch(batch.batch_header(1, 0, 1, 1), bad, cache)
+    assert bad not in cache._fields
