@@ -354,23 +354,29 @@ class DataConnection(asyncio.BufferedProtocol):
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         self._acknowledge(session, header["ack"])
-        submitted = False
-        for command in commands:
-            if self._sequenced(session, Op.LAUNCH, command, b"", None):
-                session.counters.batched_launches += 1       # (a duplicate is not counted)
-                submitted = True
-        if submitted:
-            self.flow_changed()
+        run: list = []
+        try:
+            for command in commands:
+                self._sequenced(session, Op.LAUNCH, command, b"", None, run)
+        finally:
+            if run:          # (accepted before a refusal later in the batch: they run)
+                session.counters.batched_launches += len(run)
+                session.submit_run(run)
+                self.flow_changed()
 
-    def _sequenced(self, session, op: Op, header: dict, payload, lease) -> bool:
-        """A checked command: new (handed to the session), a duplicate (its
-        reply again) or a divergence (refused); see ``_handle_command``."""
+    def _sequenced(self, session, op: Op, header: dict, payload, lease, run: list | None = None) -> bool:
+        """A checked command: new (handed to the session, or added to
+        ``run`` for the caller to hand over), a duplicate (its reply again)
+        or a divergence (refused); see ``_handle_command``."""
         seq = header["seq"]
         identity = dp.CommandIdentity(header, payload)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
             session.log.accept(seq, identity)
-            session.submit(Command(seq, op, header, payload, identity, lease))
+            if run is not None:
+                run.append(Command(seq, op, header, payload, identity, lease))
+            else:
+                session.submit(Command(seq, op, header, payload, identity, lease))
             return True
         if verdict is Verdict.DUPLICATE:
             session.counters.duplicates += 1
