@@ -374,7 +374,7 @@ class Device:
         if self._session.batching and isinstance(kernel_name, str):
             record = self._launch_record(program, kernel_name, global_size, local_size, args)
             if record is not None:
-                self._session.submit(Op.LAUNCH, None, wait=False, record=record)
+                self._session.submit_launch(record)
                 return
         wire_args = []
         for index, arg in enumerate(args):

@@ -332,6 +332,26 @@ class Session:
             return cmd
         return self._wait_reply(cmd, deadline)
 
+    def submit_launch(self, record: bytes) -> None:
+        """A pipelined launch as its batch record: the common case (connected,
+        room in the window, a pool that batches) under one take of each
+        lock; anything else as ``submit`` does it (waits, raises, JSON)."""
+        link = self.link
+        with link.send_lock:
+            with self.cond:
+                ready = self.states.state is LinkState.CONNECTED and link.sock is not None \
+                    and link.version >= batch.BATCH_VERSION and self.window.has_room(0)
+                if ready:
+                    epoch, ack = self.epoch, self.window.last_seen
+                    seq = self.window.add({"op": "launch", "epoch": epoch, "ack": ack}, record=record).seq
+                    sock, gen = link.sock, link.gen
+                    if ack > link.acked_sent:
+                        link.acked_sent = ack
+            if ready:
+                link.cork_launch(sock, gen, seq, epoch, ack, record)
+                return
+        self.submit(Op.LAUNCH, None, wait=False, record=record)
+
     def _wait_ready_locked(self, nbytes: int, deadline: float) -> None:
         """Until connected with room in the window (the caller holds cond)."""
         while True:
