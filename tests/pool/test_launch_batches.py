@@ -23,7 +23,7 @@ from accelmig.agent.driver import connect
 from accelmig.agent.driver import link as driver_link
 from accelmig.pool.testing import CutProxy, PoolThread
 from accelmig.wire import batch
-from accelmig.wire.errors import ErrorCode
+from accelmig.wire.errors import AccelmigError, ErrorCode
 from accelmig.wire.frames import PREFIX_SIZE, FrameReader, encode_frame, encode_prefix_and_header
 from tests.support.kernels import COUNTER
 from tests.support.tenants import ALICE, TENANTS
@@ -264,3 +264,29 @@ def test_a_batch_cut_mid_frame_is_resent_as_singles_and_each_launch_runs_once(mo
         finally:
             proxy.close()
 
+
+
+def test_a_batch_of_repeated_shapes_runs_each_launch_and_fails_each_bad_one_alone():
+    """The device process prepares each distinct launch (program, kernel,
+    sizes, arguments) once a batch: launches of the same shapes interleaved,
+    a bad shape among them, all in one batch, fail and run one by one."""
+    with PoolThread(TENANTS) as pool:
+        with connect(pool.endpoint, ALICE, agent=False, timeout=60) as dev:
+            prog = dev.build(COUNTER)
+            a = dev.upload(np.zeros(ELEMENTS, dtype=np.uint32))
+            b = dev.upload(np.zeros(ELEMENTS, dtype=np.uint32))
+            dev.finish()
+            for i in range(60):
+                prog.launch("bump", ELEMENTS, None, a, np.uint32(1))
+                prog.launch("bump", ELEMENTS, None, b, np.uint32(2))
+                if i % 3 == 0:
+                    prog.launch("bump", ELEMENTS, None, a)                    # one argument short
+                    prog.launch("no_such_kernel", ELEMENTS, None, b, np.uint32(5))
+            with pytest.raises(AccelmigError) as failed:
+                dev.finish()
+            assert failed.value.code is ErrorCode.DEVICE_ERROR and "takes 2 arguments" in str(failed.value)
+            assert failed.value.details["more_errors"] == 2 * 20 - 1    # each bad launch its own error
+            assert np.frombuffer(dev.read(a), np.uint32).tolist() == [60] * ELEMENTS
+            assert np.frombuffer(dev.read(b), np.uint32).tolist() == [120] * ELEMENTS
+            counters = pool.session(dev.sid)["counters"]
+            assert counters["launches"] == 120 and counters["batched_launches"] == 160
