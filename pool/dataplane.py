@@ -20,6 +20,7 @@ import asyncio
 
 import xxhash
 
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
@@ -79,6 +80,7 @@ class DataConnection(asyncio.BufferedProtocol):
         self._done: tuple[int, int] | None = None   # a run of plain successes not yet sent
         self._flush_scheduled = False
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
 
     # -- asyncio protocol ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -288,7 +290,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if self.state is ConnState.HELLO:
             if op is not Op.HELLO:
                 raise ProtocolError(reason=f"expected hello first, got {op.value}")
-            self.version = dp.negotiate(header.get("versions", []))
+            self.version = dp.negotiate(header.get("versions", []), self.pool.data_versions)
             self.state = ConnState.READY
             self.send({"op": Op.WELCOME.value, "version": self.version,
                        "instance": self.pool.instance, "challenge": self.challenge,
@@ -338,17 +340,51 @@ class DataConnection(asyncio.BufferedProtocol):
             return False
         if op in dp.CONNECTION_OPS:
             raise ProtocolError(reason=f"{op.value} on an attached connection")
+        if op is Op.LAUNCHES:
+            self._launches(session, header, payload)
+            return False
         dp.validate_command(header, len(payload))
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         if "ack" in header:
             self._acknowledge(session, header["ack"])
+        return self._sequenced(session, op, header, payload, lease)
+
+    def _launches(self, session, header: dict, payload) -> None:
+        """A batch of launches (protocol 2): each one the command it would
+        have been alone, classified and taken one by one (``wire.batch``)."""
+        if self.version < batch.BATCH_VERSION:
+            raise ProtocolError(reason=f"launches on a connection that agreed to protocol {self.version} "
+                                       f"(batches need {batch.BATCH_VERSION})")
+        if self._records is None:
+            self._records = batch.RecordCache()
+        commands = batch.decode_batch(header, payload, self._records)   # bounds first: nothing trusted before
+        if header["epoch"] != session.epoch or self.epoch != session.epoch:
+            raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
+        self._acknowledge(session, header["ack"])
+        run: list = []
+        try:
+            for command in commands:
+                self._sequenced(session, Op.LAUNCH, command, b"", None, run)
+        finally:
+            if run:          # (accepted before a refusal later in the batch: they run)
+                session.counters.batched_launches += len(run)
+                session.submit_run(run)
+                self.flow_changed()
+
+    def _sequenced(self, session, op: Op, header: dict, payload, lease, run: list | None = None) -> bool:
+        """A checked command: new (handed to the session, or added to
+        ``run`` for the caller to hand over), a duplicate (its reply again)
+        or a divergence (refused); see ``_handle_command``."""
         seq = header["seq"]
         identity = dp.CommandIdentity(header, payload, PAYLOAD_DIGEST)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
             session.log.accept(seq, identity)
-            session.submit(Command(seq, op, header, payload, identity, lease))
+            if run is not None:
+                run.append(Command(seq, op, header, payload, identity, lease))
+            else:
+                session.submit(Command(seq, op, header, payload, identity, lease))
             return True
         if verdict is Verdict.DUPLICATE:
             session.counters.duplicates += 1

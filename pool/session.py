@@ -117,6 +117,7 @@ class SessionCounters:
     bytes_downloaded: int = 0      # read replies
     source_bytes: int = 0          # program sources and binaries received
     launches: int = 0
+    batched_launches: int = 0      # launches that came in batch frames (protocol 2)
     duplicates: int = 0            # re-sent commands answered from the log
     resumes: int = 0
     replayed: int = 0              # replies sent again on a resume
@@ -333,6 +334,17 @@ class Session:
         else:
             self._dispatch(command)
 
+    def submit_run(self, commands: list[Command]) -> None:
+        """Commands accepted together (a launch batch's, none with a
+        payload): one hand-off to the worker when nothing holds them back,
+        else each as ``submit`` would."""
+        if self.held or self.paused or self._over_bounds():
+            for command in commands:
+                self.submit(command)
+            return
+        self.in_worker += len(commands)
+        self._worker.put_run(commands)
+
     def _dispatch(self, command: Command) -> None:
         self.queued_bytes += len(command.payload)
         self.in_worker += 1
@@ -441,6 +453,11 @@ class SessionWorker:
         self._ensure_started()
         self._queue.put(command)
 
+    def put_run(self, commands: list[Command]) -> None:
+        """Commands in order, one hand-off (one wake-up) for all."""
+        self._ensure_started()
+        self._queue.put(commands)
+
     def stop(self) -> None:
         self._stopping = True
         self._queue.put(None)
@@ -454,16 +471,16 @@ class SessionWorker:
         session = self.session
         batch: list[tuple[Command, StoredReply]] = []
         while True:
-            command = self._queue.get()
-            if command is None:
+            item = self._queue.get()
+            if item is None:
                 break
-            if self._stopping:
-                command.drop_payload(None)     # never runs: its arena lease goes back
-                continue
-            reply = execute(session, command)
-            batch.append((command, reply))
+            for command in item if type(item) is list else (item,):
+                if self._stopping:
+                    command.drop_payload(None)     # never runs: its arena lease goes back
+                    continue
+                batch.append((command, execute(session, command)))
             # Hand replies back in batches: one loop wake-up per burst.
-            if self._queue.empty() or len(batch) >= 256:
+            if batch and (self._queue.empty() or len(batch) >= 256):
                 done, batch = _settled(batch), []
                 self.post(lambda done=done: session.completed(done))
         if batch:
@@ -494,16 +511,24 @@ class PendingReply:
             LOG.exception("session %s: seq %d (launch) failed", self.session.sid, seq)
             err = InternalError(reason=f"{type(exc).__name__}: {exc}")
             return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": err.to_wire()})
-        self.session.counters.launches += 1
-        if self.session.metrics is not None:
-            self.session.metrics.count_command(self.session, self.command, 0)
         return StoredReply(seq, {"op": "reply", "seq": seq, "ok": True})
 
 
 def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
-    """Every reply of a batch final, in order (pending launches waited for)."""
-    return [(command, reply.settle() if isinstance(reply, PendingReply) else reply)
-            for command, reply in batch]
+    """Every reply of a batch final, in order (pending launches waited for);
+    the launches that ran are counted once for the batch."""
+    out, ran, session = [], 0, None
+    for command, reply in batch:
+        if isinstance(reply, PendingReply):
+            session = reply.session
+            reply = reply.settle()
+            ran += reply.header["ok"]
+        out.append((command, reply))
+    if ran:
+        session.counters.launches += ran
+        if session.metrics is not None:
+            session.metrics.count_launches(ran)
+    return out
 
 
 def _check_object_limit(session: Session, kind: str) -> None:

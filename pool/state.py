@@ -46,6 +46,9 @@ class Pool:
         # An instance id that changes with every start: a driver presenting a
         # session of another instance learns the pool restarted (SESSION_LOST).
         self.instance = secrets.token_hex(4)
+        # The data-plane versions this pool agrees to at hello: every one the
+        # code speaks; a harness narrows it to stand for an older pool.
+        self.data_versions = dp.PROTOCOL_VERSIONS
         self.tenants = {t.token: Tenant(t.name, t.token, t.quota, t.max_sessions, t.quota_by_type)
                         for t in tenants.values()}
         self.hosts = {name: HostState(spec) for name, spec in (hosts or {}).items()}

@@ -26,7 +26,7 @@ from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec, parse_size, p
 class PoolThread:
     def __init__(self, tenants: dict | None = None, hosts: dict | None = None, *,
                  listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0",
-                 device: str = "", backend=None, **config):
+                 device: str = "", backend=None, data_versions: tuple | None = None, **config):
         tenants = tenants or {"tenant": ("tenant-token-0001", "4GiB")}
         # (token, quota) or (token, quota, max_sessions)
         self.tenant_specs = {name: TenantSpec(name, spec[0], parse_size(spec[1]), *spec[2:])
@@ -42,6 +42,9 @@ class PoolThread:
         config.setdefault("insecure", not config.get("tls_cert"))
         self.config = PoolConfig(listen=listen, control_listen=control_listen, device=device, **config)
         self._backend = backend
+        # the data-plane versions the pool agrees to: (1,) stands for a pool
+        # from before launch batches (wire.batch)
+        self.data_versions = data_versions
         self.pool = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -55,6 +58,8 @@ class PoolThread:
         if self._own_backend:
             self._backend = devices_for(self.config)     # a DeviceSet: every device it serves
         self.pool = Pool(self.config, self._backend, self.tenant_specs, self.host_specs)
+        if self.data_versions is not None:
+            self.pool.data_versions = tuple(self.data_versions)
         self.server = PoolServer(self.pool)
         ready = concurrent.futures.Future()
         self.loop = asyncio.new_event_loop()

@@ -45,8 +45,9 @@ import zlib
 
 from accelmig.wire.errors import BadRequest, UnknownOp, VersionUnsupported
 
-#: data-plane protocol versions this code speaks, oldest first
-PROTOCOL_VERSIONS = (1,)
+#: data-plane protocol versions this code speaks, oldest first: 2 adds
+#: ``launches``, pipelined launches in one frame (``wire.batch``)
+PROTOCOL_VERSIONS = (1, 2)
 
 
 class Op(str, enum.Enum):
@@ -77,6 +78,8 @@ class Op(str, enum.Enum):
     LAUNCH = "launch"
     FINISH = "finish"
     RELEASE = "release"              # end the session, free everything
+    # a run of sequenced launches in one frame (protocol 2, ``wire.batch``)
+    LAUNCHES = "launches"
 
 
 CONNECTION_OPS = frozenset({Op.HELLO, Op.OPEN, Op.RESUME, Op.ACK})
@@ -104,15 +107,26 @@ PIPELINED_OPS = frozenset({Op.ALLOC, Op.FREE, Op.WRITE, Op.COPY, Op.LAUNCH, Op.F
 PAYLOAD_OPS = frozenset({Op.WRITE, Op.BUILD, Op.BUILD_BINARY})
 
 
-def negotiate(offered) -> int:
-    """Pick the highest version both sides speak."""
+def negotiate(offered, supported=PROTOCOL_VERSIONS) -> int:
+    """Pick the highest version both sides speak (``supported``: this side's)."""
     try:
-        common = set(int(v) for v in offered) & set(PROTOCOL_VERSIONS)
+        common = set(int(v) for v in offered) & set(supported)
     except (TypeError, ValueError, OverflowError):
-        raise VersionUnsupported(offered=offered, supported=list(PROTOCOL_VERSIONS)) from None
+        raise VersionUnsupported(offered=offered, supported=list(supported)) from None
     if not common:
-        raise VersionUnsupported(offered=list(offered), supported=list(PROTOCOL_VERSIONS))
+        raise VersionUnsupported(offered=list(offered), supported=list(supported))
     return max(common)
+
+
+def offered_versions(versions) -> tuple:
+    """Versions a side chooses to offer: some of those this code speaks."""
+    try:
+        chosen = tuple(sorted({int(v) for v in versions}))
+    except (TypeError, ValueError):
+        raise BadRequest(reason=f"protocol versions must be integers, not {str(versions)[:40]!r}") from None
+    if not chosen or not set(chosen) <= set(PROTOCOL_VERSIONS):
+        raise BadRequest(reason=f"protocol versions {list(chosen)}: this code speaks {list(PROTOCOL_VERSIONS)}")
+    return chosen
 
 
 def parse_op(header: dict) -> Op:

@@ -7,6 +7,7 @@ type would be a guess.
 
 from __future__ import annotations
 
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import BadRequest
 
@@ -14,16 +15,26 @@ from accelmig.wire.errors import BadRequest
 class Scalar:
     """A typed kernel scalar: ``i32(3)``, ``f32(0.5)``."""
 
-    __slots__ = ("type_name", "value")
+    __slots__ = ("type_name", "value", "_record")
 
     def __init__(self, type_name: str, value):
         if type_name not in dp.SCALAR_TYPES:
             raise BadRequest(reason=f"unknown scalar type {type_name!r}")
         self.type_name = type_name
         self.value = value
+        self._record = None
 
     def to_wire(self) -> dict:
         return dp.encode_scalar(self.type_name, self.value)
+
+    def record(self) -> bytes:
+        """Its bytes in a launch record (``wire.batch``), made once: a
+        scalar passed to many launches is encoded once."""
+        cached = self._record
+        if cached is None or cached[0] is not self.value:      # (is: -0.0 == 0.0)
+            wire = self.to_wire()
+            cached = self._record = (self.value, batch.scalar_arg(wire["t"], bytes.fromhex(wire["x"])))
+        return cached[1]
 
     def __repr__(self) -> str:
         return f"{self.type_name}({self.value!r})"
@@ -66,6 +77,19 @@ def encode_arg(index: int, arg) -> dict:
         return dp.encode_scalar(name, arg.item())
     raise BadRequest(reason=f"argument {index}: {type(arg).__name__} {arg!r} is not a Buffer, "
                             "a typed scalar (i32(3), f32(0.5), a numpy scalar) or LocalMemory")
+
+
+def record_arg(index: int, arg) -> bytes | None:
+    """A kernel argument that is not a buffer, as its bytes in a launch
+    record (``wire.batch``); the same checks as ``encode_arg``.  None: it
+    has no record form (a local size out of range: the JSON path sends it,
+    and the pool says what is wrong)."""
+    if isinstance(arg, Scalar):
+        return arg.record()
+    if isinstance(arg, LocalMemory):
+        return batch.local_arg(arg.nbytes) if 0 < arg.nbytes <= dp.MAX_INT else None
+    wire = encode_arg(index, arg)
+    return batch.scalar_arg(wire["t"], bytes.fromhex(wire["x"]))
 
 
 def as_bytes_view(data) -> memoryview:

@@ -24,10 +24,10 @@ import logging
 import os
 
 from accelmig.agent.driver import transfer
-from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg
+from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg, record_arg
 from accelmig.agent.driver.registry import AgentRegistration, domain_of_this_guest, endpoint_from_agent
 from accelmig.agent.driver.session import LinkState, Session
-from accelmig.wire import tls
+from accelmig.wire import batch, tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import AccelmigError, BadRequest, ConfigInvalid, Unavailable
 
@@ -45,6 +45,7 @@ class Buffer:
         self.handle = handle
         self.size = size
         self.freed = False
+        self.record_arg = batch.buffer_arg(handle)    # as a launch record's argument
 
     def write(self, data, offset: int = 0) -> None:
         self.device.write(self, data, offset)
@@ -67,6 +68,15 @@ class Program:
         self.handle = handle
         self.kernels = list(kernels)
         self.build_log = log
+        self._names: dict[str, bytes] = {}     # kernel name -> its UTF-8 (launch records)
+
+    def kernel_name_bytes(self, name: str) -> bytes:
+        encoded = self._names.get(name)
+        if encoded is None:
+            encoded = name.encode("utf-8")
+            if len(self._names) < 1024:          # (names a caller made up: not kept without end)
+                self._names[name] = encoded
+        return encoded
 
     def launch(self, kernel_name: str, global_size, local_size=None, *args) -> None:
         """Enqueue ``kernel_name`` over ``global_size`` (pipelined)."""
@@ -102,7 +112,10 @@ class Device:
     device (``wire.devices``: an id, or terms such as ``"type=gpu"``,
     ``"vendor=nvidia,min_memory=8GiB"``; ``None``: the pool chooses, least
     loaded); the session stays on the device it got (``device_id``) for its
-    whole life, across every resume and migration.
+    whole life, across every resume and migration.  ``protocol_versions``:
+    the data-plane versions offered at hello (default: all this driver
+    speaks; ``(1,)`` sends every launch alone, as JSON, as drivers before
+    launch batches did).
 
     TLS: the pool's certificate is verified against ``cafile`` (else
     ``$ACCELMIG_CAFILE``, else the system's trust store) and must name the
@@ -116,13 +129,15 @@ class Device:
                  auto_reconnect: bool = True, agent: str | bool | None = None,
                  name: str | None = None, connect_timeout: float = 10.0,
                  cafile: str | None = None, insecure: bool | None = None,
-                 domain: str | bool | None = None, device: str | None = None):
+                 domain: str | bool | None = None, device: str | None = None,
+                 protocol_versions=None):
         if domain is None:
             domain = domain_of_this_guest(agent if agent is not False else None)
         self._session = Session(endpoint, token, timeout=timeout, window_commands=window_commands,
                                 window_bytes=window_bytes, auto_reconnect=auto_reconnect, name=name,
                                 connect_timeout=connect_timeout, domain=domain or None, device=device,
-                                tls_context=tls_context(endpoint, cafile, insecure))
+                                tls_context=tls_context(endpoint, cafile, insecure),
+                                protocol_versions=protocol_versions)
         self._agent = None
         if agent is not False:
             self._agent = AgentRegistration.start(self._session, agent)
@@ -356,6 +371,11 @@ class Device:
 
     def launch(self, program: Program, kernel_name: str, global_size, local_size=None, *args) -> None:
         self._own(program, "program")
+        if self._session.batching and isinstance(kernel_name, str):
+            record = self._launch_record(program, kernel_name, global_size, local_size, args)
+            if record is not None:
+                self._session.submit_launch(record)
+                return
         wire_args = []
         for index, arg in enumerate(args):
             if isinstance(arg, Buffer):
@@ -369,6 +389,26 @@ class Device:
         if lsize is not None:
             fields["lsize"] = lsize
         self._submit(Op.LAUNCH, fields, wait=False)
+
+    def _launch_record(self, program: Program, kernel_name: str, global_size, local_size, args):
+        """The launch as a batch record (``wire.batch``), or None where it has
+        none (then it goes alone, as JSON, checked the same way)."""
+        parts = []
+        for index, arg in enumerate(args):
+            if isinstance(arg, Buffer):
+                self._own(arg, "buffer")
+                parts.append(arg.record_arg)
+            else:
+                part = record_arg(index, arg)
+                if part is None:
+                    return None
+                parts.append(part)
+        try:
+            name = program.kernel_name_bytes(kernel_name)
+        except UnicodeEncodeError:
+            return None
+        return batch.encode_launch(program.handle, name, dims(global_size, "global_size"),
+                                   dims(local_size, "local_size"), parts)
 
     def finish(self) -> None:
         """Wait until every command so far has completed on the device."""

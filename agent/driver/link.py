@@ -7,7 +7,9 @@ older socket finds its number stale and touches nothing.
 What goes out: frames are sent without joining a large payload to its
 header (no copy); small pipelined frames are *corked* — gathered for a
 moment and sent as one batch by the flusher thread, or ahead of the next
-frame that cannot wait.  What comes in: the reader thread reads frames
+frame that cannot wait.  With a pool that agreed to protocol 2, consecutive
+corked launches go as one ``launches`` frame (``wire.batch``): a binary
+record each, one header for the run.  What comes in: the reader thread reads frames
 (a read's payload straight into the caller's buffer when one waits for it)
 and dispatches replies to the command window; it acknowledges when many
 replies have piled up.
@@ -25,12 +27,13 @@ import ssl
 import threading
 import time
 
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (TERMINAL_SESSION_CODES, AccelmigError, AuthFailed, ProtocolError,
                                   Timeout, Unavailable, from_wire)
-from accelmig.wire.frames import FrameReader, Limits, encode_frame
+from accelmig.wire.frames import FrameReader, Limits, encode_frame, encode_prefix_and_header
 
 LOG = logging.getLogger(__name__)
 
@@ -142,6 +145,8 @@ class Link:
         self._tls_session_endpoint: str | None = None
         self.tls_resumed = False                   # the last dial resumed a TLS session
         self.limits = Limits()
+        self.versions = dp.PROTOCOL_VERSIONS       # offered at hello
+        self.version = 1                           # what the pool agreed to (the last dial)
         self.send_lock = threading.Lock()
         self.sock: socket.socket | None = None     # the session's cond guards sock and gen
         self.gen = 0
@@ -155,6 +160,11 @@ class Link:
         self._reading_lock = threading.Lock()
         self._cork: list[bytes] = []               # pipelined frames not yet sent (send lock)
         self._cork_bytes = 0
+        # corked launches not yet closed into a batch frame (send lock):
+        # their records, the first one's seq, the next seq, epoch and ack
+        self._launches: list[bytes] = []
+        self._launch_from = self._launch_next = self._launch_epoch = self._launch_ack = 0
+        self._launch_bytes = 0
         self._cork_pending = threading.Event()
         self._flusher_started = False              # (with the first corked frame; the send lock guards it)
         self._readers_lock = threading.Lock()
@@ -187,7 +197,7 @@ class Link:
             sock, binding = self._start_tls(sock, host, endpoint)
         reader = FrameReader(self.limits, payload_sink=self._payload_sink)
         try:
-            hello = encode_frame({"op": Op.HELLO.value, "versions": list(dp.PROTOCOL_VERSIONS)})
+            hello = encode_frame({"op": Op.HELLO.value, "versions": list(self.versions)})
             try:
                 sock.sendall(hello + (encode_frame(then) if then is not None else b""))
             except OSError as exc:
@@ -199,6 +209,12 @@ class Link:
         if welcome.get("op") != Op.WELCOME.value or (leftovers and then is None):
             sock.close()
             raise ProtocolError(reason=f"expected welcome, got {welcome.get('op')!r}")
+        version = welcome.get("version", 1)      # (a pool of protocol 1 may leave it out)
+        if version not in self.versions:
+            sock.close()
+            raise ProtocolError(reason=f"the pool chose protocol version {str(version)[:20]!r}, "
+                                       f"not one this driver offered {list(self.versions)}")
+        self.version = version
         self.binding = binding
         if self.tls_context is not None:
             self._keep_tls_session(sock, endpoint)
@@ -336,32 +352,73 @@ class Link:
             if pipelined and nbytes <= CORK_PAYLOAD:
                 # Corked: the flusher (or the next waiting command) sends a
                 # batch in one system call.
-                first = not self._cork
+                first = not self._cork and not self._launches
+                if self._launches:
+                    self._close_launches()        # (order: the launches before it)
                 self._cork.append(head + payload if nbytes else head)
                 self._cork_bytes += len(head) + nbytes
-                if self._cork_bytes >= CORK_BYTES:
-                    self._flush_cork_locked(sock)
-                elif first:
-                    if not self._flusher_started:
-                        self._flusher_started = True
-                        threading.Thread(target=self.run_flusher, name=f"accelmig-{self.session.sid}-tx",
-                                         daemon=True).start()
-                    self._cork_pending.set()
+                self._corked(sock, first)
             else:
-                if self._cork:
+                if self._cork or self._launches:
                     self._flush_cork_locked(sock)
                 send_all(sock, head, payload)
         except OSError as exc:
             self.drop_cork()
             self.lost(gen, exc)
 
+    def cork_launch(self, sock: socket.socket, gen: int, seq: int, epoch: int, ack: int,
+                    record: bytes) -> None:
+        """Cork one launch as a record of the open batch (protocol 2; the
+        caller holds the send lock).  A run of consecutive launches goes as
+        one ``launches`` frame; anything else corked or sent closes it."""
+        try:
+            first = not self._cork and not self._launches
+            if self._launches and (seq != self._launch_next or epoch != self._launch_epoch
+                                   or len(self._launches) >= batch.DRIVER_LAUNCHES
+                                   or self._launch_bytes + len(record) > batch.MAX_PAYLOAD):
+                self._close_launches()
+            launches = self._launches
+            if not launches:
+                self._launch_from, self._launch_epoch, self._launch_bytes = seq, epoch, 0
+            launches.append(record)
+            self._launch_next, self._launch_ack = seq + 1, ack
+            self._launch_bytes += len(record)
+            self._cork_bytes += len(record)
+            self._corked(sock, first)
+        except OSError as exc:
+            self.drop_cork()
+            self.lost(gen, exc)
+
+    def _corked(self, sock, first: bool) -> None:
+        """After something was corked: send at CORK_BYTES, else make sure the
+        flusher sends it soon."""
+        if self._cork_bytes >= CORK_BYTES:
+            self._flush_cork_locked(sock)
+        elif first:
+            if not self._flusher_started:
+                self._flusher_started = True
+                threading.Thread(target=self.run_flusher, name=f"accelmig-{self.session.sid}-tx",
+                                 daemon=True).start()
+            self._cork_pending.set()
+
+    def _close_launches(self) -> None:
+        """The open batch of launches as one frame at the end of the cork."""
+        records, self._launches = self._launches, []
+        payload = b"".join(records)
+        header = batch.batch_header(self._launch_epoch, self._launch_ack, self._launch_from,
+                                    self._launch_next - 1)
+        self._cork.append(encode_prefix_and_header(header, len(payload)) + payload)
+
     def drop_cork(self) -> None:
         """Forget the corked frames (send lock): they are in the window, and a
         resume re-sends them."""
         self._cork.clear()
+        self._launches = []
         self._cork_bytes = 0
 
     def _flush_cork_locked(self, sock) -> None:
+        if self._launches:
+            self._close_launches()
         data = b"".join(self._cork)
         self.drop_cork()
         sock.sendall(data)
@@ -379,7 +436,7 @@ class Link:
             with self.send_lock:
                 with session.cond:
                     sock, gen = self.sock, self.gen
-                if not self._cork or sock is None:
+                if (not self._cork and not self._launches) or sock is None:
                     continue
                 try:
                     self._flush_cork_locked(sock)

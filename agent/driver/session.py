@@ -38,6 +38,7 @@ import time
 from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all
 from accelmig.agent.driver.window import CommandWindow, PendingCommand
 from accelmig.agent.statemachine import StateMachine
+from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
 from accelmig.wire.devices import parse_selector
@@ -107,7 +108,8 @@ class Session:
 
     def __init__(self, endpoint: str, token: str, *, timeout: float, window_commands: int,
                  window_bytes: int, auto_reconnect: bool, name: str | None, connect_timeout: float,
-                 tls_context=None, domain: str | None = None, device: str | None = None):
+                 tls_context=None, domain: str | None = None, device: str | None = None,
+                 protocol_versions=None):
         dp.parse_endpoint(endpoint)
         self.domain = dp.domain_claim(domain)  # checked here: a bad one is the caller's error, not the pool's
         selector = parse_selector(device)      # so is a bad device selector
@@ -139,6 +141,8 @@ class Session:
                       "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None,
                       "tls_resumed": 0}     # resumes whose TLS handshake resumed the last session
         self.link = Link(self, tls_context)
+        if protocol_versions is not None:
+            self.link.versions = dp.offered_versions(protocol_versions)
         self._challenge = ""
         self._max_payload = self.link.limits.max_payload
         self._next_handle = 1
@@ -280,12 +284,21 @@ class Session:
         """The largest payload one frame may carry (the pool said at hello)."""
         return self._max_payload
 
-    def submit(self, op: Op, fields: dict, payload=b"", *, wait: bool, sink=None,
-               timeout: float | None = None, defer: bool = False) -> PendingCommand:
+    @property
+    def batching(self) -> bool:
+        """The pool agreed to launch batches (protocol 2, ``wire.batch``)."""
+        return self.link.version >= batch.BATCH_VERSION
+
+    def submit(self, op: Op, fields: dict | None, payload=b"", *, wait: bool, sink=None,
+               timeout: float | None = None, defer: bool = False,
+               record: bytes | None = None) -> PendingCommand:
         """Number a command, keep it in the window and send it; with ``wait``,
         block for its reply (and raise a pipelined command's failure).  With
         ``defer`` it is sent at once and the caller waits later
-        (``wait_reply``): its failure is the caller's, not a pipelined one."""
+        (``wait_reply``): its failure is the caller's, not a pipelined one.
+        ``record``: a pipelined launch as its batch record (``wire.batch``;
+        ``fields`` None), corked into a batch frame; sent alone as JSON
+        where the link does not batch."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         nbytes = len(payload)
@@ -301,16 +314,43 @@ class Session:
                     if not self.states.connected or link.sock is None or not self.window.has_room(nbytes):
                         continue   # lost it between the two locks: wait again
                     header = {"op": op.value, "epoch": self.epoch, "ack": self.window.last_seen}
-                    header.update(fields)
-                    cmd = self.window.add(header, payload, waited=wait or defer, sink=sink)
+                    if record is not None and link.version >= batch.BATCH_VERSION:
+                        cmd = self.window.add(header, record=record)
+                    else:
+                        header.update(fields if record is None else batch.launch_fields(record))
+                        cmd = self.window.add(header, payload, waited=wait or defer, sink=sink)
+                        record = None
                     sock, gen = link.sock, link.gen
                     link.acked_sent = max(link.acked_sent, header["ack"])
-                link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
-                                  pipelined=not wait)
+                if record is not None:
+                    link.cork_launch(sock, gen, cmd.seq, header["epoch"], header["ack"], record)
+                else:
+                    link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
+                                      pipelined=not wait)
             break
         if not wait:
             return cmd
         return self._wait_reply(cmd, deadline)
+
+    def submit_launch(self, record: bytes) -> None:
+        """A pipelined launch as its batch record: the common case (connected,
+        room in the window, a pool that batches) under one take of each
+        lock; anything else as ``submit`` does it (waits, raises, JSON)."""
+        link = self.link
+        with link.send_lock:
+            with self.cond:
+                ready = self.states.state is LinkState.CONNECTED and link.sock is not None \
+                    and link.version >= batch.BATCH_VERSION and self.window.has_room(0)
+                if ready:
+                    epoch, ack = self.epoch, self.window.last_seen
+                    seq = self.window.add({"op": "launch", "epoch": epoch, "ack": ack}, record=record).seq
+                    sock, gen = link.sock, link.gen
+                    if ack > link.acked_sent:
+                        link.acked_sent = ack
+            if ready:
+                link.cork_launch(sock, gen, seq, epoch, ack, record)
+                return
+        self.submit(Op.LAUNCH, None, wait=False, record=record)
 
     def _wait_ready_locked(self, nbytes: int, deadline: float) -> None:
         """Until connected with room in the window (the caller holds cond)."""
@@ -470,7 +510,10 @@ class Session:
                     cmd.header["epoch"] = self.epoch
                     cmd.header["ack"] = ack
                     cmd.resent += 1
-                    send_all(sock, encode_prefix_and_header(cmd.header, len(cmd.payload)), cmd.payload)
+                    # alone, as JSON: the pool knows a launch a cut batch
+                    # carried by its identity, whichever frame brought it
+                    send_all(sock, encode_prefix_and_header(cmd.wire_header(), len(cmd.payload)),
+                             cmd.payload)
                     resent_bytes += len(cmd.payload)
             except OSError as exc:
                 LOG.warning("session %s: connection lost while re-sending: %s", self.sid, exc)

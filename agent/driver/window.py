@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from accelmig.wire import batch
+
 
 @dataclasses.dataclass
 class PendingCommand:
@@ -23,10 +25,21 @@ class PendingCommand:
     reply: dict | None = None
     reply_payload: object = b""
     resent: int = 0
+    #: a launch kept as its batch record (``wire.batch``): ``header`` then
+    #: holds only op, epoch, ack and seq
+    record: bytes | None = None
 
     @property
     def nbytes(self) -> int:
         return len(self.payload) + 128
+
+    def wire_header(self) -> dict:
+        """The header that sends this command alone (JSON), as on a resume."""
+        if self.record is None:
+            return self.header
+        header = dict(self.header)
+        header.update(batch.launch_fields(self.record))
+        return header
 
 
 class CommandWindow:
@@ -43,8 +56,9 @@ class CommandWindow:
             return True       # one command always fits, whatever its size
         return len(self.pending) < self.max_commands and self.bytes + nbytes + 128 <= self.max_bytes
 
-    def add(self, header: dict, payload=b"", waited: bool = False, sink=None) -> PendingCommand:
-        cmd = PendingCommand(self.next_seq, header, payload, waited, sink)
+    def add(self, header: dict, payload=b"", waited: bool = False, sink=None,
+            record: bytes | None = None) -> PendingCommand:
+        cmd = PendingCommand(self.next_seq, header, payload, waited, sink, record=record)
         header["seq"] = cmd.seq
         self.next_seq += 1
         self.pending[cmd.seq] = cmd

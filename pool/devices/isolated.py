@@ -92,10 +92,17 @@ class _LaunchBatch:
     (one frame, one answer, one loop in the device process).  Written and
     read by the session's worker only."""
 
-    __slots__ = ("launches", "call", "error", "failed")
+    __slots__ = ("launches", "shapes", "shape_of", "call", "error", "failed")
 
     def __init__(self):
-        self.launches: list = []
+        # Each launch is the index of its shape (program, kernel, sizes,
+        # arguments): a loop's launches are one shape again and again, and
+        # the process decodes and looks up each shape once a batch.  Shapes
+        # are told apart by the identity of their parts, which a launch
+        # batch's records share (wire.batch.RecordCache): equal content.
+        self.launches: list[int] = []
+        self.shapes: list = []
+        self.shape_of: dict = {}
         self.call: _Call | None = None
         self.error: AccelmigError | None = None     # it could not be sent
         self.failed: dict | None = None             # index -> error (wire form), once answered
@@ -566,7 +573,12 @@ class IsolatedContext(DeviceContext):
         if batch is None:
             batch = self._batch = _LaunchBatch()
         index = len(batch.launches)
-        batch.launches.append([program, kernel, list(gsize), list(lsize) if lsize else None, args])
+        key = (program, kernel, id(gsize), id(lsize), id(args))
+        shape = batch.shape_of.get(key)
+        if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
+            shape = batch.shape_of[key] = len(batch.shapes)
+            batch.shapes.append([program, kernel, gsize, lsize or None, args])
+        batch.launches.append(shape)
         if len(batch.launches) >= LAUNCH_BATCH:
             self._send_batch()
         return lambda: self._launch_outcome(batch, index)
@@ -576,7 +588,8 @@ class IsolatedContext(DeviceContext):
         if batch is None:
             return
         try:
-            batch.call = self.process.start(self.ctx_id, "launches", {"l": batch.launches}, cork=True)
+            batch.call = self.process.start(self.ctx_id, "launches", {"s": batch.shapes, "l": batch.launches},
+                                            cork=True)
         except AccelmigError as exc:          # the process is gone: each launch says so
             batch.error = exc
 

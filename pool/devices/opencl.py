@@ -244,6 +244,12 @@ class OpenCLContext(DeviceContext):
         return kernel
 
     def launch(self, program: int, kernel: str, gsize, lsize, args) -> None:
+        self.enqueue_launch(self.prepare_launch(program, kernel, gsize, lsize, args))
+
+    def prepare_launch(self, program: int, kernel: str, gsize, lsize, args) -> tuple:
+        """Everything a launch needs looked up and converted (the kernel,
+        its arguments, the sizes), for ``enqueue_launch``: once for many
+        launches of the same shape, while nothing it names changes."""
         k = self._kernel(program, kernel)
         cl_args = []
         for arg in args:
@@ -259,9 +265,15 @@ class OpenCLContext(DeviceContext):
             if len(cl_args) != k.num_args:
                 raise DeviceError(reason=f"kernel {kernel!r} takes {k.num_args} arguments, "
                                          f"{len(cl_args)} given")
+        except cl.Error as exc:
+            raise _cl_error(exc) from None
+        return k, cl_args, tuple(gsize), tuple(lsize) if lsize else None
+
+    def enqueue_launch(self, prepared: tuple) -> None:
+        k, cl_args, gsize, lsize = prepared
+        try:
             k.set_args(*cl_args)
-            cl.enqueue_nd_range_kernel(self.queue, k, tuple(gsize),
-                                       tuple(lsize) if lsize else None)
+            cl.enqueue_nd_range_kernel(self.queue, k, gsize, lsize)
         except cl.Error as exc:
             raise _cl_error(exc) from None
 

@@ -181,18 +181,32 @@ class ContextThread:
                     self.answers.send_headers(held)
                 return
 
-    def _launches(self, launches: list) -> list:
+    def _launches(self, shapes: list, launches: list) -> list:
         """A batch of pipelined launches, in order, in one loop: each is its
         own command, so one that fails stops none after it; the answer
-        lists only the failures, [index, error] each."""
-        if not isinstance(launches, list) or len(launches) > LAUNCH_BATCH:
+        lists only the failures, [index, error] each.  ``launches`` are
+        indexes into ``shapes`` (program, kernel, sizes, arguments), each
+        decoded and looked up once: nothing else runs on this context
+        between them, so what a shape names cannot change in the batch."""
+        if not isinstance(launches, list) or len(launches) > LAUNCH_BATCH or \
+                not isinstance(shapes, list) or len(shapes) > LAUNCH_BATCH:
             raise BadRequest(reason="device process: a launch batch is a list of at most "
-                                    f"{LAUNCH_BATCH} launches")
+                                    f"{LAUNCH_BATCH} launches of as many shapes")
         ctx, failed = self.context, []
-        for index, launch in enumerate(launches):
+        prepared: list = [None] * len(shapes)
+        for index, shape in enumerate(launches):
             try:
-                prog, kernel, gsize, lsize, args = launch
-                ctx.launch(prog, kernel, gsize, lsize, decode_args(args))
+                ready = prepared[shape]
+                if ready is None:
+                    prog, kernel, gsize, lsize, args = shapes[shape]
+                    try:
+                        ready = ctx.prepare_launch(prog, kernel, gsize, lsize, decode_args(args))
+                    except Exception as exc:      # each launch of the shape fails the same way
+                        ready = exc
+                    prepared[shape] = ready
+                if isinstance(ready, Exception):
+                    raise ready
+                ctx.enqueue_launch(ready)
             except AccelmigError as exc:
                 failed.append([index, exc.to_wire()])
             except Exception as exc:       # a runtime failing oddly, or a malformed entry
@@ -237,7 +251,7 @@ class ContextThread:
         elif method == "launch":
             ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]))
         elif method == "launches":
-            return {"failed": self._launches(a["l"])}, b""
+            return {"failed": self._launches(a["s"], a["l"])}, b""
         elif method == "finish":
             ctx.finish()
         elif method == "release":

@@ -186,7 +186,9 @@ __kernel void k2(__global uchar *a, __local uint *l, float f, ulong g) { }
 handles = st.one_of(st.sampled_from([1, 1, 2, 3, 7]), integers, json_values)
 sizes = st.one_of(st.sampled_from([0, 1, 4, 16, 64, 4096]), integers, json_values)
 small_ranges = st.one_of(st.lists(st.integers(1, 8), min_size=1, max_size=3),
-                         st.lists(st.one_of(st.integers(-3, 0), st.just(2**64), text, st.floats()), max_size=4),
+                         # (finite floats: a JSON header cannot carry infinity, this sender would fail)
+                         st.lists(st.one_of(st.integers(-3, 0), st.just(2**64), text,
+                                            st.floats(allow_nan=False, allow_infinity=False)), max_size=4),
                          json_values)
 launch_args = st.lists(st.one_of(
     st.fixed_dictionaries({"buf": handles}),

@@ -1,0 +1,125 @@
+"""Pipelined launches, one tree against another, in alternating rounds.
+
+    python -m bench.launch_ab --before /path/to/other/clone [--rounds 4]
+
+Each round runs, in a fresh process of each tree's own ``.venv`` (its own
+pool process, its own device process, its own driver), ``--launches``
+launches of the trivial counter kernel of ``bench/remoting`` then a finish,
+``--repeat`` times, and keeps the median; the trees alternate, so a change
+of the machine's load hits both.  Local pyopencl (this tree's
+``bench.remoting.local_launches``) is measured in every round too.  Also
+CPU per launch: the driver's, the pool's and its device process's user +
+system time over the samples, each and summed.  The table (medians of the rounds)
+and the JSON go to ``bench/results/launch-ab.*``, with the load average at
+the start and the end.  A benchmark, never a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from bench.common import Table, report
+
+#: run inside a tree's own interpreter: prints one JSON line
+PROBE = r"""
+import json, os, resource, statistics, sys, tempfile, time
+import psutil
+from bench.remoting import COUNTER, SMALL, start_pool
+from accelmig.agent.driver import connect
+count, repeat = int(sys.argv[1]), int(sys.argv[2])
+workdir = tempfile.mkdtemp(prefix="accelmig-ab-")
+proc, endpoint = start_pool(workdir)
+try:
+    dev = connect(endpoint, "bench-token-0001", agent=False, insecure=True)
+    prog = dev.build(COUNTER)
+    small = dev.upload(bytes(SMALL))
+    pool = psutil.Process(proc.pid)
+    def cpu():
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        t = pool.cpu_times()
+        kids = sum(c.cpu_times().user + c.cpu_times().system for c in pool.children(recursive=True))
+        return [own.ru_utime + own.ru_stime, t.user + t.system, kids]
+    def launches():
+        for _ in range(count):
+            prog.launch("bump", 16, None, small)
+        dev.finish()
+    launches()                      # warm up (the device process, the kernel)
+    back = dev.read(small, 64)
+    samples, c0 = [], cpu()
+    for _ in range(repeat):
+        start = time.perf_counter()
+        launches()
+        samples.append(time.perf_counter() - start)
+    spent = [b - a for a, b in zip(c0, cpu())]
+    counter = int.from_bytes(bytes(dev.read(small, 4)), "little")
+    assert counter == (repeat + 1) * count, (counter, (repeat + 1) * count)   # each ran once
+    dev.close()
+    per = [s / (repeat * count) * 1e6 for s in spent]
+    print(json.dumps({"seconds": statistics.median(samples), "cpu_us": sum(per),
+                      "driver_us": per[0], "pool_us": per[1], "device_us": per[2]}))
+finally:
+    proc.terminate(); proc.wait(10)
+"""
+
+
+def run_tree(tree: str, count: int, repeat: int) -> dict:
+    python = os.path.join(tree, ".venv", "bin", "python")
+    out = subprocess.run([python, "-c", PROBE, str(count), str(repeat)], cwd=tree, check=True,
+                         capture_output=True, text=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="bench.launch_ab", description=__doc__.split("\n")[0])
+    parser.add_argument("--before", required=True, help="the other clone (with its own .venv)")
+    parser.add_argument("--after", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        help="this clone (default)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--launches", type=int, default=10000)
+    parser.add_argument("--repeat", type=int, default=5, help="samples per tree per round (median)")
+    args = parser.parse_args(argv)
+    from bench.remoting import local_launches
+    load_start = os.getloadavg()
+    rounds = []
+    for index in range(args.rounds):
+        trees = [("before", args.before), ("after", args.after)]
+        if index % 2:
+            trees.reverse()
+        one = {name: run_tree(tree, args.launches, args.repeat) for name, tree in trees}
+        one["local"] = local_launches(args.launches, args.repeat)
+        rounds.append(one)
+        print(f"round {index + 1}: before {args.launches / one['before']['seconds']:,.0f}/s, "
+              f"after {args.launches / one['after']['seconds']:,.0f}/s, "
+              f"local {args.launches / one['local']:,.0f}/s", file=sys.stderr)
+    load_end = os.getloadavg()
+
+    def med(fn):
+        return statistics.median(fn(r) for r in rounds)
+    n = args.launches
+    table = Table(f"pipelined launches ({n}, then a finish): before vs after, {args.rounds} alternating rounds",
+                  "before", "after")
+    table.add(f"launches ({n})", med(lambda r: n / r["before"]["seconds"]),
+              med(lambda r: n / r["after"]["seconds"]), "ops/s", "higher")
+    table.add("CPU per launch (3 processes)", med(lambda r: r["before"]["cpu_us"]),
+              med(lambda r: r["after"]["cpu_us"]), "us")
+    for side in ("driver", "pool", "device"):
+        table.add(f"  of which the {side} process", med(lambda r: r["before"][f"{side}_us"]),
+                  med(lambda r: r["after"][f"{side}_us"]), "us")
+    table.add("local pyopencl, same rounds", med(lambda r: n / r["local"]), med(lambda r: n / r["local"]),
+              "ops/s", "higher")
+    report(table, "launch-ab", {"args": vars(args), "rounds": rounds,
+                                "load": {"start": load_start, "end": load_end},
+                                "after_vs_local": med(lambda r: r["local"] / r["after"]["seconds"]),
+                                "before_vs_local": med(lambda r: r["local"] / r["before"]["seconds"])})
+    print(f"after / local pyopencl: {med(lambda r: r['local'] / r['after']['seconds']):.3f}x, "
+          f"before / local: {med(lambda r: r['local'] / r['before']['seconds']):.3f}x; "
+          f"load {load_start[0]:.1f} -> {load_end[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
