@@ -202,7 +202,8 @@ def main(argv=None) -> None:
         timeline = answer.get("timeline") or {}
         warm_runs.append({"where": where, "address": address, "timeline": timeline,
                           "steps_ms": path_steps(timeline, GUEST_PATH), "network": answer.get("network"),
-                          "sessions": answer.get("sessions"), "load": os.getloadavg()[0]})
+                          "sessions": answer.get("sessions"), "guest": answer.get("guest"),
+                          "load": os.getloadavg()[0]})
         log(f"  {'warm':10} {where}: rehome here ({address} address): delivering -> answered "
             f"{sum(warm_runs[-1]['steps_ms'].values()):.0f} ms")
 

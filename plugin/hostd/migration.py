@@ -372,7 +372,23 @@ class MigrationSteps:
                 "address": identity.guest_nic.address if identity.guest_nic else None,
                 "network": (result or {}).get("network"), "sessions": (result or {}).get("session_count"),
                 "resumed": (result or {}).get("resumed_count"),
-                "timeline": Timeline(steps).to_wire()}
+                "timeline": Timeline(steps).to_wire(),
+                # the guest's own durations (its claims, shown only): where its time went
+                "guest": _guest_durations(result)}
+
+
+def _guest_durations(result: dict | None) -> dict:
+    """From an agent's rehome outcome, its durations in s (finite numbers
+    only, a few sessions at most): the whole rehome, up to its network
+    applied, and each driver's resume (connect, resume, re-sends)."""
+    def number(value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 3600
+        return round(float(value), 6) if ok else None
+    result = result if isinstance(result, dict) else {}
+    sessions = result.get("sessions") if isinstance(result.get("sessions"), dict) else {}
+    resumes = [number(o.get("seconds")) for o in list(sessions.values())[:8] if isinstance(o, dict)]
+    return {"seconds": number(result.get("seconds")), "network_seconds": number(result.get("network_seconds")),
+            "resume_seconds": [r for r in resumes if r is not None]}
 
 
 def why_not_resumed(result: dict | None) -> str:
