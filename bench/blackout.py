@@ -95,6 +95,9 @@ def main(argv=None) -> None:
     parser.add_argument("--lab-name", default="benchbo", help="the lab's name [benchbo]")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of computing between migrations [1]")
     parser.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    parser.add_argument("--insecure", action="store_true",
+                        help="the lab without TLS (plain TCP between guest, hosts and pool): what TLS "
+                             "costs the drivers' reconnect, against a run without it [TLS]")
     parser.add_argument("--slow", type=float, default=0.0, metavar="MIB_PER_S",
                         help="also migrate throttled to this bandwidth (a migration of seconds) [off]")
     parser.add_argument("--slow-policies", default="none,start", help="policies of the throttled "
@@ -134,7 +137,7 @@ def main(argv=None) -> None:
 
     from accelmig.lab.accel import AccelLab, demo_command
     from accelmig.lab.guest import DIRTIER_STARTED, dirty_cmdline, memory_dirtier_files
-    accel = AccelLab(args.lab_name)
+    accel = AccelLab(args.lab_name, **({"insecure": True} if args.insecure else {}))
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     runs.update({slow_label(p, args.slow): [] for p in slow_policies})
     long_runs: dict[str, list[dict]] = {p: [] for p in dirty_policies}
