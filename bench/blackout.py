@@ -27,6 +27,17 @@ the guest's kernel panicking in an interrupt (the VM rebooted on the
 destination, its old session stranded) — not accelmig's doing, but it ends
 the run; unthrottled migrations on a loaded machine last 3–7 s already.
 
+``--warm N`` (on by default, 1; 0: not): after each migration of the
+first table, N rehomes of the same guest where it now runs, with no
+migration (hostd's ``rehome_here``: the same channel, agent and drivers'
+resume over new connections, its fabric NIC re-addressed for real between
+its lease and a spare address of the host's subnet), each after
+``--settle``: the warm guest, whose TCG translations are all made, in the
+same run and at the same load as the cold one.  Table ``blackout-warm``
+(JSON, PNG): the guest's steps of the rehome, warm against right after a
+migration (medians), and how much of ``none``'s blackout over the VM's
+downtime is the cold guest's.
+
 ``--dirty MIB`` (the issue's long migration, without a bandwidth limit; on
 by default, 1024, ``--dirty 0`` skips it): afterwards a second guest
 (``--dirty-memory`` MiB) boots with the lab's memory dirtier
@@ -84,10 +95,17 @@ def main(argv=None) -> None:
     parser.add_argument("--lab-name", default="benchbo", help="the lab's name [benchbo]")
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of computing between migrations [1]")
     parser.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
+    parser.add_argument("--insecure", action="store_true",
+                        help="the lab without TLS (plain TCP between guest, hosts and pool): what TLS "
+                             "costs the drivers' reconnect, against a run without it [TLS]")
     parser.add_argument("--slow", type=float, default=0.0, metavar="MIB_PER_S",
                         help="also migrate throttled to this bandwidth (a migration of seconds) [off]")
     parser.add_argument("--slow-policies", default="none,start", help="policies of the throttled "
                         "migrations [none,start]")
+    parser.add_argument("--warm", type=int, default=1, metavar="N",
+                        help="rehomes of the guest where it runs, without a migration, after each "
+                             "migration of the first table (the warm baseline, table blackout-warm); "
+                             "0: not [1]")
     parser.add_argument("--dirty", type=int, default=1024, metavar="MIB",
                         help="also migrate a guest that rewrites this much of its memory (a migration "
                              "of seconds, table blackout-long); 0: not [1024]")
@@ -102,8 +120,9 @@ def main(argv=None) -> None:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     slow_policies = [p.strip() for p in args.slow_policies.split(",") if p.strip()] if args.slow else []
     dirty_policies = [p.strip() for p in args.dirty_policies.split(",") if p.strip()] if args.dirty else []
-    if any(p not in POLICIES for p in policies + slow_policies + dirty_policies) or args.migrations < 1:
-        parser.error(f"policies are {', '.join(POLICIES)}; --migrations >= 1")
+    if any(p not in POLICIES for p in policies + slow_policies + dirty_policies) or args.migrations < 1 \
+            or args.warm < 0:
+        parser.error(f"policies are {', '.join(POLICIES)}; --migrations >= 1; --warm >= 0")
     args.dirty_memory = args.dirty_memory or args.dirty + 512
     if args.dirty and (args.dirty < 0 or args.dirty_rate <= 0 or args.dirty_memory < args.dirty + 256):
         parser.error("--dirty MIB > 0, --dirty-rate > 0, and --dirty-memory at least MIB + 256 "
@@ -118,11 +137,12 @@ def main(argv=None) -> None:
 
     from accelmig.lab.accel import AccelLab, demo_command
     from accelmig.lab.guest import DIRTIER_STARTED, dirty_cmdline, memory_dirtier_files
-    accel = AccelLab(args.lab_name)
+    accel = AccelLab(args.lab_name, **({"insecure": True} if args.insecure else {}))
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     runs.update({slow_label(p, args.slow): [] for p in slow_policies})
     long_runs: dict[str, list[dict]] = {p: [] for p in dirty_policies}
     long_error = None
+    warm_runs: list[dict] = []
     t_start = time.monotonic()
     where = "hostA"
 
@@ -172,6 +192,24 @@ def main(argv=None) -> None:
             f"{blackout:.0f} ms, wall {r['wall_s']:.2f} s{took}, re-sent {r['bytes_resent']} B")
         where = dst
 
+    def rehome_warm(vm: str) -> None:
+        """The same guest where it runs, rehomed without a migration: its
+        NIC goes to the address it does not have now (after a migration: its
+        lease, so the spare first)."""
+        time.sleep(args.settle)
+        address = "lease" if warm_runs and warm_runs[-1]["address"] == "spare" and \
+            warm_runs[-1]["where"] == where else "spare"
+        answer = accel.rehome_here(vm, where, address)
+        if not answer.get("ok"):
+            raise RuntimeError(f"rehome here of {vm} on {where} failed: {answer.get('why')}")
+        timeline = answer.get("timeline") or {}
+        warm_runs.append({"where": where, "address": address, "timeline": timeline,
+                          "steps_ms": path_steps(timeline, GUEST_PATH), "network": answer.get("network"),
+                          "sessions": answer.get("sessions"), "guest": answer.get("guest"),
+                          "load": os.getloadavg()[0]})
+        log(f"  {'warm':10} {where}: rehome here ({address} address): delivering -> answered "
+            f"{sum(warm_runs[-1]['steps_ms'].values()):.0f} ms")
+
     def solver_goes_on(vm: str) -> None:
         """The solver is still computing, on the pool, after every move."""
         last = max(l.get("step", 0) for l in accel.demo_lines(vm))
@@ -195,6 +233,8 @@ def main(argv=None) -> None:
         for label, policy, bandwidth in plan:
             for _ in range(args.migrations):
                 migrate(VM, label, policy, bandwidth, runs)
+                for _ in range(args.warm):
+                    rehome_warm(VM)
         solver_goes_on(VM)
         solver_ok = True
         if dirty_policies:
@@ -255,6 +295,8 @@ def main(argv=None) -> None:
                   f"(migrations of {med(r['wall_s'] for r in slow):.1f} s)")
     print(f"(blackout: the pool's record, from when the session stopped executing — record open for "
           f"'start', switchover otherwise — to its resume on the destination; {extra['seconds']:.0f} s in all)")
+    if warm_runs:
+        report_warm(warm_runs, runs, virt)
     if long_error is not None:
         print(f"\nlong migrations (--dirty): NOT MEASURED: {long_error}")
     elif long_runs:
@@ -311,6 +353,66 @@ def report_long(long_runs: dict, args, virt: str) -> None:
         print(f"policy none: blackout - VM downtime = {over:.0f} ms (median of each migration's own)")
 
 
+#: the rehome's steps that a guest takes, migrated or not (hostd's
+#: ``delivering`` to its ``answered``, the guest's stamps between): the
+#: warm baseline's and the migrations' alike
+GUEST_PATH = ("delivering", "agent_received", "nic_readdressed", "driver_connected", "answered")
+
+
+def path_steps(timeline: dict, path: tuple) -> dict:
+    """ms spent reaching each step of ``path`` from the one before (the
+    steps the timeline has)."""
+    out, before = {}, None
+    for step in path:
+        stamp = timeline.get(step)
+        if stamp is None:
+            continue
+        if before is not None:
+            out[step] = round(max(0.0, stamp["t"] - before) * 1000, 2)
+        before = stamp["t"]
+    return out
+
+
+def report_warm(warm: list[dict], runs: dict, virt: str) -> None:
+    """Table ``blackout-warm``: each guest step of the rehome, warm (the
+    baseline) against right after a migration (policy ``none``'s when it
+    ran, else every policy's), medians; then how much of ``none``'s
+    blackout over the VM's downtime the cold guest costs."""
+    med = statistics.median
+    cold_label = "none" if runs.get("none") else None
+    cold = runs[cold_label] if cold_label else [r for rows in runs.values() for r in rows]
+    cold_steps = [path_steps(r.get("timeline") or {}, GUEST_PATH) for r in cold]
+    warm_steps = [r["steps_ms"] for r in warm]
+    table = Table(f"the rehome's guest steps, warm guest vs right after a migration ({virt} lab, "
+                  f"{len(warm)} rehomes without a migration, {len(cold)} migrations"
+                  f"{' (policy none)' if cold_label else ''}, median ms from the step before)",
+                  "warm guest", "after migration")
+    medians = {}
+    for step in GUEST_PATH[1:]:
+        w = [s[step] for s in warm_steps if step in s]
+        c = [s[step] for s in cold_steps if step in s]
+        if w and c:
+            medians[step] = (med(w), med(c))
+            table.add(f"-> {step}", med(w), med(c), "ms")
+    # the part inside the blackout (the pool has the resume before the agent answers)
+    inside = [s for s in GUEST_PATH[1:] if s in medians and s != "answered"]
+    if inside:
+        warm_in = med(sum(s.get(k, 0.0) for k in inside) for s in warm_steps)
+        cold_in = med(sum(s.get(k, 0.0) for k in inside) for s in cold_steps)
+        table.add(f"delivering -> {inside[-1]}", warm_in, cold_in, "ms")
+    extra = {"warm": warm, "cold_label": cold_label or "all", "cold_steps_ms": cold_steps,
+             "median_steps_ms": {"warm": {k: v[0] for k, v in medians.items()},
+                                 "after migration": {k: v[1] for k, v in medians.items()}}}
+    if inside and cold_label:
+        excess = med(r["blackout_ms"] - r["downtime_ms"] for r in cold)
+        extra.update(excess_over_downtime_ms=round(excess, 1), cold_guest_ms=round(cold_in - warm_in, 1))
+    report(table, "blackout-warm", extra)
+    if "excess_over_downtime_ms" in extra:
+        print(f"policy none: blackout - VM downtime = {extra['excess_over_downtime_ms']:.0f} ms (median); of it "
+              f"the cold guest (delivering -> {inside[-1]}, after a migration minus warm) "
+              f"{extra['cold_guest_ms']:.0f} ms; the same steps warm {warm_in:.0f} ms")
+
+
 def slow_label(policy: str, bandwidth: float) -> str:
     return f"{policy}@{bandwidth:g}MiB/s"
 
@@ -325,16 +427,7 @@ def blackout_steps(timeline: dict, policy: str) -> dict:
     """ms spent reaching each step of the blackout from the one before;
     the blackout starts at the record's opening for 'start', else at the switchover."""
     first = "opened" if policy == "start" else "switchover"
-    path = BLACKOUT_PATH[BLACKOUT_PATH.index(first):]
-    out, before = {}, None
-    for step in path:
-        stamp = timeline.get(step)
-        if stamp is None:
-            continue
-        if before is not None:
-            out[step] = round(max(0.0, stamp["t"] - before) * 1000, 2)
-        before = stamp["t"]
-    return out
+    return path_steps(timeline, BLACKOUT_PATH[BLACKOUT_PATH.index(first):])
 
 
 def median_steps(rows: list[dict]) -> dict:

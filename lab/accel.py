@@ -351,6 +351,14 @@ libvirt_uri = "qemu:///system"
         result["cli"] = json.loads(out.stdout)
         return result
 
+    def rehome_here(self, name: str, host: str, address: str = "lease", timeout: float = 60.0) -> dict:
+        """hostd's ``rehome_here`` of ``name`` on ``host``, where it runs and
+        stays (the warm baseline of a migration's rehome): its answer."""
+        from accelmig.wire.localapi import LocalClient
+        uuid = self.lab.connect(host).lookupByName(name).UUIDString()
+        return LocalClient(str(self.hostd_socket(host)), timeout=timeout).call(
+            "rehome_here", uuid=uuid, address=address)
+
     def wait_rehomed(self, uuid: str, dst: str, after: float, timeout: float = 60.0) -> dict | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

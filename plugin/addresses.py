@@ -31,7 +31,7 @@ from accelmig.wire.identity import GuestNic
 if TYPE_CHECKING:  # pragma: no cover
     from accelmig.plugin.config import FabricConfig, HostConfig
 
-__all__ = ["GuestAddressAllocator", "LEASES_FILE", "guest_nic"]
+__all__ = ["GuestAddressAllocator", "LEASES_FILE", "guest_nic", "spare_key"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,18 @@ def guest_nic(fabric: "FabricConfig", address: str, mac: str | None = None) -> G
     return GuestNic(address=str(address), prefixlen=fabric.guest_subnet.prefixlen,
                     gateway=str(fabric.gateway) if fabric.gateway is not None else None,
                     mtu=fabric.mtu, mac=mac, routes=tuple(fabric.routes))
+
+
+#: the namespace of the spare addresses' keys (``spare_key``)
+_SPARE_NAMESPACE = uuid_module.UUID("6d1f3f0e-52a4-4f0e-9a8e-7a1c2b0f5e11")
+
+
+def spare_key(domain_uuid: str) -> str:
+    """The lease key of a domain's second address (hostd's ``rehome_here``
+    moves the NIC between the two): a UUID of its own, derived from the
+    domain's, so the spare is leased like any address and never given to
+    another guest; released with the domain's own lease."""
+    return str(uuid_module.uuid5(_SPARE_NAMESPACE, _domain_key(domain_uuid)))
 
 
 def _domain_key(domain_uuid: str) -> str:

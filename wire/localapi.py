@@ -22,6 +22,15 @@ Requests (``accelmig.plugin.hostd.api`` answers them):
   ``sessions`` uuid, cursor?        a page of the pool's sessions of a domain, and
                                     ``next`` (pass it back as ``cursor``)
   ``metrics``                       Prometheus text
+  ``rehome_here`` uuid, address?    rehome the guest of a domain that runs here (and no
+                                    migration of it) to this host once more: the same
+                                    delivery, agent and driver resume as a migration's,
+                                    no tickets (each driver resumes at its epoch from
+                                    the host it is bound to); ``address`` ``lease`` (the
+                                    default) or ``spare`` (the domain's second address:
+                                    a real re-addressing of its fabric NIC). The
+                                    outcome, and the rehome's steps on hostd's clock
+                                    (``timeline``): a warm guest's, for bench/blackout
 
 Standard library only: the hook imports it and must start fast.
 """
@@ -37,7 +46,11 @@ DEFAULT_HOSTD_SOCKET = "/run/accelmig/hostd.sock"
 #: Python for them) and hostd follows it through libvirt's events.
 GATED_HOOK_STEPS = frozenset({("migrate", "begin"), ("restore", "begin")})
 
-REQUESTS = frozenset({"ping", "hook", "status", "intent", "wait_rehomed", "sessions", "metrics"})
+REQUESTS = frozenset({"ping", "hook", "status", "intent", "wait_rehomed", "sessions", "metrics",
+                      "rehome_here"})
+
+#: what ``rehome_here`` may give the guest's fabric NIC
+HERE_ADDRESSES = ("lease", "spare")
 
 
 class LocalClient:

@@ -711,9 +711,14 @@ class Agent:
         times = {"agent_received": time.time() if received is None else received}
         done = {sid: outcome for sid, outcome in ((previous or {}).get("sessions") or {}).items()
                 if outcome.get("ok")}
-        LOG.info("rehome %s%s: host %s, pool at %s, %d ticket(s)", migration_id,
+        # Nothing is written (the log's lines, the identity's file) until the
+        # drivers have resumed: right after a move under TCG every kernel path
+        # a write takes (the console's tty and serial driver, the file
+        # system's) is translated anew, and on a guest of one vCPU a write
+        # made while they resume still lies on the blackout's path.
+        said = [("rehome %s%s: host %s, pool at %s, %d ticket(s)", migration_id,
                  f" (attempt {previous.get('attempts', 1) + 1}, {len(done)} session(s) already resumed)"
-                 if previous else "", identity.host_id, identity.pool_endpoint, len(tickets))
+                 if previous else "", identity.host_id, identity.pool_endpoint, len(tickets))]
         network, network_error = [], None
         if previous is not None and previous.get("network_error") is None:
             network = list(previous.get("network") or [])
@@ -721,12 +726,15 @@ class Agent:
             try:
                 network = self.network.apply(identity.guest_nic)
                 times["nic_readdressed"] = time.time()
-                LOG.info("rehome %s: network: %s", migration_id, "; ".join(network) or "unchanged")
+                said.append(("rehome %s: network: %s", migration_id, "; ".join(network) or "unchanged"))
             except AccelmigError as exc:
                 network_error = exc.to_wire()
+                for line in said:
+                    LOG.info(*line)
+                said.clear()
                 LOG.error("rehome %s: guest network not applied: %s", migration_id, exc)
         network_s = time.monotonic() - started
-        self._store_identity(identity)
+        self.identity = identity         # (the drivers' ``where`` answers it from now on; the file below)
         with self._lock:
             by_process: dict = {}
             for link in self.drivers.values():
@@ -783,6 +791,10 @@ class Agent:
         with window:
             pump()
         all_settled.wait(max(0.0, deadline - time.monotonic()))
+        # the drivers have answered (the pool has their resumes): what waited is written now
+        for line in said:
+            LOG.info(*line)
+        self._store_identity(identity)
         with window:
             unasked = list(targets)
             targets.clear()                 # a late answer asks nobody else

@@ -17,8 +17,9 @@ import time
 from accelmig.plugin.hostd.watch import Phase, Trigger
 from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
-from accelmig.wire.localapi import GATED_HOOK_STEPS
-from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Timeout, Unavailable, UnknownOp
+from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
+from accelmig.wire.errors import (AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable,
+                                  UnknownOp)
 from accelmig.wire.records import RecordStateName, RecordView
 from accelmig.wire.sockets import OwnedUnixSocket
 
@@ -108,6 +109,7 @@ class LocalApi:
         self.server = LocalServer(daemon.config.hostd.socket, {
             "ping": self.ping, "status": self.status, "hook": self.hook, "intent": self.intent,
             "wait_rehomed": self.wait_rehomed, "sessions": self.sessions, "metrics": self.metrics,
+            "rehome_here": self.rehome_here,
         })
 
     async def ping(self, message: dict) -> dict:
@@ -246,6 +248,27 @@ class LocalApi:
         of the page before, passed back to the pool as it is): one line each."""
         return await self.daemon.pool_call("list_sessions", domain_uuid=message.get("uuid"),
                                            cursor=message.get("cursor"))
+
+    async def rehome_here(self, message: dict) -> dict:
+        """The guest of a domain running here rehomed here once more
+        (``MigrationSteps.rehome_here``), under its watch's lock: no event
+        of the domain is taken meanwhile, and a migration that began first
+        makes it refuse (the domain is no longer RUNNING here)."""
+        uuid, address = message.get("uuid"), message.get("address") or "lease"
+        if not isinstance(uuid, str) or not 1 <= len(uuid) <= 64:
+            raise BadRequest(reason="rehome_here: uuid must be a domain UUID")
+        if address not in HERE_ADDRESSES:
+            raise BadRequest(reason=f"rehome_here: address must be one of {', '.join(HERE_ADDRESSES)}, "
+                                    f"not {str(address)[:40]!r}")
+        d = self.daemon
+        watch = d.watches.get(uuid)
+        if watch is None or watch.phase is Phase.GONE:
+            raise Conflict(reason=f"domain {uuid} is not an accelmig domain running on {d.host}")
+        async with watch.lock:
+            dom = await d.lookup(watch)
+            if not dom:
+                raise Unavailable(what=f"domain {watch.name}", reason="libvirt does not have it (now)")
+            return await d.migrations.rehome_here(dom, watch, address=address)
 
     async def metrics(self, message: dict) -> dict:
         return {"text": self.daemon.metrics.text()}

@@ -252,15 +252,17 @@ class HostDaemon:
             LOG.info("domain %s: identity not staged (%s); taken at the rehome", watch.name, exc)
         self.spawn(watch.delivery.preconnect(dom, watch), f"preconnect:{watch.name}")
 
-    async def identity_for(self, watch: DomainWatch) -> HostIdentity:
+    async def identity_for(self, watch: DomainWatch, *, spare: bool = False) -> HostIdentity:
         """What the guest of ``watch`` is told: this host's identity, with
         its fabric NIC's address on a host-bound fabric (never for a domain
-        nobody marked: Neutron owns its NICs and their addresses)."""
+        nobody marked: Neutron owns its NICs and their addresses).
+        ``spare``: the domain's second address (``rehome_here``)."""
         identity = self.identity or await self.refresh_identity()
         if self.allocator is None or not watch.marked:
             return identity
-        from accelmig.plugin.addresses import guest_nic
-        address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.allocate, watch.uuid)
+        from accelmig.plugin.addresses import guest_nic, spare_key
+        key = spare_key(watch.uuid) if spare else watch.uuid
+        address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.allocate, key)
         return dataclasses.replace(identity, guest_nic=guest_nic(self.config.fabric, address, watch.fabric_mac))
 
     async def _register_loop(self) -> None:
@@ -590,7 +592,12 @@ class HostDaemon:
     async def _release_lease(self, uuid: str, name: str) -> None:
         if self.allocator is None:
             return
-        address = await asyncio.get_running_loop().run_in_executor(None, self.allocator.release, uuid)
+        from accelmig.plugin.addresses import spare_key
+        loop = asyncio.get_running_loop()
+        address = await loop.run_in_executor(None, self.allocator.release, uuid)
+        spare = await loop.run_in_executor(None, self.allocator.release, spare_key(uuid))
+        if spare:
+            LOG.info("domain %s: its spare guest address %s released", name, spare, extra={"domain": name})
         if address:
             LOG.info("domain %s is no longer defined here: guest address %s released", name, address,
                      extra={"domain": name})

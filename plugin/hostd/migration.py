@@ -27,11 +27,14 @@ import uuid as uuid_module
 import libvirt
 
 from accelmig.plugin.hostd.watch import DomainWatch, Phase, Trigger
-from accelmig.wire.errors import AccelmigError, LibvirtFailure, NoSuchRecord, ProtocolError, RecordState
+from accelmig.wire.errors import AccelmigError, Conflict, LibvirtFailure, NoSuchRecord, ProtocolError, RecordState
 from accelmig.wire.records import (IN_FLIGHT, ClockOffset, RecordStateName, RecordView, Side, Stamp, Timeline,
                                    latest)
 
 LOG = logging.getLogger("accelmig.hostd")
+
+#: the steps of a rehome that the guest stamps (its claims)
+GUEST_STEPS = ("agent_received", "nic_readdressed", "driver_connected")
 
 #: s a destination waits, within one rehome attempt, for the source to
 #: switch over before it attests the source's sessions (it normally has:
@@ -333,6 +336,60 @@ class MigrationSteps:
                 LOG.error("domain %s: session %s REFUSED after a restore: %s", watch.name, sid,
                           (outcome.get("error") or {}).get("message"))
 
+    # -- a guest that stays -------------------------------------------------------------
+    async def rehome_here(self, dom, watch: DomainWatch, *, address: str = "lease") -> dict:
+        """Rehome the guest of a domain that runs here, and stays, to this
+        host once more: the rehome a migration's destination delivers (the
+        same channel, the same agent code, the drivers' same resume over a
+        new connection), with no migration under it and so no tickets — each
+        driver resumes at its epoch from the host its session is bound to,
+        as after a restore.  ``address``: ``lease`` (the domain's own) or
+        ``spare`` (a second address of this host's guest subnet, leased to
+        the domain too): going from one to the other re-addresses the fabric
+        NIC for real.  What it is for: the warm guest's time for the steps a
+        migration's cold guest takes (``bench/blackout --warm``), measured
+        the same way.  Its steps on this host's clock, in the answer only
+        (no record holds them).  The caller holds the watch's lock."""
+        if watch.phase is not Phase.RUNNING:
+            raise Conflict(reason=f"domain {watch.name} is {watch.phase.value} here, not running: "
+                                  "only a guest that runs here, and no migration of it, is rehomed here")
+        identity = await self.daemon.identity_for(watch, spare=address == "spare")
+        mid = f"here-{uuid_module.uuid4().hex[:8]}"
+        document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": {}}
+        clock = {"delivering": time.time()}
+        result = await watch.delivery.rehome(dom, watch, document)
+        clock["answer"] = time.time()
+        clock["sent"] = watch.delivery.rehome_sent or clock["delivering"]
+        steps = {"delivering": Stamp(clock["delivering"], 0.0, Side.DEST),
+                 **guest_steps(clock, result), "answered": Stamp(clock["answer"], 0.0, Side.DEST)}
+        ok = bool(result and result.get("ok"))
+        (LOG.info if ok else LOG.error)(
+            "domain %s: rehomed here (%s, %s address) in %.1f ms: %s", watch.name, mid, address,
+            (clock["answer"] - clock["delivering"]) * 1000,
+            "all sessions resumed" if ok else f"NOT all resumed ({why_not_resumed(result)})",
+            extra={"domain": watch.name, "migration": mid})
+        return {"migration_id": mid, "ok": ok, "why": None if ok else why_not_resumed(result),
+                "address": identity.guest_nic.address if identity.guest_nic else None,
+                "network": (result or {}).get("network"), "sessions": (result or {}).get("session_count"),
+                "resumed": (result or {}).get("resumed_count"),
+                "timeline": Timeline(steps).to_wire(),
+                # the guest's own durations (its claims, shown only): where its time went
+                "guest": _guest_durations(result)}
+
+
+def _guest_durations(result: dict | None) -> dict:
+    """From an agent's rehome outcome, its durations in s (finite numbers
+    only, a few sessions at most): the whole rehome, up to its network
+    applied, and each driver's resume (connect, resume, re-sends)."""
+    def number(value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 3600
+        return round(float(value), 6) if ok else None
+    result = result if isinstance(result, dict) else {}
+    sessions = result.get("sessions") if isinstance(result.get("sessions"), dict) else {}
+    resumes = [number(o.get("seconds")) for o in list(sessions.values())[:8] if isinstance(o, dict)]
+    return {"seconds": number(result.get("seconds")), "network_seconds": number(result.get("network_seconds")),
+            "resume_seconds": [r for r in resumes if r is not None]}
+
 
 def why_not_resumed(result: dict | None) -> str:
     """What an agent's rehome outcome says went wrong, in a line."""
@@ -373,19 +430,29 @@ def rehome_timeline(seen: float | None, clock: dict, outcome) -> dict[str, Stamp
     ours = {"resumed_seen": seen, "identity": clock.get("identity"), "delivering": clock.get("delivering"),
             "answered": clock.get("answer")}
     steps = {step: Stamp(*pool_clock.to_remote(t), Side.DEST) for step, t in ours.items() if t is not None}
+    steps.update(guest_steps(clock, outcome, pool_clock))
+    return steps
+
+
+def guest_steps(clock: dict, outcome, then: ClockOffset | None = None) -> dict[str, Stamp]:
+    """The guest's steps of one rehome (its claims: ``outcome``'s ``times``)
+    on hostd's clock through the rehome's round trip (``clock``'s ``sent``
+    and ``answer``), then, with ``then``, onto the pool's; clamped into that
+    round trip, left out when they are not numbers."""
     claimed = (outcome or {}).get("clock")
     if not isinstance(claimed, dict):
-        return steps
+        return {}
     try:
         guest_clock = ClockOffset.from_round_trip(clock["sent"], claimed.get("received"), claimed.get("answered"),
                                                   clock["answer"])
     except ProtocolError:
-        return steps
+        return {}
     times = (outcome or {}).get("times")
-    for step in ("agent_received", "nic_readdressed", "driver_connected"):
+    steps = {}
+    for step in GUEST_STEPS:
         value = times.get(step) if isinstance(times, dict) else None
         try:
-            steps[step] = guest_clock.onto(pool_clock, value, Side.GUEST)
+            steps[step] = guest_clock.onto(then, value, Side.GUEST)
         except ProtocolError:
             continue            # absent, or not a number: the guest's claim is left out
     return steps

@@ -219,6 +219,36 @@ def test_a_to_b_to_a_bit_identical_with_zero_rebuilds_and_reuploads(accel, vms, 
     # (zero rebuilds and zero re-uploads per move: check_hot, from the pool's counters)
 
 
+def test_a_guest_rehomed_where_it_runs_moves_nothing_and_migrates_hot_afterwards(accel, vms, image, reference):
+    """hostd's rehome_here (bench/blackout's warm baseline) in a real guest:
+    its NIC re-addressed to the spare address and back, its driver resumed
+    over a new connection each time, at a new epoch, still bound to hostA;
+    a migration afterwards is as hot as ever, the result bit-identical."""
+    boot(accel, vms, "vm-here", image)
+    uuid = uuid_of(accel, "vm-here")
+    epochs = []
+    for address in ("spare", "lease"):
+        answer = accel.rehome_here("vm-here", "hostA", address)
+        assert answer["ok"] and (answer["sessions"], answer["resumed"]) == (1, 1), \
+            f"{answer}\n{diagnosis(accel, 'vm-here')}"
+        assert any(change.endswith(f"added {answer['address']}/24") for change in answer["network"]), answer
+        steps = answer["timeline"]
+        assert [s for s in ("delivering", "agent_received", "nic_readdressed", "driver_connected", "answered")
+                if s in steps] == ["delivering", "agent_received", "nic_readdressed", "driver_connected",
+                                   "answered"], steps
+        assert all(steps[a]["t"] <= steps[b]["t"] for a, b in zip(("delivering", "agent_received"),
+                                                                    ("agent_received", "answered")))
+        (session,) = accel.sessions(uuid)
+        assert session["bound_host"] == "hostA", session
+        epochs.append(session["epoch"])
+    assert epochs[1] == epochs[0] + 1
+    assert not [r for r in accel.records(uuid)], "a rehome here opens no migration record"
+    check_hot(accel.migrate_virsh("vm-here", "hostA", "hostB"), accel, "vm-here")
+    done = accel.demo_done("vm-here")
+    assert done["sha256"] == reference["sha256"], "the result differs from a run that never migrated"
+    assert done["resumes"] == 3
+
+
 def test_migrations_over_qemu_ssh_as_operators_type_them(accel, vms, image, reference):
     """``virsh migrate --live --p2p vm qemu+ssh://root@hostB/system`` and
     ``accelmig migrate`` with such a URI: the source's libvirtd reaches the

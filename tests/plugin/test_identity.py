@@ -15,7 +15,7 @@ import pytest
 
 from accelmig.lab.netns import IFNAMSIZ, NETNS_DIR
 from accelmig.plugin.config import HostConfig
-from accelmig.plugin.addresses import LEASES_FILE, GuestAddressAllocator, guest_nic
+from accelmig.plugin.addresses import LEASES_FILE, GuestAddressAllocator, guest_nic, spare_key
 from accelmig.plugin.routes import host_identity, route_towards
 from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
 from accelmig.wire.identity import HostIdentity
@@ -68,6 +68,21 @@ def test_never_network_broadcast_or_gateway_and_exhaustion(tmp_path):
     freed = alloc.release(domains[2])
     assert alloc.release(domains[2]) is None
     assert alloc.allocate(str(uuid.UUID(int=99))) == freed
+
+
+def test_a_domains_spare_address_is_a_lease_of_its_own(tmp_path):
+    """hostd's ``rehome_here`` moves a guest's NIC between its address and
+    a spare one: the spare is leased like any other (no other guest gets
+    it), the same for the same domain, and released by its own key."""
+    alloc = allocator(tmp_path)
+    assert spare_key(DOM_A) == spare_key(DOM_A.upper()) != spare_key(DOM_B)
+    assert spare_key(DOM_A) not in (DOM_A, DOM_B)
+    own, spare = alloc.allocate(DOM_A), alloc.allocate(spare_key(DOM_A))
+    assert own != spare and alloc.allocate(spare_key(DOM_A)) == spare
+    assert alloc.allocate(DOM_B) not in (own, spare)
+    assert alloc.release(spare_key(DOM_A)) == spare and alloc.lookup(DOM_A) == own
+    with pytest.raises(BadRequest):
+        spare_key("not-a-uuid")
 
 
 def test_gateway_elsewhere_in_the_subnet(tmp_path):
