@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from tests.agent.conftest import agent, agent_on_thread  # noqa: F401 (fixtures: a real agent on a thread)
 from tests.support.twohosts import TwoHosts, make_pool
 
 

@@ -10,13 +10,11 @@ running here (a migration under way) is refused before anything is sent."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import types
 import uuid
 
 import pytest
 
-from accelmig.agent.daemon import Agent
 from accelmig.agent.driver import connect
 from accelmig.plugin.hostd.api import LocalApi
 from accelmig.plugin.hostd.delivery import ChannelDelivery
@@ -28,18 +26,6 @@ from accelmig.wire.records import Timeline
 from tests.support.tenants import ALICE
 from tests.support.twohosts import TwoHosts, make_pool
 from tests.support.wait import wait_for
-
-
-@pytest.fixture
-def agent(tmp_path):
-    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), rehome_timeout=15)
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
 
 
 async def _nothing(dom, watch):

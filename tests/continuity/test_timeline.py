@@ -9,14 +9,12 @@ outside its part of it."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import types
 import uuid
 
 import pytest
 
-from accelmig.agent.daemon import Agent
 from accelmig.agent.driver import connect
 from accelmig.plugin.hostd.delivery import ChannelDelivery
 from accelmig.plugin.hostd.migration import MigrationSteps, rehome_timeline
@@ -26,18 +24,6 @@ from accelmig.wire.records import STEP_NAMES, RecordView, Side, Stamp, Timeline
 from tests.support.tenants import ALICE
 from tests.support.twohosts import SECRETS, TwoHosts, make_pool
 from tests.support.wait import wait_for
-
-
-@pytest.fixture
-def agent(tmp_path):
-    agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), rehome_timeout=15)
-    agent.open()
-    thread = threading.Thread(target=agent.run, daemon=True)
-    thread.start()
-    yield agent
-    agent.stop()
-    thread.join(5)
 
 
 def test_every_step_of_a_rehome_is_on_the_pools_clock_in_order(tmp_path, agent):
