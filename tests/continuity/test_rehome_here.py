@@ -15,7 +15,6 @@ import uuid
 
 import pytest
 
-from accelmig.agent.driver import connect
 from accelmig.plugin.hostd.api import LocalApi
 from accelmig.plugin.hostd.delivery import ChannelDelivery
 from accelmig.plugin.hostd.migration import MigrationSteps
@@ -23,9 +22,7 @@ from accelmig.plugin.hostd.watch import Phase
 from accelmig.wire.errors import BadRequest, Conflict
 from accelmig.wire.identity import HostIdentity
 from accelmig.wire.records import Timeline
-from tests.support.tenants import ALICE
-from tests.support.twohosts import TwoHosts, make_pool
-from tests.support.wait import wait_for
+from tests.support.twohosts import drivers_bound_at_host_a
 
 
 async def _nothing(dom, watch):
@@ -50,50 +47,39 @@ def _here(tmp_path, domain: str, endpoint: str, host: str, phase: Phase = Phase.
 
 def test_a_guest_that_stays_resumes_its_drivers_at_a_new_epoch_without_tickets(tmp_path, agent):
     domain = str(uuid.uuid4())
-    with make_pool() as pool:
-        hosts = TwoHosts(pool)
-        devs = [connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15) for _ in range(2)]
-        try:
-            wait_for(lambda: len(agent.sessions()) == 2, what="both drivers registered with the agent")
-            for dev in devs:
-                hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
-            bufs = [dev.upload(b"state-%d" % i) for i, dev in enumerate(devs)]
-            epochs = [dev.epoch for dev in devs]
-            watch, steps, asked = _here(tmp_path, domain, hosts.a.endpoint, "hostA")
+    with drivers_bound_at_host_a(agent, domain) as (_pool, hosts, devs, bufs):
+        epochs = [dev.epoch for dev in devs]
+        watch, steps, asked = _here(tmp_path, domain, hosts.a.endpoint, "hostA")
 
-            async def twice():
-                try:
-                    first = await steps.rehome_here(None, watch, address="spare")
-                    second = await steps.rehome_here(None, watch)
-                    return first, second
-                finally:
-                    await watch.delivery.close(watch)
+        async def twice():
+            try:
+                first = await steps.rehome_here(None, watch, address="spare")
+                second = await steps.rehome_here(None, watch)
+                return first, second
+            finally:
+                await watch.delivery.close(watch)
 
-            first, second = asyncio.run(twice())
-            assert asked == [True, False]                # the spare address, then the lease
-            for summary in (first, second):
-                assert summary["ok"] and summary["why"] is None
-                assert (summary["sessions"], summary["resumed"]) == (2, 2)
-                assert summary["migration_id"].startswith("here-")
-                timeline = Timeline.from_wire(summary["timeline"])
-                # every step a warm guest takes, in causal order, on one clock
-                assert [s for s in ("delivering", "agent_received", "driver_connected", "answered")
-                        if s in timeline] == ["delivering", "agent_received", "driver_connected", "answered"]
-                assert timeline.out_of_order() == []
-                assert all(stamp.err < 1.0 for stamp in timeline.steps.values())
-            assert first["migration_id"] != second["migration_id"]     # two rehomes, not one repeated
-            # each rehome was a new connection per driver: two epochs more, the state intact
-            assert [dev.epoch for dev in devs] == [e + 2 for e in epochs]
-            for dev, buf, i in zip(devs, bufs, range(2)):
-                assert dev.read(buf) == b"state-%d" % i
-            # and no migration: the sessions are still hostA's, no record was opened
-            listed = {s["sid"]: s for s in hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]}
-            assert {listed[dev.sid]["bound_host"] for dev in devs} == {"hostA"}
-            assert hosts.a.call("list_records", domain_uuid=domain)["records"] == []
-        finally:
-            for dev in devs:
-                dev.close()
-            hosts.close()
+        first, second = asyncio.run(twice())
+        assert asked == [True, False]                # the spare address, then the lease
+        for summary in (first, second):
+            assert summary["ok"] and summary["why"] is None
+            assert (summary["sessions"], summary["resumed"]) == (2, 2)
+            assert summary["migration_id"].startswith("here-")
+            timeline = Timeline.from_wire(summary["timeline"])
+            # every step a warm guest takes, in causal order, on one clock
+            assert [s for s in ("delivering", "agent_received", "driver_connected", "answered")
+                    if s in timeline] == ["delivering", "agent_received", "driver_connected", "answered"]
+            assert timeline.out_of_order() == []
+            assert all(stamp.err < 1.0 for stamp in timeline.steps.values())
+        assert first["migration_id"] != second["migration_id"]     # two rehomes, not one repeated
+        # each rehome was a new connection per driver: two epochs more, the state intact
+        assert [dev.epoch for dev in devs] == [e + 2 for e in epochs]
+        for dev, buf, i in zip(devs, bufs, range(2)):
+            assert dev.read(buf) == b"state-%d" % i
+        # and no migration: the sessions are still hostA's, no record was opened
+        listed = {s["sid"]: s for s in hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]}
+        assert {listed[dev.sid]["bound_host"] for dev in devs} == {"hostA"}
+        assert hosts.a.call("list_records", domain_uuid=domain)["records"] == []
 
 
 def test_it_moves_no_session_to_a_host_it_is_not_bound_to(tmp_path, agent):
@@ -101,31 +87,22 @@ def test_it_moves_no_session_to_a_host_it_is_not_bound_to(tmp_path, agent):
     host: a rehome here from another host is refused, session by session,
     and the sessions stay where they were."""
     domain = str(uuid.uuid4())
-    with make_pool() as pool:
-        hosts = TwoHosts(pool)
-        dev = connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15)
-        try:
-            wait_for(lambda: len(agent.sessions()) == 1, what="the driver registered with the agent")
-            hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
-            dev.upload(b"kept")
-            watch, steps, _asked = _here(tmp_path, domain, hosts.b.endpoint, "hostB")
+    with drivers_bound_at_host_a(agent, domain, count=1) as (_pool, hosts, _devs, _bufs):
+        watch, steps, _asked = _here(tmp_path, domain, hosts.b.endpoint, "hostB")
 
-            async def elsewhere():
-                try:
-                    return await steps.rehome_here(None, watch)
-                finally:
-                    await watch.delivery.close(watch)
+        async def elsewhere():
+            try:
+                return await steps.rehome_here(None, watch)
+            finally:
+                await watch.delivery.close(watch)
 
-            before = hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]
-            summary = asyncio.run(elsewhere())
-            assert not summary["ok"] and "WRONG_HOST" in summary["why"]
-            after = hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]
-            # still hostA's, at the same epoch: nothing was taken over
-            assert [(s["bound_host"], s["epoch"]) for s in after] == \
-                [("hostA", s["epoch"]) for s in before]
-        finally:
-            dev.close()
-            hosts.close()
+        before = hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]
+        summary = asyncio.run(elsewhere())
+        assert not summary["ok"] and "WRONG_HOST" in summary["why"]
+        after = hosts.a.call("list_sessions", domain_uuid=domain)["sessions"]
+        # still hostA's, at the same epoch: nothing was taken over
+        assert [(s["bound_host"], s["epoch"]) for s in after] == \
+            [("hostA", s["epoch"]) for s in before]
 
 
 def test_a_domain_that_is_not_running_here_is_refused_before_anything_is_sent(tmp_path, agent):

@@ -15,94 +15,81 @@ import uuid
 
 import pytest
 
-from accelmig.agent.driver import connect
 from accelmig.plugin.hostd.delivery import ChannelDelivery
 from accelmig.plugin.hostd.migration import MigrationSteps, rehome_timeline
 from accelmig.wire.control import AsyncControlClient
 from accelmig.wire.errors import BadRequest
 from accelmig.wire.records import STEP_NAMES, RecordView, Side, Stamp, Timeline
-from tests.support.tenants import ALICE
-from tests.support.twohosts import SECRETS, TwoHosts, make_pool
+from tests.support.twohosts import SECRETS, TwoHosts, drivers_bound_at_host_a, make_pool
 from tests.support.wait import wait_for
 
 
 def test_every_step_of_a_rehome_is_on_the_pools_clock_in_order(tmp_path, agent):
     domain = str(uuid.uuid4())
-    with make_pool() as pool:
-        hosts = TwoHosts(pool)
-        devs = [connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15) for _ in range(2)]
-        try:
-            wait_for(lambda: len(agent.sessions()) == 2, what="both drivers registered with the agent")
-            for dev in devs:
-                hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
-            bufs = [dev.upload(b"state-%d" % i) for i, dev in enumerate(devs)]
+    with drivers_bound_at_host_a(agent, domain) as (pool, hosts, devs, bufs):
 
-            async def migrate():
-                src = AsyncControlClient(pool.control_endpoint, "hostA", SECRETS["hostA"].encode())
-                dst = AsyncControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode())
-                watch = types.SimpleNamespace(name="timeline", uuid=domain,
-                                              channel_path=str(tmp_path / "channel.sock"))
-                source = MigrationSteps(types.SimpleNamespace(pool_call=src.call), retry_first=1, retry_max=1)
-                dest = MigrationSteps(types.SimpleNamespace(pool_call=dst.call), retry_first=1, retry_max=1)
-                delivery = ChannelDelivery(inspect=_nothing, on_event=lambda w, m: None, timeout=15)
-                try:
-                    # in hostd's order: the hook opens; the source sees the
-                    # pause and switches over; the destination sees the guest
-                    # run, completes, takes its identity and delivers
-                    record = await dst.call("open_migration", domain_uuid=domain)
-                    mid = record["migration_id"]
-                    suspended = time.time()
-                    await src.call("switchover", domain_uuid=domain, migration_id=mid)
-                    await source._note_source_timeline(watch, mid, suspended)
-                    resumed = time.time()
-                    clock = {"asked": time.time()}
-                    done = await dst.call_all("complete", domain_uuid=domain, migration_id=mid)
-                    clock.update(answered=time.time(), pool_now=done["now"])
-                    identity = {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}
-                    clock["identity"] = clock["delivering"] = time.time()
-                    outcome = await delivery.rehome(None, watch, {"migration_id": mid, "identity": identity,
-                                                                  "tickets": done["tickets"]})
-                    clock.update(answer=time.time(), sent=delivery.rehome_sent)
-                    await dest._note_dest_timeline(watch, mid, resumed, clock, outcome)
-                    waited = await dst.call("wait_record", domain_uuid=domain, migration_id=mid,
-                                            until="timeline", timeout=30)
-                    # a host writes its own part only, and only known steps
-                    foreign = {"switchover": Stamp(time.time(), 0.0, Side.DEST).to_wire(),
-                               "suspended_seen": Stamp(time.time(), 0.0, Side.SOURCE).to_wire()}
-                    taken = await dst.call("note_timeline", domain_uuid=domain, migration_id=mid, steps=foreign)
-                    with pytest.raises(BadRequest, match="unknown step"):
-                        await dst.call("note_timeline", domain_uuid=domain, migration_id=mid,
-                                       steps={"coffee": {"t": time.time()}})
-                    return mid, outcome, waited, taken
-                finally:
-                    await delivery.close(watch)
-                    await src.close()
-                    await dst.close()
+        async def migrate():
+            src = AsyncControlClient(pool.control_endpoint, "hostA", SECRETS["hostA"].encode())
+            dst = AsyncControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode())
+            watch = types.SimpleNamespace(name="timeline", uuid=domain,
+                                          channel_path=str(tmp_path / "channel.sock"))
+            source = MigrationSteps(types.SimpleNamespace(pool_call=src.call), retry_first=1, retry_max=1)
+            dest = MigrationSteps(types.SimpleNamespace(pool_call=dst.call), retry_first=1, retry_max=1)
+            delivery = ChannelDelivery(inspect=_nothing, on_event=lambda w, m: None, timeout=15)
+            try:
+                # in hostd's order: the hook opens; the source sees the
+                # pause and switches over; the destination sees the guest
+                # run, completes, takes its identity and delivers
+                record = await dst.call("open_migration", domain_uuid=domain)
+                mid = record["migration_id"]
+                suspended = time.time()
+                await src.call("switchover", domain_uuid=domain, migration_id=mid)
+                await source._note_source_timeline(watch, mid, suspended)
+                resumed = time.time()
+                clock = {"asked": time.time()}
+                done = await dst.call_all("complete", domain_uuid=domain, migration_id=mid)
+                clock.update(answered=time.time(), pool_now=done["now"])
+                identity = {"host_id": "hostB", "pool_endpoint": hosts.b.endpoint}
+                clock["identity"] = clock["delivering"] = time.time()
+                outcome = await delivery.rehome(None, watch, {"migration_id": mid, "identity": identity,
+                                                              "tickets": done["tickets"]})
+                clock.update(answer=time.time(), sent=delivery.rehome_sent)
+                await dest._note_dest_timeline(watch, mid, resumed, clock, outcome)
+                waited = await dst.call("wait_record", domain_uuid=domain, migration_id=mid,
+                                        until="timeline", timeout=30)
+                # a host writes its own part only, and only known steps
+                foreign = {"switchover": Stamp(time.time(), 0.0, Side.DEST).to_wire(),
+                           "suspended_seen": Stamp(time.time(), 0.0, Side.SOURCE).to_wire()}
+                taken = await dst.call("note_timeline", domain_uuid=domain, migration_id=mid, steps=foreign)
+                with pytest.raises(BadRequest, match="unknown step"):
+                    await dst.call("note_timeline", domain_uuid=domain, migration_id=mid,
+                                   steps={"coffee": {"t": time.time()}})
+                return mid, outcome, waited, taken
+            finally:
+                await delivery.close(watch)
+                await src.close()
+                await dst.close()
 
-            mid, outcome, waited, taken = asyncio.run(migrate())
-            assert outcome["ok"] and waited["reached"] and taken == {"taken": []}
-            # the application goes on: its first commands after the resume
-            for dev, buf, i in zip(devs, bufs, range(2)):
-                assert dev.read(buf) == b"state-%d" % i
-            record = wait_for(lambda: _record_with(hosts, domain, mid, "first_command"),
-                              what="the first command after the resume in the timeline")
-            timeline = record.timeline
-            missing = set(STEP_NAMES) - set(timeline.steps)
-            assert missing == {"nic_readdressed"}          # this guest has no fabric NIC to re-address
-            assert timeline.out_of_order() == []
-            sides = {step: stamp.side for step, stamp in timeline.steps.items()}
-            assert sides["agent_received"] is sides["driver_connected"] is Side.GUEST
-            assert sides["resumed_seen"] is Side.DEST and sides["suspended_seen"] is Side.SOURCE
-            assert sides["first_command"] is Side.POOL
-            # one clock: every stamp within this test's run, each within a small uncertainty
-            assert all(abs(s.t - record.times["opened"]) < 60 and s.err < 1.0 for s in timeline.steps.values())
-            # and it reads as a table, and travels in every view of the record
-            assert all(step in timeline.table() for step in timeline.steps)
-            assert Timeline.from_wire(record.to_wire()["timeline"]) == timeline
-        finally:
-            for dev in devs:
-                dev.close()
-            hosts.close()
+        mid, outcome, waited, taken = asyncio.run(migrate())
+        assert outcome["ok"] and waited["reached"] and taken == {"taken": []}
+        # the application goes on: its first commands after the resume
+        for dev, buf, i in zip(devs, bufs, range(2)):
+            assert dev.read(buf) == b"state-%d" % i
+        record = wait_for(lambda: _record_with(hosts, domain, mid, "first_command"),
+                          what="the first command after the resume in the timeline")
+        timeline = record.timeline
+        missing = set(STEP_NAMES) - set(timeline.steps)
+        assert missing == {"nic_readdressed"}          # this guest has no fabric NIC to re-address
+        assert timeline.out_of_order() == []
+        sides = {step: stamp.side for step, stamp in timeline.steps.items()}
+        assert sides["agent_received"] is sides["driver_connected"] is Side.GUEST
+        assert sides["resumed_seen"] is Side.DEST and sides["suspended_seen"] is Side.SOURCE
+        assert sides["first_command"] is Side.POOL
+        # one clock: every stamp within this test's run, each within a small uncertainty
+        assert all(abs(s.t - record.times["opened"]) < 60 and s.err < 1.0 for s in timeline.steps.values())
+        # and it reads as a table, and travels in every view of the record
+        assert all(step in timeline.table() for step in timeline.steps)
+        assert Timeline.from_wire(record.to_wire()["timeline"]) == timeline
 
 
 def _record_with(hosts, domain, mid, step) -> RecordView | None:

@@ -8,12 +8,14 @@ hand-driven data-plane connection."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.frames import FrameReader, encode_frame
 from tests.support.tenants import ALICE, TENANTS
+from tests.support.wait import wait_for
 
 SECRETS = {"hostA": "hostA-secret-0123456789", "hostB": "hostB-secret-9876543210"}
 HOSTS = {"hostA": (SECRETS["hostA"], ["127.0.0.0/8"]), "hostB": (SECRETS["hostB"], ["::1/128"])}
@@ -58,6 +60,27 @@ class TwoHosts:
 def make_pool(**config) -> PoolThread:
     config.setdefault("listen", "127.0.0.1:0,[::1]:0")
     return PoolThread(TENANTS, HOSTS, **config)
+
+
+@contextlib.contextmanager
+def drivers_bound_at_host_a(agent, domain: str, count: int = 2):
+    """A pool and its two hosts, and ``count`` drivers connected at hostA,
+    registered with ``agent`` and bound to ``domain``, driver i holding a
+    buffer of ``b"state-<i>"``: ``(pool, hosts, drivers, buffers)``.  The
+    drivers and the hosts are closed at the end, whatever happened."""
+    from accelmig.agent.driver import connect
+    with make_pool() as pool:
+        hosts = TwoHosts(pool)
+        devs = [connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15) for _ in range(count)]
+        try:
+            wait_for(lambda: len(agent.sessions()) == count, what=f"{count} driver(s) registered with the agent")
+            for dev in devs:
+                hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+            yield pool, hosts, devs, [dev.upload(b"state-%d" % i) for i, dev in enumerate(devs)]
+        finally:
+            for dev in devs:
+                dev.close()
+            hosts.close()
 
 
 class Raw:
