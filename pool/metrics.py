@@ -39,11 +39,14 @@ class PoolMetrics:
         self.frame_errors = Counter("accelmig_frame_errors_total", "Connections closed for bad frames",
                                     ["code"], registry=r)
 
-    def count_command(self, session, command, read_bytes: int) -> None:
-        child = self._by_op.get(command.op)
+    def _op_counter(self, op: Op):
+        child = self._by_op.get(op)
         if child is None:      # labels() costs microseconds: once per op
-            child = self._by_op[command.op] = self.commands.labels(command.op.value)
-        child.inc()
+            child = self._by_op[op] = self.commands.labels(op.value)
+        return child
+
+    def count_command(self, session, command, read_bytes: int) -> None:
+        self._op_counter(command.op).inc()
         if command.op is Op.WRITE:
             self.bytes.labels("up").inc(len(command.payload))
         elif command.op is Op.READ:
@@ -56,10 +59,7 @@ class PoolMetrics:
     def count_launches(self, count: int) -> None:
         """``count`` launches that ran (a run of them counted at once: a
         counter's lock per launch was 5 % of the pool's launch loop)."""
-        child = self._by_op.get(Op.LAUNCH)
-        if child is None:
-            child = self._by_op[Op.LAUNCH] = self.commands.labels(Op.LAUNCH.value)
-        child.inc(count)
+        self._op_counter(Op.LAUNCH).inc(count)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

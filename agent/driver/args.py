@@ -32,8 +32,7 @@ class Scalar:
         scalar passed to many launches is encoded once."""
         cached = self._record
         if cached is None or cached[0] is not self.value:      # (is: -0.0 == 0.0)
-            wire = self.to_wire()
-            cached = self._record = (self.value, batch.scalar_arg(wire["t"], bytes.fromhex(wire["x"])))
+            cached = self._record = (self.value, _scalar_record(self.to_wire()))
         return cached[1]
 
     def __repr__(self) -> str:
@@ -88,7 +87,11 @@ def record_arg(index: int, arg) -> bytes | None:
         return arg.record()
     if isinstance(arg, LocalMemory):
         return batch.local_arg(arg.nbytes) if 0 < arg.nbytes <= dp.MAX_INT else None
-    wire = encode_arg(index, arg)
+    return _scalar_record(encode_arg(index, arg))
+
+
+def _scalar_record(wire: dict) -> bytes:
+    """A scalar's JSON form (``dp.encode_scalar``) as its launch-record bytes."""
     return batch.scalar_arg(wire["t"], bytes.fromhex(wire["x"]))
 
 

@@ -366,6 +366,11 @@ class Link:
             self.drop_cork()
             self.lost(gen, exc)
 
+    @property
+    def batching(self) -> bool:
+        """The pool agreed to launch batches at the last dial (``wire.batch``)."""
+        return self.version >= batch.BATCH_VERSION
+
     def cork_launch(self, sock: socket.socket, gen: int, seq: int, epoch: int, ack: int,
                     record: bytes) -> None:
         """Cork one launch as a record of the open batch (protocol 2; the

@@ -287,7 +287,7 @@ class Session:
     @property
     def batching(self) -> bool:
         """The pool agreed to launch batches (protocol 2, ``wire.batch``)."""
-        return self.link.version >= batch.BATCH_VERSION
+        return self.link.batching
 
     def submit(self, op: Op, fields: dict | None, payload=b"", *, wait: bool, sink=None,
                timeout: float | None = None, defer: bool = False,
@@ -314,7 +314,7 @@ class Session:
                     if not self.states.connected or link.sock is None or not self.window.has_room(nbytes):
                         continue   # lost it between the two locks: wait again
                     header = {"op": op.value, "epoch": self.epoch, "ack": self.window.last_seen}
-                    if record is not None and link.version >= batch.BATCH_VERSION:
+                    if record is not None and link.batching:
                         cmd = self.window.add(header, record=record)
                     else:
                         header.update(fields if record is None else batch.launch_fields(record))
@@ -340,7 +340,7 @@ class Session:
         with link.send_lock:
             with self.cond:
                 ready = self.states.state is LinkState.CONNECTED and link.sock is not None \
-                    and link.version >= batch.BATCH_VERSION and self.window.has_room(0)
+                    and link.batching and self.window.has_room(0)
                 if ready:
                     epoch, ack = self.epoch, self.window.last_seen
                     seq = self.window.add({"op": "launch", "epoch": epoch, "ack": ack}, record=record).seq
