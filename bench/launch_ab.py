@@ -1,6 +1,6 @@
-"""Pipelined launches, one tree against another, in alternating rounds.
+"""Pipelined launches (or idle round trips), one tree against another, in alternating rounds.
 
-    python -m bench.launch_ab --before /path/to/other/clone [--rounds 4]
+    python -m bench.launch_ab --before /path/to/other/clone [--rounds 4] [--workload finish]
 
 Each round runs, in a fresh process of each tree's own ``.venv`` (its own
 pool process, its own device process, its own driver), ``--launches``
@@ -11,7 +11,11 @@ of the machine's load hits both.  Local pyopencl (this tree's
 CPU per launch: the driver's, the pool's and its device process's user +
 system time over the samples, each and summed.  The table (medians of the rounds)
 and the JSON go to ``bench/results/launch-ab.*``, with the load average at
-the start and the end.  A benchmark, never a test.
+the start and the end.  ``--workload finish``: ``--launches`` idle
+``finish()`` round trips instead (the session has nothing in flight), the
+raw asyncio echo of ``bench/remoting`` measured in every round as the
+baseline; the JSON and table go to ``bench/results/finish-ab.*``.  A
+benchmark, never a test.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 from bench.common import Table, report
 
@@ -31,7 +36,7 @@ import json, os, resource, statistics, sys, tempfile, time
 import psutil
 from bench.remoting import COUNTER, SMALL, start_pool
 from accelmig.agent.driver import connect
-count, repeat = int(sys.argv[1]), int(sys.argv[2])
+count, repeat, workload = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 workdir = tempfile.mkdtemp(prefix="accelmig-ab-")
 proc, endpoint = start_pool(workdir)
 try:
@@ -48,6 +53,10 @@ try:
         for _ in range(count):
             prog.launch("bump", 16, None, small)
         dev.finish()
+    if workload == "finish":
+        def launches():
+            for _ in range(count):
+                dev.finish()
     launches()                      # warm up (the device process, the kernel)
     back = dev.read(small, 64)
     samples, c0 = [], cpu()
@@ -57,7 +66,8 @@ try:
         samples.append(time.perf_counter() - start)
     spent = [b - a for a, b in zip(c0, cpu())]
     counter = int.from_bytes(bytes(dev.read(small, 4)), "little")
-    assert counter == (repeat + 1) * count, (counter, (repeat + 1) * count)   # each ran once
+    ran = (repeat + 1) * count if workload == "launches" else 0
+    assert counter == ran, (counter, ran)   # each ran once
     dev.close()
     per = [s / (repeat * count) * 1e6 for s in spent]
     print(json.dumps({"seconds": statistics.median(samples), "cpu_us": sum(per),
@@ -67,9 +77,9 @@ finally:
 """
 
 
-def run_tree(tree: str, count: int, repeat: int) -> dict:
+def run_tree(tree: str, count: int, repeat: int, workload: str) -> dict:
     python = os.path.join(tree, ".venv", "bin", "python")
-    out = subprocess.run([python, "-c", PROBE, str(count), str(repeat)], cwd=tree, check=True,
+    out = subprocess.run([python, "-c", PROBE, str(count), str(repeat), workload], cwd=tree, check=True,
                          capture_output=True, text=True, timeout=600)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -82,7 +92,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--launches", type=int, default=10000)
     parser.add_argument("--repeat", type=int, default=5, help="samples per tree per round (median)")
+    parser.add_argument("--workload", choices=("launches", "finish"), default="launches",
+                        help="pipelined launches then a finish (default), or idle finish() round trips "
+                             "against the raw asyncio echo")
     args = parser.parse_args(argv)
+    if args.workload == "finish":
+        finish_ab(args)
+        return
     from bench.remoting import local_launches
     load_start = os.getloadavg()
     rounds = []
@@ -90,7 +106,7 @@ def main(argv=None) -> None:
         trees = [("before", args.before), ("after", args.after)]
         if index % 2:
             trees.reverse()
-        one = {name: run_tree(tree, args.launches, args.repeat) for name, tree in trees}
+        one = {name: run_tree(tree, args.launches, args.repeat, "launches") for name, tree in trees}
         one["local"] = local_launches(args.launches, args.repeat)
         rounds.append(one)
         print(f"round {index + 1}: before {args.launches / one['before']['seconds']:,.0f}/s, "
@@ -118,6 +134,60 @@ def main(argv=None) -> None:
                                 "before_vs_local": med(lambda r: r["local"] / r["before"]["seconds"])})
     print(f"after / local pyopencl: {med(lambda r: r['local'] / r['after']['seconds']):.3f}x, "
           f"before / local: {med(lambda r: r['local'] / r['before']['seconds']):.3f}x; "
+          f"load {load_start[0]:.1f} -> {load_end[0]:.1f}")
+
+
+def finish_ab(args) -> None:
+    """Idle ``finish()`` round trips of each tree, and the raw echo, per round."""
+    from bench.remoting import RawClient
+    raw_proc = subprocess.Popen([sys.executable, "-c", "from bench.remoting import serve_raw; serve_raw()"],
+                                stdout=subprocess.PIPE, text=True,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        raw = RawClient(int(raw_proc.stdout.readline()))
+        load_start = os.getloadavg()
+        n = args.launches
+        rounds = []
+        for index in range(args.rounds):
+            trees = [("before", args.before), ("after", args.after)]
+            if index % 2:
+                trees.reverse()
+            one = {name: run_tree(tree, n, args.repeat, "finish") for name, tree in trees}
+            samples = []
+            for _ in range(args.repeat):
+                start = time.perf_counter()
+                for _ in range(n):
+                    raw.round_trip()
+                samples.append(time.perf_counter() - start)
+            one["raw"] = statistics.median(samples)
+            rounds.append(one)
+            print(f"round {index + 1}: before {one['before']['seconds'] / n * 1e6:.1f} us, "
+                  f"after {one['after']['seconds'] / n * 1e6:.1f} us, raw echo {one['raw'] / n * 1e6:.1f} us",
+                  file=sys.stderr)
+        load_end = os.getloadavg()
+    finally:
+        raw_proc.terminate()
+        raw_proc.wait(10)
+
+    def med(fn):
+        return statistics.median(fn(r) for r in rounds)
+    table = Table(f"idle finish() round trips ({n} per sample): before vs after, {args.rounds} alternating rounds",
+                  "before", "after")
+    table.add("idle finish() round trip", med(lambda r: r["before"]["seconds"] / n * 1e6),
+              med(lambda r: r["after"]["seconds"] / n * 1e6), "us")
+    table.add("  / raw echo of the same round", med(lambda r: r["before"]["seconds"] / r["raw"]),
+              med(lambda r: r["after"]["seconds"] / r["raw"]), "x")
+    table.add("CPU per round trip (3 processes)", med(lambda r: r["before"]["cpu_us"]),
+              med(lambda r: r["after"]["cpu_us"]), "us")
+    for side in ("driver", "pool"):
+        table.add(f"  of which the {side} process", med(lambda r: r["before"][f"{side}_us"]),
+                  med(lambda r: r["after"][f"{side}_us"]), "us")
+    table.add("raw asyncio echo, same rounds", med(lambda r: r["raw"] / n * 1e6), med(lambda r: r["raw"] / n * 1e6),
+              "us")
+    report(table, "finish-ab", {"args": vars(args), "rounds": rounds,
+                                "load": {"start": load_start, "end": load_end}})
+    print(f"after / raw echo: {med(lambda r: r['after']['seconds'] / r['raw']):.2f}x, "
+          f"before / raw echo: {med(lambda r: r['before']['seconds'] / r['raw']):.2f}x; "
           f"load {load_start[0]:.1f} -> {load_end[0]:.1f}")
 
 

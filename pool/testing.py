@@ -262,3 +262,9 @@ class CutProxy:
             pass
         self._listener.close()
         self.cut()
+
+    def __enter__(self) -> "CutProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

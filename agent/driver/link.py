@@ -9,21 +9,34 @@ header (no copy); small pipelined frames are *corked* — gathered for a
 moment and sent as one batch by the flusher thread, or ahead of the next
 frame that cannot wait.  With a pool that agreed to protocol 2, consecutive
 corked launches go as one ``launches`` frame (``wire.batch``): a binary
-record each, one header for the run.  What comes in: the reader thread reads frames
+record each, one header for the run.  What comes in: frames are read
 (a read's payload straight into the caller's buffer when one waits for it)
-and dispatches replies to the command window; it acknowledges when many
+and dispatched to the command window, with an acknowledgement when many
 replies have piled up.
 
+Who reads: on plain TCP (Linux), the socket has one ``Turn`` — whoever holds
+it reads.  A caller that waits for its own reply takes it before it sends
+and reads the reply itself, so the reply wakes one thread, not two (the
+reader thread handing it over was a third of a small round trip).  Meanwhile
+the reader thread watches the socket for a hang-up only (epoll: changing
+the mask of a thread's ``epoll_wait`` needs no wake-up), and reads whatever
+nobody waits for — pipelined replies, a pool's error frame, a close — while
+no caller holds the turn.  A caller whose reply is slow hands the turn back
+after ``OWN_REPLY_SLICE`` and waits as before.  Under TLS the reader thread
+reads everything: records OpenSSL holds are invisible to epoll.
+
 Locks: ``send_lock`` (one sender at a time) is always taken before the
-session's ``cond``, which guards ``sock`` and ``gen``.
+session's ``cond``, which guards ``sock``, ``gen`` and the turn.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import ssl
+import struct
 import threading
 import time
 
@@ -41,7 +54,13 @@ CORK_PAYLOAD = 16 << 10        # pipelined frames up to this payload are batched
 CORK_BYTES = 256 << 10         # a batch goes out at this size at the latest
 CORK_DELAY = 0.0002            # s a pipelined frame may wait for others to join it
 ACK_EVERY = 256                # replies the reader lets pile up before it acknowledges
+OWN_REPLY_SLICE = 0.05         # s a caller reads for its own reply before it hands the turn back
 _PLAIN_OK = {"op": "reply", "ok": True}
+
+_EPOLL = hasattr(select, "epoll") and hasattr(select, "EPOLLRDHUP")
+if _EPOLL:
+    _WATCH_ALL = select.EPOLLIN | select.EPOLLRDHUP
+    _WATCH_HANGUP = select.EPOLLRDHUP          # (errors and hang-ups are always reported)
 
 
 # -- sockets ------------------------------------------------------------------------
@@ -89,6 +108,41 @@ def shut(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
+
+
+class Turn:
+    """Who reads one plain socket now (the session's cond guards ``holder``):
+    nobody, the reader thread (``READER``) or a caller waiting for its own
+    reply (its thread's ident).  While a caller holds it, the reader
+    thread's epoll watches for a hang-up only, so the caller's reply wakes
+    the caller alone."""
+
+    READER = "reader"
+
+    def __init__(self, gen: int, sock: socket.socket, frames: FrameReader):
+        self.gen, self.sock, self.frames = gen, sock, frames
+        self.fd = sock.fileno()
+        self.poller = select.epoll(1)
+        self.poller.register(self.fd, _WATCH_ALL)
+        self.holder: object = None
+        self.reader_waits = False          # the reader thread waits for the turn
+
+    def take(self, who) -> None:
+        """``who`` takes the free turn (cond held)."""
+        self.holder = who
+        if who is not Turn.READER:
+            self.poller.modify(self.fd, _WATCH_HANGUP)
+
+    def give_back(self, turn_free: threading.Condition) -> None:
+        """The holder is done (cond held): the reader thread watches all again."""
+        if self.holder is not Turn.READER:
+            try:
+                self.poller.modify(self.fd, _WATCH_ALL)
+            except (OSError, ValueError):
+                pass                           # the reader thread closed it: the socket is done
+        self.holder = None
+        if self.reader_waits:
+            turn_free.notify()
 
 
 def handshake_send(sock: socket.socket, header: dict) -> None:
@@ -170,6 +224,11 @@ class Link:
         self._readers_lock = threading.Lock()
         self._idle_readers = 0                     # reader threads waiting for a next socket
         self._reader_jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.turn: Turn | None = None              # the plain socket's turn to read (cond)
+        # the reader thread waits here for a caller to give the turn back (a
+        # condition of its own on cond's lock: replies dispatched meanwhile,
+        # which notify cond, do not wake it)
+        self.turn_free = threading.Condition(session.lock)
 
     # -- opening ------------------------------------------------------------------
     def dial(self, endpoint: str, timeout: float, then: dict | None = None):
@@ -266,11 +325,19 @@ class Link:
         handshake's answer, then start its reader."""
         session = self.session
         sock.settimeout(None)
+        turn = None
+        if _EPOLL and not isinstance(sock, ssl.SSLSocket):
+            # a caller's blocking recv gives up after the slice: it then
+            # hands the turn back (BlockingIOError); sends are not affected
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            struct.pack("ll", 0, int(OWN_REPLY_SLICE * 1e6)))
         error = None
         with session.cond:
             self.gen += 1
             gen = self.gen
             self.sock = sock
+            if _EPOLL and not isinstance(sock, ssl.SSLSocket):
+                turn = self.turn = Turn(gen, sock, reader)
             try:
                 for frame in leftovers:
                     self._dispatch_locked(frame.header, frame.payload)
@@ -281,7 +348,7 @@ class Link:
             return
         with self._reading_lock:
             self._reading.add(sock)
-        self._start_reader((sock, reader, gen))
+        self._start_reader((sock, reader, gen, turn))
 
     # A socket's reader runs on a thread that, once its socket is done, waits
     # for the session's next one (a resume's) instead of ending: a resume
@@ -479,16 +546,21 @@ class Link:
             return sink
         return bytearray(size)
 
-    def _read_loop(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:
+    def _read_loop(self, sock: socket.socket, reader: FrameReader, gen: int, turn: Turn | None) -> None:
         try:
-            self._read_frames(sock, reader, gen)
+            if turn is None:
+                self._read_frames(sock, reader, gen)
+            else:
+                self._read_turns(turn)
         finally:
             with self._reading_lock:
                 self._reading.discard(sock)
+            if turn is not None:
+                turn.poller.close()
             shut(sock)
 
     def _read_frames(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:
-        cond = self.session.cond
+        """The reader thread of a TLS socket: it reads every frame."""
         error: Exception | None = None
         try:
             while True:
@@ -496,16 +568,103 @@ class Link:
                 if n == 0:
                     error = Unavailable(what="the pool", reason="connection closed")
                     break
-                for frame in reader.feed(n):
-                    with cond:
-                        if gen != self.gen:
-                            return
-                        self._dispatch_locked(frame.header, frame.payload)
+                if not self._dispatch_frames(reader.feed(n), gen):
+                    return
                 self._maybe_ack(sock, gen)
                 self.session.replies_arrived()
         except (OSError, AccelmigError) as exc:
             error = exc
         self.lost(gen, error)
+
+    def _read_turns(self, turn: Turn) -> None:
+        """The reader thread of a plain socket: read when it is readable and
+        no caller holds the turn; a caller that does dispatches what comes."""
+        cond = self.session.cond
+        sock, reader, gen = turn.sock, turn.frames, turn.gen
+        error: Exception | None = None
+        try:
+            while True:
+                turn.poller.poll()
+                with cond:
+                    turn.reader_waits = True
+                    while turn.holder is not None:
+                        self.turn_free.wait()
+                    turn.reader_waits = False
+                    if gen != self.gen:
+                        return        # (no caller reads it any more: the socket may close)
+                    turn.take(Turn.READER)
+                try:      # (the frame reader's state is the turn's too: fed before it is given back)
+                    try:
+                        # not blocking: a caller may have taken what woke us
+                        n = sock.recv_into(reader.get_buffer(), 0, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        continue
+                    if n == 0:
+                        error = Unavailable(what="the pool", reason="connection closed")
+                        break
+                    if not self._dispatch_frames(reader.feed(n), gen):
+                        return
+                finally:
+                    with cond:
+                        turn.give_back(self.turn_free)
+                self._maybe_ack(sock, gen)
+                self.session.replies_arrived()
+        except (OSError, AccelmigError) as exc:
+            error = exc
+        self.lost(gen, error)
+
+    def _dispatch_frames(self, frames, gen: int) -> bool:
+        """Dispatch frames read from the socket of ``gen``; False if it is no
+        longer the link's (they are ignored)."""
+        cond = self.session.cond
+        for frame in frames:
+            with cond:
+                if gen != self.gen:
+                    return False
+                self._dispatch_locked(frame.header, frame.payload)
+        return True
+
+    def take_turn_locked(self) -> Turn | None:
+        """The caller (cond held) takes the current socket's turn to read its
+        own reply, if it is free; None: wait as before."""
+        turn = self.turn
+        if turn is None or turn.holder is not None or turn.gen != self.gen:
+            return None
+        turn.take(threading.get_ident())
+        return turn
+
+    def read_own_reply_locked(self, turn: Turn, cmd) -> bool:
+        """Read the socket (cond held on entry and on return, released
+        meanwhile) until ``cmd`` has its reply, dispatching every frame that
+        comes; give the turn back.  False: the reply was slow (nothing came
+        for ``OWN_REPLY_SLICE``), so wait for it as before."""
+        cond = self.session.cond
+        sock, reader, gen = turn.sock, turn.frames, turn.gen
+        prompt = True
+        cond.release()
+        try:
+            while cmd.reply is None:
+                try:
+                    n = sock.recv_into(reader.get_buffer())
+                except BlockingIOError:
+                    prompt = False
+                    break
+                if n == 0:
+                    raise Unavailable(what="the pool", reason="connection closed")
+                if not self._dispatch_frames(reader.feed(n), gen):
+                    break
+                self.session.stats["replies_read_by_caller"] += 1
+                self._maybe_ack(sock, gen)
+                self.session.replies_arrived()
+        except (OSError, AccelmigError) as exc:
+            with cond:
+                turn.give_back(self.turn_free)
+            self.lost(gen, exc)
+            cond.acquire()
+            return True
+        cond.acquire()
+        turn.give_back(self.turn_free)
+        return prompt
 
     def _dispatch_locked(self, header: dict, payload) -> None:
         """Match a frame from the pool to the command window (the caller holds

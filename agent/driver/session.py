@@ -121,7 +121,8 @@ class Session:
         self.auto_reconnect = auto_reconnect
         self.name = name or f"pid{os.getpid()}"
         self.secret = os.urandom(32)          # proves ownership at a resume; never leaves the guest
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
         # The housekeeping thread sleeps until there is something to do (an
         # acknowledgement due, a lost link, the end): a guest with a thousand
         # idle sessions pays no wake-ups for them.
@@ -139,7 +140,8 @@ class Session:
         self.pool_instance: str | None = None
         self.stats = {"resumes": 0, "resent_commands": 0, "resent_bytes": 0, "replies": 0,
                       "duplicate_replies": 0, "reconnect_attempts": 0, "last_resume_s": None,
-                      "tls_resumed": 0}     # resumes whose TLS handshake resumed the last session
+                      "tls_resumed": 0,     # resumes whose TLS handshake resumed the last session
+                      "replies_read_by_caller": 0}   # reads a waiting caller made itself (``Turn``)
         self.link = Link(self, tls_context)
         if protocol_versions is not None:
             self.link.versions = dp.offered_versions(protocol_versions)
@@ -322,15 +324,24 @@ class Session:
                         record = None
                     sock, gen = link.sock, link.gen
                     link.acked_sent = max(link.acked_sent, header["ack"])
-                if record is not None:
-                    link.cork_launch(sock, gen, cmd.seq, header["epoch"], header["ack"], record)
-                else:
-                    link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
-                                      pipelined=not wait)
+                    # a caller that waits reads its reply itself: the turn
+                    # is taken before the reply can wake the reader thread
+                    turn = link.take_turn_locked() if wait else None
+                try:
+                    if record is not None:
+                        link.cork_launch(sock, gen, cmd.seq, header["epoch"], header["ack"], record)
+                    else:
+                        link.send_command(sock, gen, encode_prefix_and_header(header, nbytes), payload,
+                                          pipelined=not wait)
+                except BaseException:
+                    if turn is not None:
+                        with self.cond:
+                            turn.give_back(link.turn_free)
+                    raise
             break
         if not wait:
             return cmd
-        return self._wait_reply(cmd, deadline)
+        return self._wait_reply(cmd, deadline, turn=turn)
 
     def submit_launch(self, record: bytes) -> None:
         """A pipelined launch as its batch record: the common case (connected,
@@ -377,10 +388,22 @@ class Session:
         return self._wait_reply(cmd, time.monotonic() + self.timeout, pipelined_errors)
 
     def _wait_reply(self, cmd: PendingCommand, deadline: float,
-                    pipelined_errors: bool = True) -> PendingCommand:
+                    pipelined_errors: bool = True, turn=None) -> PendingCommand:
+        link = self.link
+        prompt = True       # read for the reply while it comes promptly (``Turn``)
         with self.cond:
             while cmd.reply is None:
                 state = self.states.state
+                if state is LinkState.CONNECTED and prompt:
+                    if turn is None:
+                        turn = link.take_turn_locked()
+                    if turn is not None:
+                        prompt = link.read_own_reply_locked(turn, cmd)
+                        turn = None
+                        continue
+                elif turn is not None:
+                    turn.give_back(link.turn_free)
+                    turn = None
                 if state is LinkState.FAILED:
                     raise self.failure
                 if state is LinkState.CLOSED:
@@ -392,6 +415,8 @@ class Session:
                         what += f"; {state.value}, last error: {self.last_error}"
                     raise Timeout(what=what + ")", timeout=self.timeout)
                 self.cond.wait(remaining)
+            if turn is not None:           # (the reply came before the caller could read it)
+                turn.give_back(link.turn_free)
             if not cmd.reply.get("ok", False):
                 raise from_wire(cmd.reply.get("error", {}))
             if not pipelined_errors:
