@@ -343,7 +343,10 @@ class Link:
                     self._dispatch_locked(frame.header, frame.payload)
             except AccelmigError as exc:
                 error = exc
+                self.turn = None
         if error is not None:
+            if turn is not None:
+                turn.poller.close()    # (no reader thread will)
             self.lost(gen, error)      # as the reader would have: the session may resume
             return
         with self._reading_lock:

@@ -20,7 +20,8 @@ Connection states (``LinkStateMachine``; every change goes through it)::
     CLOSED: ``close()``, from every open state but CONNECTING.
     CONNECTING -> DISCONNECTED: the first link died before the open finished.
 
-Threads: the application's (commands, ``resume``), the link's reader and
+Threads: the application's (commands, ``resume``; a caller that waits reads its
+own reply on plain TCP, ``link.Turn``), the link's reader and
 flusher, and the housekeeper (idle acknowledgements; reconnection with
 backoff while auto-reconnect is on).  An explicit ``resume`` preempts a
 background reconnect: it cuts the connect in its way and takes the resume
