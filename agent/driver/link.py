@@ -63,6 +63,24 @@ if _EPOLL:
     _WATCH_HANGUP = select.EPOLLRDHUP          # (errors and hang-ups are always reported)
 
 
+def _turn_budget() -> int:
+    """How many turns (an epoll descriptor each) a process may hold at once:
+    a quarter of its descriptor limit, so that an application with many
+    sessions under the usual limit of 1,024 still opens them all (past the
+    budget a session's reader thread reads everything, as under TLS)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+    except (ImportError, ValueError, OSError):
+        return 0
+    return max(0, soft // 4)
+
+
+_TURNS = threading.BoundedSemaphore(_turn_budget()) if _EPOLL else None
+
+
 # -- sockets ------------------------------------------------------------------------
 def configure_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -119,13 +137,45 @@ class Turn:
 
     READER = "reader"
 
-    def __init__(self, gen: int, sock: socket.socket, frames: FrameReader):
-        self.gen, self.sock, self.frames = gen, sock, frames
+    def __init__(self, sock: socket.socket, frames: FrameReader):
+        self.gen = 0                       # (set when the link installs the socket)
+        self.sock, self.frames = sock, frames
         self.fd = sock.fileno()
         self.poller = select.epoll(1)
-        self.poller.register(self.fd, _WATCH_ALL)
+        try:
+            self.poller.register(self.fd, _WATCH_ALL)
+        except BaseException:
+            self.poller.close()
+            raise
         self.holder: object = None
         self.reader_waits = False          # the reader thread waits for the turn
+        self.closed = False
+
+    @classmethod
+    def open(cls, sock: socket.socket, frames: FrameReader) -> "Turn | None":
+        """A turn for a plain ``sock``, or None (no epoll here, a TLS socket,
+        the process's budget of turns spent, no descriptor left): its reader
+        thread then reads everything."""
+        if not _EPOLL or isinstance(sock, ssl.SSLSocket) or not _TURNS.acquire(blocking=False):
+            return None
+        try:
+            turn = cls(sock, frames)
+            # a caller's blocking recv gives up after the slice: it then
+            # hands the turn back (BlockingIOError); sends are not affected
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            struct.pack("ll", 0, int(OWN_REPLY_SLICE * 1e6)))
+        except OSError as exc:
+            _TURNS.release()
+            LOG.debug("no turn for a socket (%s): its reader thread reads everything", exc)
+            return None
+        return turn
+
+    def close(self) -> None:
+        """Once: the poller goes, and its place in the process's budget."""
+        if not self.closed:
+            self.closed = True
+            self.poller.close()
+            _TURNS.release()
 
     def take(self, who) -> None:
         """``who`` takes the free turn (cond held)."""
@@ -325,19 +375,15 @@ class Link:
         handshake's answer, then start its reader."""
         session = self.session
         sock.settimeout(None)
-        turn = None
-        if _EPOLL and not isinstance(sock, ssl.SSLSocket):
-            # a caller's blocking recv gives up after the slice: it then
-            # hands the turn back (BlockingIOError); sends are not affected
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
-                            struct.pack("ll", 0, int(OWN_REPLY_SLICE * 1e6)))
+        turn = Turn.open(sock, reader)
         error = None
         with session.cond:
             self.gen += 1
             gen = self.gen
             self.sock = sock
-            if _EPOLL and not isinstance(sock, ssl.SSLSocket):
-                turn = self.turn = Turn(gen, sock, reader)
+            self.turn = turn
+            if turn is not None:
+                turn.gen = gen
             try:
                 for frame in leftovers:
                     self._dispatch_locked(frame.header, frame.payload)
@@ -346,7 +392,7 @@ class Link:
                 self.turn = None
         if error is not None:
             if turn is not None:
-                turn.poller.close()    # (no reader thread will)
+                turn.close()           # (no reader thread will)
             self.lost(gen, error)      # as the reader would have: the session may resume
             return
         with self._reading_lock:
@@ -559,7 +605,7 @@ class Link:
             with self._reading_lock:
                 self._reading.discard(sock)
             if turn is not None:
-                turn.poller.close()
+                turn.close()
             shut(sock)
 
     def _read_frames(self, sock: socket.socket, reader: FrameReader, gen: int) -> None:

@@ -160,3 +160,63 @@ def test_under_tls_the_reader_thread_reads_everything(tmp_path):
             assert dev.read(buf) == b"y" * 64
             assert turn_of(dev) is None
             assert dev.stats["replies_read_by_caller"] == 0
+
+
+def test_past_the_process_budget_of_turns_a_session_reads_through_its_reader_thread(monkeypatch):
+    """A turn costs an epoll descriptor: a process holds at most a quarter of
+    its descriptor limit of them (``_turn_budget``), so many sessions under
+    the usual limit of 1,024 still open.  Past it a session works as before,
+    and a closed session's turn goes back to the budget."""
+    from accelmig.agent.driver import link
+    budget = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(link, "_TURNS", budget)
+    with PoolThread(tenants=TENANTS) as pool:
+        first = connect(pool.endpoint, TOKEN, agent=False, timeout=60)
+        second = connect(pool.endpoint, TOKEN, agent=False, timeout=60)
+        try:
+            assert turn_of(first) is not None and turn_of(second) is None
+            buf = second.upload(b"z" * 64)
+            for _ in range(10):
+                second.finish()
+            assert second.read(buf) == b"z" * 64
+            assert second.stats["replies_read_by_caller"] == 0
+            first.close()
+            # its reader thread closes the turn once the socket is done
+            wait_for(lambda: budget.acquire(blocking=False) and (budget.release() or True), 10,
+                     "the closed session's turn to go back to the budget")
+            with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as third:
+                assert turn_of(third) is not None
+                third.finish()
+                third.finish()
+                assert third.stats["replies_read_by_caller"] >= 1
+        finally:
+            second.close()
+
+
+MANY_SESSIONS = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from accelmig.agent.driver import connect
+from accelmig.agent.driver.link import _turn_budget
+devices = [connect(sys.argv[1], sys.argv[2], agent=False, timeout=60) for _ in range(150)]
+for dev in devices:
+    dev.finish()
+print(json.dumps({"budget": _turn_budget(), "turns": sum(d._session.link.turn is not None for d in devices),
+                  "by_caller": sum(d.stats["replies_read_by_caller"] > 0 for d in devices)}))
+for dev in devices:
+    dev.close()
+"""
+
+
+def test_150_sessions_open_in_a_process_limited_to_256_descriptors():
+    """150 sockets and their turns would be 300 descriptors: the budget (a
+    quarter of the limit, 64) keeps the process under its limit."""
+    import json
+    import subprocess
+    import sys
+    with PoolThread(tenants={"own": (TOKEN, "1GiB", 200)}) as pool:
+        out = subprocess.run([sys.executable, "-c", MANY_SESSIONS, pool.endpoint, TOKEN],
+                             capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"budget": 64, "turns": 64, "by_caller": 64}
