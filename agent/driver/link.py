@@ -675,9 +675,16 @@ class Link:
 
     def take_turn_locked(self) -> Turn | None:
         """The caller (cond held) takes the current socket's turn to read its
-        own reply, if it is free; None: wait as before."""
+        own reply, if it is free; None: wait as before.
+
+        Not before the session's housekeeper runs: what a read finds (replies
+        to acknowledge, a lost link) may start it, and a thread a caller
+        starts is the caller's, not the session's (its network namespace
+        among the rest: the housekeeper reconnects).  Until then the reader
+        thread reads, and starts it."""
         turn = self.turn
-        if turn is None or turn.holder is not None or turn.gen != self.gen:
+        if turn is None or turn.holder is not None or turn.gen != self.gen \
+                or not self.session.housekeeper_started:
             return None
         turn.take(threading.get_ident())
         return turn

@@ -183,6 +183,12 @@ class Session:
             self._start_housekeeper()
             self._housework.set()
 
+    @property
+    def housekeeper_started(self) -> bool:
+        """The housekeeping thread runs: a lost link or replies to acknowledge
+        start no thread on the caller's (``link.Turn``)."""
+        return self._housekeeper_started and self.sid is not None
+
     def _start_housekeeper(self) -> None:
         if self._housekeeper_started or self.sid is None:
             return

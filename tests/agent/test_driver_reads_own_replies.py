@@ -200,6 +200,7 @@ from accelmig.agent.driver import connect
 from accelmig.agent.driver.link import _turn_budget
 devices = [connect(sys.argv[1], sys.argv[2], agent=False, timeout=60) for _ in range(150)]
 for dev in devices:
+    dev.finish()        # (read by the reader thread, which starts the session's housekeeper)
     dev.finish()
 print(json.dumps({"budget": _turn_budget(), "turns": sum(d._session.link.turn is not None for d in devices),
                   "by_caller": sum(d.stats["replies_read_by_caller"] > 0 for d in devices)}))
@@ -220,3 +221,21 @@ def test_150_sessions_open_in_a_process_limited_to_256_descriptors():
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"budget": 64, "turns": 64, "by_caller": 64}
+
+
+def test_a_sessions_first_reply_comes_through_its_reader_thread_which_starts_the_housekeeper():
+    """A thread a caller started would be the caller's (its network
+    namespace among the rest: the housekeeper reconnects, so it must be the
+    session's).  Callers read their own replies only once the housekeeper
+    runs, and the reader thread starts it (tests/continuity/test_netns_moves
+    is where a caller outside the guest's namespace would show it)."""
+    with PoolThread(tenants=TENANTS) as pool:
+        with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
+            housekeeper = f"accelmig-{dev.sid}-hk"
+            assert not any(t.name == housekeeper for t in threading.enumerate())
+            dev.finish()
+            assert dev.stats["replies_read_by_caller"] == 0
+            wait_for(lambda: any(t.name == housekeeper for t in threading.enumerate()), 10,
+                     "the reader thread to start the housekeeper")
+            dev.finish()
+            assert dev.stats["replies_read_by_caller"] == 1
