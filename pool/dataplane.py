@@ -29,6 +29,7 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameEr
 from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Limits,
                                   encode_prefix_and_header)
 from accelmig.pool.sequencing import StoredReply, Verdict
+from accelmig.pool import streaming
 from accelmig.pool.session import Command
 
 #: What a command's payload is digested with, for divergence checks
@@ -36,6 +37,7 @@ from accelmig.pool.session import Command
 #: beside the device process's write: zlib's CRC-32 ran at ~2.2–2.8 GiB/s
 #: on the lab's cores, XXH3 at ~11 GiB/s (and 64 bits instead of 32).
 PAYLOAD_DIGEST = xxhash.xxh3_64_intdigest
+PAYLOAD_DIGEST_STREAM = xxhash.xxh3_64      # the same digest, taken piece by piece (pool.streaming)
 
 LOG = logging.getLogger(__name__)
 
@@ -83,6 +85,9 @@ class DataConnection(asyncio.BufferedProtocol):
         self._feeding = False          # frames are being handled: they flush at the end
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
+        # a write copied to the device while its payload arrives (pool.streaming)
+        self._stream: streaming.UploadStream | None = None
+        self._stream_header: dict | None = None
 
     # -- asyncio protocol ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -143,6 +148,10 @@ class DataConnection(asyncio.BufferedProtocol):
         except FrameError as exc:
             self.fail(exc)
             return
+        if self._stream is not None:
+            pending = self.reader.pending_payload()
+            if pending is not None and pending[0] is self._stream_header:
+                self._stream.received(pending[1])
         for frame in frames:
             if self.state is ConnState.CLOSED:
                 return
@@ -168,8 +177,21 @@ class DataConnection(asyncio.BufferedProtocol):
             lease = self.session.context.lease_upload(size)
             if lease is not None:
                 self._leases.append((lease.view, lease))
+                if self._stream is None and streaming.may_stream(self, header, size):
+                    self._stream = streaming.UploadStream(self.session, header, lease, PAYLOAD_DIGEST_STREAM)
+                    self._stream_header = header
                 return lease.view
         return self.pool.buffers.get(size)
+
+    def _give_back(self, lease) -> None:
+        """A lease no command took: back to the arena, or, if its write was
+        streaming, once its pieces have run (and the write may be torn)."""
+        stream = self._stream
+        if stream is not None and lease is stream.lease:
+            self._stream = self._stream_header = None
+            stream.abandon()
+        else:
+            lease.release()
 
     def _take_lease(self, payload):
         """The arena lease ``payload`` was received into, if any (now the caller's)."""
@@ -179,7 +201,7 @@ class DataConnection(asyncio.BufferedProtocol):
 
     def _drop_leases(self) -> None:
         while self._leases:
-            self._leases.popleft()[1].release()
+            self._give_back(self._leases.popleft()[1])
 
     def eof_received(self):
         return False  # close our side too
@@ -342,7 +364,7 @@ class DataConnection(asyncio.BufferedProtocol):
             submitted = self._handle_command(op, header, payload, lease)
         except BaseException:
             if lease is not None:
-                lease.release()          # (no command took it: it raised before)
+                self._give_back(lease)   # (no command took it: it raised before)
             raise
         if submitted:
             self.flow_changed()
@@ -394,20 +416,28 @@ class DataConnection(asyncio.BufferedProtocol):
         ``run`` for the caller to hand over), a duplicate (its reply again)
         or a divergence (refused); see ``_handle_command``."""
         seq = header["seq"]
+        torn = session.torn
+        if torn is not None and seq == torn.seq and not torn.admits(op, header, len(payload)):
+            raise torn.refusal(session.sid, op)
         identity = dp.CommandIdentity(header, payload, PAYLOAD_DIGEST)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
             session.log.accept(seq, identity)
+            if torn is not None and seq == torn.seq:
+                session.torn = None          # its write came whole: the range is whole again
+            command = Command(seq, op, header, payload, identity, lease)
+            if lease is not None and self._stream is not None and lease is self._stream.lease:
+                command.stream, self._stream, self._stream_header = self._stream, None, None
             if run is not None:
-                run.append(Command(seq, op, header, payload, identity, lease))
+                run.append(command)
             else:
-                session.submit(Command(seq, op, header, payload, identity, lease))
+                session.submit(command)
             return True
         if verdict is Verdict.DUPLICATE:
             session.counters.duplicates += 1
             self.pool.metrics.duplicates.inc()
             if lease is not None:
-                lease.release()
+                self._give_back(lease)
             else:
                 self.pool.buffers.put(payload)
             stored = session.log.stored_reply(seq)

@@ -119,6 +119,7 @@ class SessionCounters:
     launches: int = 0
     batched_launches: int = 0      # launches that came in batch frames (protocol 2)
     duplicates: int = 0            # re-sent commands answered from the log
+    streamed_bytes: int = 0        # write bytes copied to the device while the rest arrived
     resumes: int = 0
     replayed: int = 0              # replies sent again on a resume
 
@@ -137,6 +138,9 @@ class Command:
     # ArenaLease; ``payload`` is its view): given back once the write ran,
     # or whenever the command is dropped, never to the pool's buffers.
     lease: object = None
+    # A write whose pieces the worker copied while it arrived
+    # (``pool.streaming.UploadStream``): it writes only the rest.
+    stream: object = None
 
     def drop_payload(self, buffers) -> None:
         """The payload's memory may be reused: back to the arena or to ``buffers``."""
@@ -191,6 +195,9 @@ class Session:
         self.by_address = True
         self.pending_move: tuple[str, str] | None = None   # (domain, migration id) awaiting a ticket
         self.paused_by: set[str] = set()                    # record keys pausing this session
+        # a write cut half-way after some of it reached the device
+        # (``pool.streaming.TornWrite``): only it may come at its seq
+        self.torn = None
         self.detached_at: float | None = None
         self.pause_started: float | None = None
         self.last_resume: dict = {}
@@ -345,6 +352,11 @@ class Session:
         self.in_worker += len(commands)
         self._worker.put_run(commands)
 
+    def run_on_worker(self, task: Callable[[], None]) -> None:
+        """``task`` on the session's worker, in order with its commands (a
+        piece of a write on its way: ``pool.streaming``)."""
+        self._worker.put_task(task)
+
     def _dispatch(self, command: Command) -> None:
         self.queued_bytes += len(command.payload)
         self.in_worker += 1
@@ -420,6 +432,7 @@ class Session:
             "parked": self.park_retention is not None,
             "deadline_in": None if self.deadline is None else round(self.deadline - time.time(), 3),
             "counters": self.counters.to_dict(), "sequence": self.log.snapshot(),
+            "torn": self.torn.describe() if self.torn is not None else None,
             "held": len(self.held), "created": self.created,
         }
 
@@ -458,6 +471,11 @@ class SessionWorker:
         self._ensure_started()
         self._queue.put(commands)
 
+    def put_task(self, task: Callable[[], None]) -> None:
+        """A callable run in order with the commands (no reply)."""
+        self._ensure_started()
+        self._queue.put(task)
+
     def stop(self) -> None:
         self._stopping = True
         self._queue.put(None)
@@ -474,6 +492,9 @@ class SessionWorker:
             item = self._queue.get()
             if item is None:
                 break
+            if callable(item):
+                _run_task(session, item)
+                continue
             for command in item if type(item) is list else (item,):
                 if self._stopping:
                     command.drop_payload(None)     # never runs: its arena lease goes back
@@ -486,6 +507,13 @@ class SessionWorker:
         if batch:
             done = _settled(batch)
             self.post(lambda: session.completed(done))
+        while not self._queue.empty():          # (tasks put after the stop give their leases back)
+            item = self._queue.get()
+            if callable(item):
+                _run_task(session, item)
+            elif item is not None:
+                for command in item if type(item) is list else (item,):
+                    command.drop_payload(None)
         try:
             released = session.context.release()
             session.refund(released)
@@ -493,6 +521,25 @@ class SessionWorker:
                 session.metrics.device_bytes.labels(session.tenant.name).set(session.tenant.used)
         except Exception:  # pragma: no cover - a runtime failing at release
             LOG.exception("session %s: releasing device objects failed", session.sid)
+
+
+def _stream_settle(identity, stream, start: int) -> Callable[[], None]:
+    """A streamed write's digest, once: its pieces' then the rest's."""
+    done = False
+
+    def settle() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            identity.set_digest(stream.digest(start))
+    return settle
+
+
+def _run_task(session: Session, task: Callable[[], None]) -> None:
+    try:
+        task()
+    except Exception:  # a task must not end the worker
+        LOG.exception("session %s: a worker task failed", session.sid)
 
 
 class PendingReply:
@@ -562,9 +609,16 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         elif op is Op.WRITE:
             if command.lease is not None:
                 # received into the upload arena: no copy on the way, and
-                # the digest is taken while the device process writes
+                # the digest is taken while the device process writes; a
+                # streamed write's pieces are on the device already
+                start = 0
+                stream = command.stream
+                if stream is not None:
+                    start = stream.rest()
+                    if command.identity is not None:
+                        settle = _stream_settle(command.identity, stream, start)
                 try:
-                    ctx.write_leased(h["buf"], h["offset"], command.lease, meanwhile=settle)
+                    ctx.write_leased(h["buf"], h["offset"], command.lease, meanwhile=settle, start=start)
                 finally:
                     if settle is not None:
                         settle()        # (a no-op unless the call failed first)

@@ -233,6 +233,13 @@ class FrameReader:
             self._start, self._end = 0, tail
         return memoryview(self._staging)[self._end:]
 
+    def pending_payload(self) -> tuple[dict, int] | None:
+        """(header, bytes received so far) of a frame whose payload is being
+        received into its own buffer; None between such frames."""
+        if self._payload is None:
+            return None
+        return self._header, self._filled
+
     def feed(self, nbytes: int) -> list[Frame]:
         """Account for ``nbytes`` written into the last ``get_buffer()``."""
         if self.broken is not None:

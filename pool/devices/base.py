@@ -100,13 +100,16 @@ class DeviceContext(abc.ABC):
         (``pool.devices.arena``), or None: a buffer of the pool's own."""
         return None
 
-    def write_leased(self, handle: int, offset: int, lease, meanwhile=None) -> None:
-        """A write whose payload was received into ``lease``; ``meanwhile()``
+    def write_leased(self, handle: int, offset: int, lease, meanwhile=None, start: int = 0,
+                     end: int | None = None) -> None:
+        """A write whose payload was received into ``lease`` (its bytes
+        ``start`` to ``end`` of it, at ``offset + start``); ``meanwhile()``
         (which only reads the payload) runs while the write does, where the
         backend can run them side by side."""
         if meanwhile is not None:
             meanwhile()
-        self.write(handle, offset, lease.view)
+        end = lease.size if end is None else end
+        self.write(handle, offset + start, lease.view[start:end])
 
     @abc.abstractmethod
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:

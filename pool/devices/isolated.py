@@ -516,21 +516,23 @@ class IsolatedContext(DeviceContext):
     def lease_upload(self, nbytes: int) -> ArenaLease | None:
         return self.process.lease_upload(nbytes)
 
-    def write_leased(self, handle: int, offset: int, lease: ArenaLease, meanwhile=None) -> None:
+    def write_leased(self, handle: int, offset: int, lease: ArenaLease, meanwhile=None, start: int = 0,
+                     end: int | None = None) -> None:
         if lease.arena is not self.process.arena:     # (not this process's: the copy path)
-            super().write_leased(handle, offset, lease, meanwhile)
+            super().write_leased(handle, offset, lease, meanwhile, start, end)
             return
+        end = lease.size if end is None else end
         self._quiet = False
         self._send_batch()
-        call = self.process.start(self.ctx_id, "write_arena", {"buf": handle, "offset": offset,
-                                                               "at": lease.offset, "size": lease.size})
+        call = self.process.start(self.ctx_id, "write_arena", {"buf": handle, "offset": offset + start,
+                                                               "at": lease.offset + start, "size": end - start})
         try:
             if meanwhile is not None:
                 meanwhile()          # (the pool's digest of the payload, beside the process's write)
         finally:
             self.process.wait(call)  # the lease is the caller's again only once the write is over
         with self.process._lock:
-            self.process.arena_bytes += lease.size
+            self.process.arena_bytes += end - start
 
     def read_into(self, handle: int, offset: int, out: memoryview) -> None:
         view = memoryview(out).cast("B")

@@ -91,6 +91,7 @@ class Raw:
         self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5)
         self.reader = FrameReader()
         self.pending: list = []
+        self.payloads: dict = {}        # a reply's payload by its seq
         self.send({"op": "hello", "versions": [1]})
         self.challenge = self.recv()["challenge"]
 
@@ -109,6 +110,8 @@ class Raw:
                                      for seq in range(frame.header["from"], frame.header["to"] + 1)]
                 else:
                     self.pending.append(frame.header)
+                    if frame.payload:
+                        self.payloads[frame.header.get("seq")] = bytes(frame.payload)
         return self.pending.pop(0)
 
     def open(self, secret=b"s" * 32):
