@@ -120,16 +120,33 @@ def _resumed(pool, raw: Raw, last_seen: int) -> Raw:
     return again
 
 
+def _torn_session(pool, data: bytes) -> Raw:
+    """A session whose buffer 1 holds some of ``data``'s write at seq 2, cut half-way."""
+    raw = Raw(pool.endpoint)
+    raw.epoch = raw.open()["epoch"]
+    raw.send({"op": "alloc", "seq": 1, "epoch": raw.epoch, "ack": 0, "buf": 1, "size": SIZE})
+    assert raw.recv()["ok"]
+    _cut_half_way(pool, raw, 1, 2, data)
+    assert pool.session(raw.sid)["torn"] == {"seq": 2, "buf": 1, "offset": 0, "size": SIZE}
+    return raw
+
+
+def _write_the_range_whole(pool, raw: Raw, payload: bytes) -> None:
+    """Resume, write the torn range whole at seq 2, read it back."""
+    copy = _resumed(pool, raw, 1)
+    copy.send({"op": "write", "seq": 2, "epoch": copy.epoch, "ack": 1, "buf": 1, "offset": 0}, payload)
+    assert copy.recv() == {"op": "reply", "seq": 2, "ok": True}
+    copy.send({"op": "read", "seq": 3, "epoch": copy.epoch, "ack": 2, "buf": 1, "offset": 0, "size": SIZE})
+    assert copy.recv()["ok"]
+    assert copy.payloads[3] == payload
+    assert pool.session(raw.sid)["torn"] is None
+    copy.sock.close()
+
+
 def test_after_a_torn_write_only_a_write_of_that_range_may_come_at_its_seq():
     data, other = pattern(SIZE, 5), pattern(SIZE, 6)
     with PoolThread(tenants=TENANTS) as pool:
-        raw = Raw(pool.endpoint)
-        raw.epoch = raw.open()["epoch"]
-        raw.send({"op": "alloc", "seq": 1, "epoch": raw.epoch, "ack": 0, "buf": 1, "size": SIZE})
-        assert raw.recv()["ok"]
-        _cut_half_way(pool, raw, 1, 2, data)
-        assert pool.session(raw.sid)["torn"] == {"seq": 2, "buf": 1, "offset": 0, "size": SIZE}
-
+        raw = _torn_session(pool, data)
         # another command at seq 2 (a finish; a write elsewhere in the buffer) is refused
         for header, payload in (({"op": "finish"}, b""),
                                 ({"op": "write", "buf": 1, "offset": 0}, other[:MIB])):
@@ -138,31 +155,11 @@ def test_after_a_torn_write_only_a_write_of_that_range_may_come_at_its_seq():
             refused = copy.recv()
             assert refused["op"] == "error" and refused["error"]["code"] == "SESSION_DIVERGED", refused
             assert "only that write may come there" in refused["error"]["message"]
-
         # a write of the same range with other bytes (another copy's) is taken whole
-        copy = _resumed(pool, raw, 1)
-        copy.send({"op": "write", "seq": 2, "epoch": copy.epoch, "ack": 1, "buf": 1, "offset": 0}, other)
-        assert copy.recv() == {"op": "reply", "seq": 2, "ok": True}
-        copy.send({"op": "read", "seq": 3, "epoch": copy.epoch, "ack": 2, "buf": 1, "offset": 0, "size": SIZE})
-        assert copy.recv()["ok"]
-        assert copy.payloads[3] == other
-        assert pool.session(raw.sid)["torn"] is None
-        copy.sock.close()
+        _write_the_range_whole(pool, raw, other)
 
 
 def test_a_torn_write_resent_whole_leaves_the_buffer_exact():
     data = pattern(SIZE, 7)
     with PoolThread(tenants=TENANTS) as pool:
-        raw = Raw(pool.endpoint)
-        raw.epoch = raw.open()["epoch"]
-        raw.send({"op": "alloc", "seq": 1, "epoch": raw.epoch, "ack": 0, "buf": 1, "size": SIZE})
-        assert raw.recv()["ok"]
-        _cut_half_way(pool, raw, 1, 2, data)
-        again = _resumed(pool, raw, 1)
-        again.send({"op": "write", "seq": 2, "epoch": again.epoch, "ack": 1, "buf": 1, "offset": 0}, data)
-        assert again.recv() == {"op": "reply", "seq": 2, "ok": True}
-        again.send({"op": "read", "seq": 3, "epoch": again.epoch, "ack": 2, "buf": 1, "offset": 0, "size": SIZE})
-        assert again.recv()["ok"]
-        assert again.payloads[3] == data
-        assert pool.session(raw.sid)["torn"] is None
-        again.sock.close()
+        _write_the_range_whole(pool, _torn_session(pool, data), data)
