@@ -491,29 +491,25 @@ class SessionWorker:
         while True:
             item = self._queue.get()
             if item is None:
-                break
+                if self._queue.empty():
+                    break
+                continue        # (what came after the stop: tasks run, commands are dropped)
             if callable(item):
                 _run_task(session, item)
-                continue
-            for command in item if type(item) is list else (item,):
-                if self._stopping:
-                    command.drop_payload(None)     # never runs: its arena lease goes back
-                    continue
-                batch.append((command, execute(session, command)))
-            # Hand replies back in batches: one loop wake-up per burst.
+            else:
+                for command in item if type(item) is list else (item,):
+                    if self._stopping:
+                        command.drop_payload(None)     # never runs: its arena lease goes back
+                        continue
+                    batch.append((command, execute(session, command)))
+            # Hand replies back in batches: one loop wake-up per burst (a
+            # task's turn included: replies before it must not wait on it).
             if batch and (self._queue.empty() or len(batch) >= 256):
                 done, batch = _settled(batch), []
                 self.post(lambda done=done: session.completed(done))
         if batch:
             done = _settled(batch)
             self.post(lambda: session.completed(done))
-        while not self._queue.empty():          # (tasks put after the stop give their leases back)
-            item = self._queue.get()
-            if callable(item):
-                _run_task(session, item)
-            elif item is not None:
-                for command in item if type(item) is list else (item,):
-                    command.drop_payload(None)
         try:
             released = session.context.release()
             session.refund(released)
