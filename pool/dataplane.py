@@ -87,7 +87,6 @@ class DataConnection(asyncio.BufferedProtocol):
         self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
         # a write copied to the device while its payload arrives (pool.streaming)
         self._stream: streaming.UploadStream | None = None
-        self._stream_header: dict | None = None
 
     # -- asyncio protocol ------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -150,7 +149,7 @@ class DataConnection(asyncio.BufferedProtocol):
             return
         if self._stream is not None:
             pending = self.reader.pending_payload()
-            if pending is not None and pending[0] is self._stream_header:
+            if pending is not None and pending[0] is self._stream.header:
                 self._stream.received(pending[1])
         for frame in frames:
             if self.state is ConnState.CLOSED:
@@ -179,7 +178,6 @@ class DataConnection(asyncio.BufferedProtocol):
                 self._leases.append((lease.view, lease))
                 if self._stream is None and streaming.may_stream(self, header, size):
                     self._stream = streaming.UploadStream(self.session, header, lease, PAYLOAD_DIGEST_STREAM)
-                    self._stream_header = header
                 return lease.view
         return self.pool.buffers.get(size)
 
@@ -188,7 +186,7 @@ class DataConnection(asyncio.BufferedProtocol):
         streaming, once its pieces have run (and the write may be torn)."""
         stream = self._stream
         if stream is not None and lease is stream.lease:
-            self._stream = self._stream_header = None
+            self._stream = None
             stream.abandon()
         else:
             lease.release()
@@ -427,7 +425,7 @@ class DataConnection(asyncio.BufferedProtocol):
                 session.torn = None          # its write came whole: the range is whole again
             command = Command(seq, op, header, payload, identity, lease)
             if lease is not None and self._stream is not None and lease is self._stream.lease:
-                command.stream, self._stream, self._stream_header = self._stream, None, None
+                command.stream, self._stream = self._stream, None
             if run is not None:
                 run.append(command)
             else:

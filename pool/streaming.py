@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import xxhash
 
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
-from accelmig.wire.errors import AccelmigError, SessionDiverged
+from accelmig.wire.errors import AccelmigError, NoSuchObject, SessionDiverged
 
 LOG = logging.getLogger(__name__)
 
@@ -70,12 +69,13 @@ class TornWrite:
 
 class UploadStream:
     """One write's payload on its way to the device.  The loop posts pieces
-    (``received``) and ends it (``command_made`` or ``abandon``); the
-    session's worker copies the pieces in order (``_copy``), then runs the
-    command, which writes what is left (``rest``)."""
+    (``received``) and, if the frame never comes whole, ``abandon``s it;
+    the session's worker copies the pieces in order (``_copy``), then runs
+    the command, which writes what is left (``rest``).  ``copied`` and
+    ``stopped`` are the worker's alone."""
 
     def __init__(self, session, header: dict, lease, digest_factory=xxhash.xxh3_64):
-        self.session, self.lease = session, lease
+        self.session, self.header, self.lease = session, header, lease
         self.seq, self.buf, self.offset = header["seq"], header["buf"], header["offset"]
         self.size = lease.size
         self.posted = 0              # bytes handed to the worker (the loop's)
@@ -83,7 +83,6 @@ class UploadStream:
         self.stopped = False         # (worker) a piece was not copied: the command writes the rest
         self.abandoned = False       # (loop) the frame never came whole
         self._digest = digest_factory()
-        self._lock = threading.Lock()    # copied and stopped, read by the loop at the end
 
     # -- the loop -------------------------------------------------------------------
     def received(self, nbytes: int) -> None:
@@ -111,30 +110,26 @@ class UploadStream:
     # -- the worker ------------------------------------------------------------------
     def _copy(self, start: int, end: int) -> None:
         session = self.session
-        with self._lock:
-            if self.stopped or start != self.copied:
-                return
-            if self.abandoned or session.paused or session.released_reason is not None:
-                self.stopped = True       # (the re-sent write writes it all again)
-                return
+        if self.stopped or start != self.copied:
+            return
+        if self.abandoned or session.paused or session.released_reason is not None:
+            self.stopped = True           # (the re-sent write writes it all again)
+            return
         try:
             session.context.write_leased(self.buf, self.offset, self.lease, start=start, end=end)
         except (AccelmigError, OSError) as exc:
             # The command writes from here and reports what fails then.
             LOG.info("session %s: a piece of write %d was not copied ahead: %s", session.sid, self.seq, exc)
-            with self._lock:
-                self.stopped = True
+            self.stopped = True
             return
         self._digest.update(self.lease.view[start:end])
-        with self._lock:
-            self.copied = end
+        self.copied = end
         session.counters.streamed_bytes += end - start
 
     def rest(self) -> int:
         """(the worker, running the command) where the command's own write starts."""
-        with self._lock:
-            self.stopped = True
-            return self.copied
+        self.stopped = True
+        return self.copied
 
     def digest(self, start: int) -> int:
         """The whole payload's digest: the pieces copied, then the rest."""
@@ -164,6 +159,9 @@ def may_stream(conn, header: dict, size: int) -> bool:
     torn = session.torn
     if torn is not None and not torn.admits(Op.WRITE, header, size):
         return False
-    sizes = getattr(session.context, "sizes", None)
-    limit = sizes.get(header["buf"]) if isinstance(sizes, dict) else None
-    return isinstance(limit, int) and 0 <= header["offset"] and header["offset"] + size <= limit
+    try:
+        # (the session is idle: nothing changes its buffers meanwhile)
+        limit = session.context.buffer_size(header["buf"])
+    except NoSuchObject:
+        return False
+    return header["offset"] + size <= limit
