@@ -160,12 +160,17 @@ class Turn:
             return None
         try:
             turn = cls(sock, frames)
+        except OSError as exc:
+            _TURNS.release()
+            LOG.debug("no turn for a socket (%s): its reader thread reads everything", exc)
+            return None
+        try:
             # a caller's blocking recv gives up after the slice: it then
             # hands the turn back (BlockingIOError); sends are not affected
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                             struct.pack("ll", 0, int(OWN_REPLY_SLICE * 1e6)))
         except OSError as exc:
-            _TURNS.release()
+            turn.close()
             LOG.debug("no turn for a socket (%s): its reader thread reads everything", exc)
             return None
         return turn
@@ -619,8 +624,7 @@ class Link:
                     break
                 if not self._dispatch_frames(reader.feed(n), gen):
                     return
-                self._maybe_ack(sock, gen)
-                self.session.replies_arrived()
+                self._after_read(sock, gen)
         except (OSError, AccelmigError) as exc:
             error = exc
         self.lost(gen, error)
@@ -656,8 +660,7 @@ class Link:
                 finally:
                     with cond:
                         turn.give_back(self.turn_free)
-                self._maybe_ack(sock, gen)
-                self.session.replies_arrived()
+                self._after_read(sock, gen)
         except (OSError, AccelmigError) as exc:
             error = exc
         self.lost(gen, error)
@@ -710,8 +713,7 @@ class Link:
                 if not self._dispatch_frames(reader.feed(n), gen):
                     break
                 self.session.stats["replies_read_by_caller"] += 1
-                self._maybe_ack(sock, gen)
-                self.session.replies_arrived()
+                self._after_read(sock, gen)
         except (OSError, AccelmigError) as exc:
             with cond:
                 turn.give_back(self.turn_free)
@@ -766,6 +768,11 @@ class Link:
             raise err
         else:
             raise ProtocolError(reason=f"unexpected {op!r} from the pool")
+
+    def _after_read(self, sock, gen: int) -> None:
+        """After frames were dispatched, by whichever thread read them."""
+        self._maybe_ack(sock, gen)
+        self.session.replies_arrived()
 
     def _maybe_ack(self, sock, gen) -> None:
         """Acknowledge from the reader when many replies piled up (best effort:
