@@ -26,9 +26,8 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
-from bench.common import Table, report
+from bench.common import Table, median_of, report
 
 #: run inside a tree's own interpreter: prints one JSON line
 PROBE = r"""
@@ -84,6 +83,27 @@ def run_tree(tree: str, count: int, repeat: int, workload: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def alternate(args, workload: str, baseline_key: str, baseline, describe) -> tuple[list, tuple, tuple]:
+    """``args.rounds`` rounds of both trees, in turn first, each round with
+    its ``baseline()`` under ``baseline_key``: (rounds, load at the start,
+    load at the end)."""
+    load_start = os.getloadavg()
+    rounds = []
+    for index in range(args.rounds):
+        trees = [("before", args.before), ("after", args.after)]
+        if index % 2:
+            trees.reverse()
+        one = {name: run_tree(tree, args.launches, args.repeat, workload) for name, tree in trees}
+        one[baseline_key] = baseline()
+        rounds.append(one)
+        print(f"round {index + 1}: {describe(one)}", file=sys.stderr)
+    return rounds, load_start, os.getloadavg()
+
+
+def _median(rounds: list, fn) -> float:
+    return statistics.median(fn(r) for r in rounds)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="bench.launch_ab", description=__doc__.split("\n")[0])
     parser.add_argument("--before", required=True, help="the other clone (with its own .venv)")
@@ -100,23 +120,14 @@ def main(argv=None) -> None:
         finish_ab(args)
         return
     from bench.remoting import local_launches
-    load_start = os.getloadavg()
-    rounds = []
-    for index in range(args.rounds):
-        trees = [("before", args.before), ("after", args.after)]
-        if index % 2:
-            trees.reverse()
-        one = {name: run_tree(tree, args.launches, args.repeat, "launches") for name, tree in trees}
-        one["local"] = local_launches(args.launches, args.repeat)
-        rounds.append(one)
-        print(f"round {index + 1}: before {args.launches / one['before']['seconds']:,.0f}/s, "
-              f"after {args.launches / one['after']['seconds']:,.0f}/s, "
-              f"local {args.launches / one['local']:,.0f}/s", file=sys.stderr)
-    load_end = os.getloadavg()
+    n = args.launches
+    rounds, load_start, load_end = alternate(
+        args, "launches", "local", lambda: local_launches(n, args.repeat),
+        lambda one: f"before {n / one['before']['seconds']:,.0f}/s, after {n / one['after']['seconds']:,.0f}/s, "
+                    f"local {n / one['local']:,.0f}/s")
 
     def med(fn):
-        return statistics.median(fn(r) for r in rounds)
-    n = args.launches
+        return _median(rounds, fn)
     table = Table(f"pipelined launches ({n}, then a finish): before vs after, {args.rounds} alternating rounds",
                   "before", "after")
     table.add(f"launches ({n})", med(lambda r: n / r["before"]["seconds"]),
@@ -143,34 +154,19 @@ def finish_ab(args) -> None:
     raw_proc = subprocess.Popen([sys.executable, "-c", "from bench.remoting import serve_raw; serve_raw()"],
                                 stdout=subprocess.PIPE, text=True,
                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    n = args.launches
     try:
         raw = RawClient(int(raw_proc.stdout.readline()))
-        load_start = os.getloadavg()
-        n = args.launches
-        rounds = []
-        for index in range(args.rounds):
-            trees = [("before", args.before), ("after", args.after)]
-            if index % 2:
-                trees.reverse()
-            one = {name: run_tree(tree, n, args.repeat, "finish") for name, tree in trees}
-            samples = []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                for _ in range(n):
-                    raw.round_trip()
-                samples.append(time.perf_counter() - start)
-            one["raw"] = statistics.median(samples)
-            rounds.append(one)
-            print(f"round {index + 1}: before {one['before']['seconds'] / n * 1e6:.1f} us, "
-                  f"after {one['after']['seconds'] / n * 1e6:.1f} us, raw echo {one['raw'] / n * 1e6:.1f} us",
-                  file=sys.stderr)
-        load_end = os.getloadavg()
+        rounds, load_start, load_end = alternate(
+            args, "finish", "raw", lambda: median_of(lambda: [raw.round_trip() for _ in range(n)], args.repeat)[0],
+            lambda one: f"before {one['before']['seconds'] / n * 1e6:.1f} us, "
+                        f"after {one['after']['seconds'] / n * 1e6:.1f} us, raw echo {one['raw'] / n * 1e6:.1f} us")
     finally:
         raw_proc.terminate()
         raw_proc.wait(10)
 
     def med(fn):
-        return statistics.median(fn(r) for r in rounds)
+        return _median(rounds, fn)
     table = Table(f"idle finish() round trips ({n} per sample): before vs after, {args.rounds} alternating rounds",
                   "before", "after")
     table.add("idle finish() round trip", med(lambda r: r["before"]["seconds"] / n * 1e6),
