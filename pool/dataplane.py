@@ -30,7 +30,7 @@ from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Lim
                                   encode_prefix_and_header)
 from accelmig.pool.sequencing import StoredReply, Verdict
 from accelmig.pool import streaming
-from accelmig.pool.session import Command
+from accelmig.pool.session import Command, LaunchRun
 
 #: What a command's payload is digested with, for divergence checks
 #: (``dp.CommandIdentity``).  Every byte of every upload passes through it,
@@ -273,16 +273,22 @@ class DataConnection(asyncio.BufferedProtocol):
             return
         header = reply.header
         if not reply.payload and len(header) == 3 and header.get("ok") is True:
-            # A plain success: coalesce a run of them into one "done" frame.
-            if self._done is not None and self._done[1] + 1 == reply.seq:
-                self._done = (self._done[0], reply.seq)
-                return
-            if self._done is not None:
-                self._queue_done()
-            self._done = (reply.seq, reply.seq)
-            self._schedule_flush()
+            self.send_ok_run(reply.seq, reply.seq)
             return
         self.send(header, reply.payload)
+
+    def send_ok_run(self, first: int, last: int) -> None:
+        """Plain successes first..last: coalesced with the run before into
+        one "done" frame."""
+        if self.state is not ConnState.ATTACHED:
+            return
+        if self._done is not None and self._done[1] + 1 == first:
+            self._done = (self._done[0], last)
+            return
+        if self._done is not None:
+            self._queue_done()
+        self._done = (first, last)
+        self._schedule_flush()
 
     def fail(self, exc: AccelmigError) -> None:
         """Answer with an error frame where possible, then close."""
@@ -395,13 +401,33 @@ class DataConnection(asyncio.BufferedProtocol):
                                        f"(batches need {batch.BATCH_VERSION})")
         if self._records is None:
             self._records = batch.RecordCache()
-        commands = batch.decode_batch(header, payload, self._records)   # bounds first: nothing trusted before
-        if header["epoch"] != session.epoch or self.epoch != session.epoch:
-            raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
-        self._acknowledge(session, header["ack"])
+        # bounds first: nothing trusted before
+        epoch, ack, first, launches = batch.decode_run(header, payload, self._records)
+        if epoch != session.epoch or self.epoch != session.epoch:
+            raise StaleEpoch(sid=session.sid, got=epoch, current=session.epoch)
+        self._acknowledge(session, ack)
+        log = session.log
+        if first == log.next_seq and session.torn is None:
+            # All new (the common case): accepted and handed on as one run;
+            # what ``_sequenced`` would do for each, with one identity per
+            # distinct launch (a repeat's identity is its twin's)
+            identities: dict[int, dp.CommandIdentity] = {}
+            digests = []
+            for launch in launches:
+                identity = identities.get(id(launch))
+                if identity is None:
+                    identity = identities[id(launch)] = dp.CommandIdentity(launch, b"", PAYLOAD_DIGEST)
+                digests.append(identity)
+            log.accept_run(first, digests)
+            session.counters.batched_launches += len(launches)
+            session.submit_launches(LaunchRun(first, launches))
+            self.flow_changed()
+            return
+        # A batch re-sent over what the pool has (a resume): launch by
+        # launch, each a duplicate, new or diverged
         run: list = []
         try:
-            for command in commands:
+            for command in batch.expand_run(epoch, ack, first, launches):
                 self._sequenced(session, Op.LAUNCH, command, b"", None, run)
         finally:
             if run:          # (accepted before a refusal later in the batch: they run)

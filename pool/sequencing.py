@@ -36,7 +36,16 @@ class StoredReply:
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + 64
+        return len(self.payload) + OK_REPLY_BYTES
+
+
+#: what a stored reply without payload counts for (``StoredReply.nbytes``)
+OK_REPLY_BYTES = 64
+
+
+def ok_reply(seq: int) -> StoredReply:
+    """The reply of a command that succeeded with nothing to say."""
+    return StoredReply(seq, {"op": "reply", "seq": seq, "ok": True})
 
 
 class SequenceLog:
@@ -46,7 +55,8 @@ class SequenceLog:
         self.acked = 0
         self.highest_reply = 0
         self.digests: dict[int, object] = {}   # seq -> CommandIdentity (or any ==-comparable)
-        self.replies: collections.OrderedDict[int, StoredReply] = collections.OrderedDict()
+        # seq -> its reply; None for a plain success recorded in a run (made on demand: ok_reply)
+        self.replies: collections.OrderedDict[int, StoredReply | None] = collections.OrderedDict()
         self.reply_bytes = 0
 
     # -- commands ----------------------------------------------------------------
@@ -67,6 +77,14 @@ class SequenceLog:
         self.digests[seq] = digest
         self.next_seq += 1
 
+    def accept_run(self, first: int, digests: list) -> None:
+        """New commands ``first``, ``first + 1``, ...: ``accept`` of each
+        (a launch batch's run, all of it new: each ``classify`` would say so)."""
+        if first != self.next_seq:
+            raise ProtocolError(reason=f"accept of seq {first}, expected {self.next_seq}")
+        self.digests.update(zip(range(first, first + len(digests)), digests))
+        self.next_seq += len(digests)
+
     @property
     def unacked_commands(self) -> int:
         return self.next_seq - 1 - self.acked
@@ -79,8 +97,19 @@ class SequenceLog:
         self.replies[reply.seq] = reply
         self.reply_bytes += reply.nbytes
 
+    def record_ok_run(self, first: int, last: int) -> None:
+        """Plain successes ``first``..``last`` (``record_reply`` of each,
+        without a StoredReply each until one is asked for: a launch run's)."""
+        if first != self.highest_reply + 1 or last < first:
+            raise ProtocolError(reason=f"replies {first}..{last} out of order after {self.highest_reply}")
+        self.highest_reply = last
+        self.replies.update(dict.fromkeys(range(first, last + 1)))
+        self.reply_bytes += (last - first + 1) * OK_REPLY_BYTES
+
     def stored_reply(self, seq: int) -> StoredReply | None:
-        return self.replies.get(seq)
+        if seq not in self.replies:
+            return None
+        return self.replies[seq] or ok_reply(seq)
 
     def acknowledge(self, upto: int) -> list[StoredReply]:
         """Drop replies up to ``upto``; return them (their buffers are free)."""
@@ -93,8 +122,11 @@ class SequenceLog:
             if seq > upto:
                 break
             reply = self.replies.popitem(last=False)[1]
-            self.reply_bytes -= reply.nbytes
-            dropped.append(reply)
+            if reply is None:                    # a plain success of a run
+                self.reply_bytes -= OK_REPLY_BYTES
+            else:
+                self.reply_bytes -= reply.nbytes
+                dropped.append(reply)
         for seq in range(self.acked + 1, upto + 1):
             self.digests.pop(seq, None)
         self.acked = max(self.acked, upto)
@@ -124,7 +156,7 @@ class SequenceLog:
                 f"the resuming copy claims replies up to {last_seen}, the pool produced "
                 f"only {self.highest_reply}"),
                 details={"last_seen": last_seen, "highest_reply": self.highest_reply})
-        return [r for s, r in self.replies.items() if s > last_seen]
+        return [r or ok_reply(s) for s, r in self.replies.items() if s > last_seen]
 
     def snapshot(self) -> dict:
         return {"next_seq": self.next_seq, "acked": self.acked,

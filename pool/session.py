@@ -31,7 +31,7 @@ import time
 from typing import Callable
 
 from accelmig.pool.devices import DeviceContext, buildpolicy
-from accelmig.pool.sequencing import SequenceLog, StoredReply
+from accelmig.pool.sequencing import SequenceLog, StoredReply, ok_reply
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
@@ -153,6 +153,30 @@ class Command:
             buffers.put(self.payload)
 
 
+class LaunchRun:
+    """New launches ``first``, ``first + 1``, ... of one batch frame
+    (``wire.batch.decode_run``: each its header without seq, epoch and
+    ack, shared between repeats), taken by the session's worker as one
+    unit: one call into the device context, one outcome, their plain
+    successes recorded and answered as one range.  The same commands as
+    the launches one by one, with fewer Python steps per launch (a
+    launch's own bookkeeping was most of the pool's time in a launch loop:
+    docs/DESIGN.md)."""
+
+    __slots__ = ("first", "launches")
+
+    def __init__(self, first: int, launches: list[dict]):
+        self.first, self.launches = first, launches
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.launches) - 1
+
+    def commands(self) -> list[Command]:
+        """Each launch as the command it would have been alone."""
+        return [Command(seq, Op.LAUNCH, launch, b"") for seq, launch in enumerate(self.launches, self.first)]
+
+
 class Session:
     """Everything the pool keeps for one driver session."""
 
@@ -216,6 +240,8 @@ class Session:
         self.queued_bytes = 0            # payload bytes handed to the worker, not yet done
         self.in_worker = 0               # commands handed to the worker, not yet completed
         self.on_reply: Callable[["Session", StoredReply], None] | None = None
+        # plain successes first..last, in order (a launch run's): answered as one range
+        self.on_ok_run: Callable[["Session", int, int], None] | None = None
         self.on_flow: Callable[["Session"], None] | None = None
         self._worker = SessionWorker(self, post)
         self._worker.start()
@@ -352,6 +378,16 @@ class Session:
         self.in_worker += len(commands)
         self._worker.put_run(commands)
 
+    def submit_launches(self, run: LaunchRun) -> None:
+        """A run of new launches: one unit for the worker when nothing
+        holds them back, else each as ``submit`` would."""
+        if self.held or self.paused or self._over_bounds():
+            for command in run.commands():
+                self.submit(command)
+            return
+        self.in_worker += len(run.launches)
+        self._worker.put_run(run)
+
     def run_on_worker(self, task: Callable[[], None]) -> None:
         """``task`` on the session's worker, in order with its commands (a
         piece of a write on its way: ``pool.streaming``)."""
@@ -400,9 +436,13 @@ class Session:
             self.pump()
 
     # -- called on the event loop by the worker ----------------------------------
-    def completed(self, results: list[tuple[Command, StoredReply]]) -> None:
-        """Replies the worker executed, handed back in order on the loop."""
+    def completed(self, results: list[tuple[Command, StoredReply] | tuple[LaunchRun, dict]]) -> None:
+        """Replies the worker executed, handed back in order on the loop (a
+        launch run's as its failures by index)."""
         for command, reply in results:
+            if type(command) is LaunchRun:
+                self._run_completed(command, reply)
+                continue
             self.queued_bytes -= len(command.payload)
             self.in_worker -= 1
             command.drop_payload(self.buffers)        # ran on the device: reusable
@@ -414,6 +454,22 @@ class Session:
         self.pump()
         if self.on_flow is not None:
             self.on_flow(self)
+
+    def _run_completed(self, run: LaunchRun, failures: dict) -> None:
+        self.in_worker -= len(run.launches)
+        if self.state is SessionState.RELEASED:
+            return
+        if not failures and self.on_ok_run is not None:
+            self.log.record_ok_run(run.first, run.last)
+            self.on_ok_run(self, run.first, run.last)
+            return
+        for index in range(len(run.launches)):
+            seq = run.first + index
+            error = failures.get(index)
+            reply = ok_reply(seq) if error is None else _error_reply(self, seq, Op.LAUNCH, error)
+            self.log.record_reply(reply)
+            if self.on_reply is not None:
+                self.on_reply(self, reply)
 
     def acknowledge(self, upto: int) -> None:
         if upto > self.log.acked:
@@ -496,6 +552,9 @@ class SessionWorker:
                 continue        # (what came after the stop: tasks run, commands are dropped)
             if callable(item):
                 _run_task(session, item)
+            elif type(item) is LaunchRun:
+                if not self._stopping:
+                    batch.append((item, _begin_run(session, item)))
             else:
                 for command in item if type(item) is list else (item,):
                     if self._stopping:
@@ -545,16 +604,47 @@ class PendingReply:
         self.session, self.command, self.outcome = session, command, outcome
 
     def settle(self) -> StoredReply:
-        seq = self.command.seq
         try:
             self.outcome()
-        except AccelmigError as exc:
-            return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": exc.to_wire()})
-        except Exception as exc:  # as in execute: report, keep serving
-            LOG.exception("session %s: seq %d (launch) failed", self.session.sid, seq)
-            err = InternalError(reason=f"{type(exc).__name__}: {exc}")
-            return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": err.to_wire()})
-        return StoredReply(seq, {"op": "reply", "seq": seq, "ok": True})
+        except Exception as exc:      # as in execute: report, keep serving
+            return _error_reply(self.session, self.command.seq, Op.LAUNCH, exc)
+        return ok_reply(self.command.seq)
+
+
+class PendingRun:
+    """A launch run the backend took (``launch_run_begin``): its failures,
+    ``{index in the run: exception}``, once settled."""
+
+    __slots__ = ("session", "run", "outcome")
+
+    def __init__(self, session: Session, run: LaunchRun, outcome: Callable[[], dict]):
+        self.session, self.run, self.outcome = session, run, outcome
+
+    def settle(self) -> dict:
+        try:
+            return self.outcome()
+        except Exception as exc:      # the whole run failed: each launch of it says so
+            return dict.fromkeys(range(len(self.run.launches)), exc)
+
+
+def _begin_run(session: Session, run: LaunchRun) -> PendingRun:
+    """Hand a run to the device context; never raises."""
+    session.counters.commands += len(run.launches)
+    try:
+        outcome = session.context.launch_run_begin(run.launches)
+    except Exception as exc:
+        failures = dict.fromkeys(range(len(run.launches)), exc)
+        outcome = lambda: failures   # noqa: E731
+    return PendingRun(session, run, outcome)
+
+
+def _error_reply(session: Session, seq: int, op: Op, exc: Exception) -> StoredReply:
+    """A command's failure as its reply: an AccelmigError as it is, anything
+    else (a bug, an unexpected runtime failure) logged and reported."""
+    if not isinstance(exc, AccelmigError):
+        LOG.error("session %s: seq %d (%s) failed", session.sid, seq, op.value, exc_info=exc)
+        exc = InternalError(reason=f"{type(exc).__name__}: {exc}")
+    return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": exc.to_wire()})
 
 
 def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
@@ -562,7 +652,11 @@ def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
     the launches that ran are counted once for the batch."""
     out, ran, session = [], 0, None
     for command, reply in batch:
-        if isinstance(reply, PendingReply):
+        if type(command) is LaunchRun:
+            session = reply.session
+            reply = reply.settle()
+            ran += len(command.launches) - len(reply)
+        elif isinstance(reply, PendingReply):
             session = reply.session
             reply = reply.settle()
             ran += reply.header["ok"]
@@ -691,11 +785,5 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         reply = {"op": "reply", "seq": command.seq, "ok": True}
         reply.update(fields)
         return StoredReply(command.seq, reply, payload)
-    except AccelmigError as exc:
-        return StoredReply(command.seq, {"op": "reply", "seq": command.seq, "ok": False,
-                                         "error": exc.to_wire()})
-    except Exception as exc:  # a bug or an unexpected runtime failure: report, keep serving
-        LOG.exception("session %s: seq %d (%s) failed", session.sid, command.seq, command.op.value)
-        err = InternalError(reason=f"{type(exc).__name__}: {exc}")
-        return StoredReply(command.seq, {"op": "reply", "seq": command.seq, "ok": False,
-                                         "error": err.to_wire()})
+    except Exception as exc:  # an error reply (a bug or an unexpected failure: logged); keep serving
+        return _error_reply(session, command.seq, command.op, exc)

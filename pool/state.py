@@ -270,6 +270,7 @@ class Pool:
         session.claimed_domain = claimed
         session.attach(conn)
         session.on_reply = self._deliver
+        session.on_ok_run = self._deliver_ok_run
         session.on_flow = self._flow
         self.sessions[session.sid] = session
         LOG.info("session %s opened by tenant %s from %s on device %s", session.sid, tenant.name,
@@ -374,6 +375,16 @@ class Pool:
         session.detach(now, self.config.grace)
         LOG.info("session %s detached (%s); kept %.0f s", session.sid, session.state.value,
                  (session.deadline or 0) - now, extra={"sid": session.sid})
+
+    def _deliver_ok_run(self, session: Session, first: int, last: int) -> None:
+        """Plain successes first..last (a launch run's): ``_deliver`` of each."""
+        if self._first_reply:
+            record = self._first_reply.pop(session.sid, None)
+            if record is not None:
+                record.stamp("first_command", time.time())
+        conn = session.connection
+        if conn is not None:
+            conn.send_ok_run(first, last)
 
     def _deliver(self, session: Session, reply: StoredReply) -> None:
         if self._first_reply:

@@ -147,7 +147,7 @@ def _nonneg(header: dict, key: str) -> int:
 
 
 class RecordCache:
-    """The fields of records parsed lately (one per connection): a loop's
+    """The launches (``op`` and fields) of records parsed lately (one per connection): a loop's
     launches are the same few records again and again.  Bounded in entries
     and in the size of a record it keeps; full, it starts again.  The
     fields it hands out are shared: nobody changes them."""
@@ -173,7 +173,27 @@ def decode_batch(header: dict, payload, cache: RecordCache | None = None) -> lis
     dict per launch, exactly as ``op: launch`` in JSON would have carried it
     (``seq``, ``epoch``, ``ack`` and the launch's fields).  BadRequest or
     FrameTooLarge for anything out of bounds; nothing is trusted before.
-    ``cache``: records parsed before (their fields are shared)."""
+    ``cache``: records parsed before."""
+    return expand_run(*decode_run(header, payload, cache))
+
+
+def expand_run(epoch: int, ack: int, first: int, launches: list[dict]) -> list[dict]:
+    """``decode_run``'s launches as whole command headers, one dict each."""
+    commands = []
+    for seq, launch in enumerate(launches, first):
+        command = {"seq": seq, "epoch": epoch, "ack": ack}
+        command.update(launch)
+        commands.append(command)
+    return commands
+
+
+def decode_run(header: dict, payload, cache: RecordCache | None = None) -> tuple[int, int, int, list[dict]]:
+    """A ``launches`` frame as (epoch, ack, first seq, launches): each launch
+    its ``op: launch`` header without ``seq``, ``epoch`` and ``ack`` (the
+    fields that tell one command's identity from another's).  Launches of
+    the same record are the same dict (from ``cache`` where it had it):
+    shared, never changed; the pool takes a run of them as one unit
+    (``pool.session.LaunchRun``).  The same bounds as ``decode_batch``."""
     epoch, ack = _nonneg(header, "epoch"), _nonneg(header, "ack")
     first, last = _nonneg(header, "from"), _nonneg(header, "to")
     if last < first:
@@ -187,7 +207,8 @@ def decode_batch(header: dict, payload, cache: RecordCache | None = None) -> lis
         raise FrameTooLarge(part="launch batch payload", size=size, limit=MAX_PAYLOAD,
                             details={"size": size, "limit": MAX_PAYLOAD})
     data = bytes(payload)
-    commands = []
+    launches = []
+    seen: dict[bytes, dict] = {}       # this batch's records (any size: the cache keeps small ones)
     pos = 0
     for seq in range(first, last + 1):
         if pos + SIZE.size > size:
@@ -196,19 +217,21 @@ def decode_batch(header: dict, payload, cache: RecordCache | None = None) -> lis
         if end > size:
             _need(data, end, 0, seq, "record")
         record = data[pos:end]
-        fields = cache.get(record) if cache is not None else None
-        if fields is None:
-            fields = _decode_record(record, seq)
-            if cache is not None:
-                cache.keep(record, fields)
+        launch = seen.get(record)
+        if launch is None:
+            launch = cache.get(record) if cache is not None else None
+            if launch is None:
+                launch = {"op": dp.Op.LAUNCH.value}
+                launch.update(_decode_record(record, seq))
+                if cache is not None:
+                    cache.keep(record, launch)
+            seen[record] = launch
         pos = end
-        command = {"op": "launch", "seq": seq, "epoch": epoch, "ack": ack}
-        command.update(fields)
-        commands.append(command)
+        launches.append(launch)
     if pos != size:
         raise BadRequest(reason=f"launches: {size - pos} bytes after the last of {count} launches "
                                 f"(seq {first}..{last}): the count and the records disagree")
-    return commands
+    return epoch, ack, first, launches
 
 
 def _need(data: bytes, pos: int, nbytes: int, seq: int, what: str) -> None:

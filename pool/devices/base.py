@@ -151,6 +151,33 @@ class DeviceContext(abc.ABC):
         they are (to a device process) skips their decoding."""
         return self.launch_begin(program, kernel, gsize, lsize, args_from_wire(args))
 
+    def launch_run_begin(self, launches: list[dict]):
+        """Start a run of launches (their ``op: launch`` headers, validated
+        already) as one unit; a callable that waits for them all and
+        returns the failures, ``{index in the run: the exception}`` (empty
+        when every launch ran).  Launches are independent: one failing
+        does not stop the others, as when they came one by one."""
+        failures: dict[int, Exception] = {}
+        pending = []
+        for index, launch in enumerate(launches):
+            try:
+                outcome = self.launch_begin_wire(launch["prog"], launch["kernel"], launch["gsize"],
+                                                 launch.get("lsize"), launch["args"])
+            except Exception as exc:
+                failures[index] = exc
+                continue
+            if outcome is not None:
+                pending.append((index, outcome))
+
+        def settle() -> dict[int, Exception]:
+            for index, outcome in pending:
+                try:
+                    outcome()
+                except Exception as exc:
+                    failures[index] = exc
+            return failures
+        return settle
+
     @abc.abstractmethod
     def finish(self) -> None: ...
 

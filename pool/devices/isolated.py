@@ -585,6 +585,57 @@ class IsolatedContext(DeviceContext):
             self._send_batch()
         return lambda: self._launch_outcome(batch, index)
 
+    def launch_run_begin(self, launches: list[dict]):
+        # The run's launches join the open batch in one pass (the shapes
+        # found once per distinct launch header: a run's repeats share
+        # theirs); a run that fills a batch goes on in the next one.
+        self._quiet = False
+        segments = []                  # (batch, first index in it, first index in the run, count)
+        shape_by_header: dict[int, tuple] = {}
+        offset, total = 0, len(launches)
+        while offset < total:
+            batch = self._batch
+            if batch is None:
+                batch = self._batch = _LaunchBatch()
+            out, shapes, shape_of = batch.launches, batch.shapes, batch.shape_of
+            start = len(out)
+            take = min(total - offset, LAUNCH_BATCH - start)
+            for launch in launches[offset:offset + take]:
+                found = shape_by_header.get(id(launch))
+                if found is None or found[0] is not batch:
+                    gsize, lsize, args = launch["gsize"], launch.get("lsize"), launch["args"]
+                    key = (launch["prog"], launch["kernel"], id(gsize), id(lsize), id(args))
+                    shape = shape_of.get(key)
+                    if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
+                        shape = shape_of[key] = len(shapes)
+                        shapes.append([launch["prog"], launch["kernel"], gsize, lsize or None, args])
+                    found = shape_by_header[id(launch)] = (batch, shape)
+                out.append(found[1])
+            segments.append((batch, start, offset, take))
+            offset += take
+            if len(out) >= LAUNCH_BATCH:
+                self._send_batch()
+        return lambda: self._run_failures(segments)
+
+    def _run_failures(self, segments) -> dict[int, Exception]:
+        failures: dict[int, Exception] = {}
+        for batch, start, offset, count in segments:
+            if batch is self._batch:
+                self._send_batch()
+            if batch.error is None and batch.failed is None:
+                try:
+                    result, _ = self.process.wait(batch.call)
+                    batch.failed = self._failures(result, len(batch.launches))
+                except AccelmigError as exc:     # the whole call failed (KILLED): each launch of it
+                    batch.error = exc
+            if batch.error is not None:
+                failures.update(dict.fromkeys(range(offset, offset + count), batch.error))
+                continue
+            for index, error in batch.failed.items():
+                if start <= index < start + count:
+                    failures[offset + index - start] = from_wire(error)
+        return failures
+
     def _send_batch(self) -> None:
         batch, self._batch = self._batch, None
         if batch is None:
