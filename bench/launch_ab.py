@@ -7,9 +7,11 @@ pool process, its own device process, its own driver), ``--launches``
 launches of the trivial counter kernel of ``bench/remoting`` then a finish,
 ``--repeat`` times, and keeps the median; the trees alternate, so a change
 of the machine's load hits both.  Local pyopencl (this tree's
-``bench.remoting.local_launches``) is measured in every round too.  Also
-CPU per launch: the driver's, the pool's and its device process's user +
-system time over the samples, each and summed.  The table (medians of the rounds)
+``bench.remoting.local_launch_cost``) is measured in every round too, with
+its CPU per launch.  Also CPU per launch: the driver's, the pool's and its
+device process's user + system time over the samples, each and summed, and
+the rate that CPU allows at best with every core busy (PoCL runs the
+kernels on the same cores).  The table (medians of the rounds)
 and the JSON go to ``bench/results/launch-ab.*``, with the load average at
 the start and the end.  ``--workload finish``: ``--launches`` idle
 ``finish()`` round trips instead (the session has nothing in flight), the
@@ -119,12 +121,14 @@ def main(argv=None) -> None:
     if args.workload == "finish":
         finish_ab(args)
         return
-    from bench.remoting import local_launches
+    from bench.remoting import local_launch_cost
     n = args.launches
     rounds, load_start, load_end = alternate(
-        args, "launches", "local", lambda: local_launches(n, args.repeat),
+        args, "launches", "local", lambda: local_launch_cost(n, args.repeat),
         lambda one: f"before {n / one['before']['seconds']:,.0f}/s, after {n / one['after']['seconds']:,.0f}/s, "
-                    f"local {n / one['local']:,.0f}/s")
+                    f"local {n / one['local'][0]:,.0f}/s")
+    for one in rounds:
+        one["local"], one["local_cpu_us"] = one["local"]
 
     def med(fn):
         return _median(rounds, fn)
@@ -139,13 +143,26 @@ def main(argv=None) -> None:
                   med(lambda r: r["after"][f"{side}_us"]), "us")
     table.add("local pyopencl, same rounds", med(lambda r: n / r["local"]), med(lambda r: n / r["local"]),
               "ops/s", "higher")
+    local_cpu = med(lambda r: r["local_cpu_us"])
+    table.add("  its CPU per launch (PoCL's threads too)", local_cpu, local_cpu, "us")
+    # What this machine allows at best: every core busy, nothing waiting.
+    # PoCL runs the kernels on the same cores as the driver and the pool,
+    # so the device's own work (the local run's CPU) is in both figures.
+    cores = os.cpu_count() or 1
+    bound = {side: cores / med(lambda r: r[side]["cpu_us"]) * 1e6 for side in ("before", "after")}
+    table.add(f"at most on {cores} cores (cores / CPU)", bound["before"], bound["after"],
+              "ops/s", "higher")
     report(table, "launch-ab", {"args": vars(args), "rounds": rounds,
                                 "load": {"start": load_start, "end": load_end},
+                                "cpu_bound": bound, "local_cpu_us": local_cpu,
                                 "after_vs_local": med(lambda r: r["local"] / r["after"]["seconds"]),
                                 "before_vs_local": med(lambda r: r["local"] / r["before"]["seconds"])})
+    local = med(lambda r: n / r["local"])
     print(f"after / local pyopencl: {med(lambda r: r['local'] / r['after']['seconds']):.3f}x, "
           f"before / local: {med(lambda r: r['local'] / r['before']['seconds']):.3f}x; "
-          f"load {load_start[0]:.1f} -> {load_end[0]:.1f}")
+          f"load {load_start[0]:.1f} -> {load_end[0]:.1f}\n"
+          f"the most the after tree's CPU per launch allows on {cores} cores: {bound['after']:,.0f}/s, "
+          f"{bound['after'] / local:.2f}x local pyopencl")
 
 
 def finish_ab(args) -> None:

@@ -246,6 +246,14 @@ def local_launches(count: int, repeat: int, device: int = 0) -> float:
     device (``opencl:N``, the pool's default) through pyopencl in this
     process, as the pool's device process enqueues it (arguments set, then
     an ND-range per launch), then one finish; the median seconds."""
+    return local_launch_cost(count, repeat, device)[0]
+
+
+def local_launch_cost(count: int, repeat: int, device: int = 0) -> tuple[float, float]:
+    """``local_launches``: (the median seconds, this process's CPU time
+    per launch in µs, the device's own threads included: PoCL runs the
+    kernels on this machine's cores)."""
+    import resource
     import numpy as np
     import pyopencl as cl
     from accelmig.pool.devices.opencl import _all_devices
@@ -262,7 +270,13 @@ def local_launches(count: int, repeat: int, device: int = 0) -> float:
             cl.enqueue_nd_range_kernel(queue, kernel, (16,), None)
         queue.finish()
     launches()      # warm up
-    return median_of(launches, repeat)[0]
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    before = cpu()
+    seconds = median_of(launches, repeat)[0]
+    return seconds, (cpu() - before) / (repeat * count) * 1e6
 def arena_worth(args, workdir: str, raw: RawClient, dev, dbuf, bulk) -> None:
     """Writes of ``--bulk-mib`` and of 4 MiB into ``dev``'s pool (its upload
     arena takes them) and into a second pool with ``--upload-arena 0``
