@@ -53,6 +53,7 @@ LOG = logging.getLogger(__name__)
 CORK_PAYLOAD = 16 << 10        # pipelined frames up to this payload are batched
 CORK_BYTES = 256 << 10         # a batch goes out at this size at the latest
 CORK_DELAY = 0.0002            # s a pipelined frame may wait for others to join it
+CORK_WAIT = 0.002              # s at most, while launches keep joining the open batch
 ACK_EVERY = 256                # replies the reader lets pile up before it acknowledges
 OWN_REPLY_SLICE = 0.05         # s a caller reads for its own reply before it hands the turn back
 _PLAIN_OK = {"op": "reply", "ok": True}
@@ -510,6 +511,12 @@ class Link:
             self._launch_next, self._launch_ack = seq + 1, ack
             self._launch_bytes += len(record)
             self._cork_bytes += len(record)
+            if len(launches) >= batch.DRIVER_LAUNCHES:
+                # a full batch goes now: the pool's run (and its device
+                # process's call) is as long as it may be, and the flusher
+                # is left the tail of a burst
+                self._flush_cork_locked(sock)
+                return
             self._corked(sock, first)
         except OSError as exc:
             self.drop_cork()
@@ -558,7 +565,16 @@ class Link:
             self._cork_pending.clear()
             if session.states.ended:
                 return
-            time.sleep(CORK_DELAY)      # let a burst gather: one system call for many
+            # Let a burst gather (one system call, one batch for many):
+            # until no launch joined the open batch for CORK_DELAY, a full
+            # batch having gone at once (cork_launch), at most CORK_WAIT.
+            waited, joined = 0.0, self._launch_next
+            while True:
+                time.sleep(CORK_DELAY)
+                waited += CORK_DELAY
+                if self._launch_next == joined or waited >= CORK_WAIT:
+                    break
+                joined = self._launch_next
             with self.send_lock:
                 with session.cond:
                     sock, gen = self.sock, self.gen

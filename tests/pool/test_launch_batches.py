@@ -26,6 +26,7 @@ from accelmig.wire import batch
 from accelmig.wire.errors import AccelmigError, ErrorCode
 from accelmig.wire.frames import PREFIX_SIZE, FrameReader, encode_frame, encode_prefix_and_header
 from tests.support.kernels import COUNTER
+from tests.support.wait import wait_for
 from tests.support.tenants import ALICE, TENANTS
 
 ELEMENTS = 16
@@ -290,3 +291,25 @@ def test_a_batch_of_repeated_shapes_runs_each_launch_and_fails_each_bad_one_alon
             assert np.frombuffer(dev.read(b), np.uint32).tolist() == [120] * ELEMENTS
             counters = pool.session(dev.sid)["counters"]
             assert counters["launches"] == 120 and counters["batched_launches"] == 160
+
+
+def test_a_full_batch_goes_at_once_and_the_tail_of_a_burst_waits_for_the_flusher(monkeypatch):
+    """The driver sends a batch the moment it holds DRIVER_LAUNCHES launches
+    (the pool's run as long as it may be), without waiting for the flusher;
+    the rest of a burst waits for the flusher (or a waiting call)."""
+    monkeypatch.setattr(driver_link, "CORK_DELAY", 3600.0)     # the flusher never comes first
+    with PoolThread(TENANTS) as pool:
+        with connect(pool.endpoint, ALICE, agent=False, timeout=60) as dev:
+            prog = dev.build(COUNTER)
+            buf = dev.upload(np.zeros(ELEMENTS, dtype=np.uint32))
+            dev.finish()
+            for _ in range(batch.DRIVER_LAUNCHES + 44):
+                prog.launch("bump", ELEMENTS, None, buf, np.uint32(1))
+            wait_for(lambda: pool.session(dev.sid)["counters"]["launches"] == batch.DRIVER_LAUNCHES,
+                     what="the full batch to run")
+            session = pool.session(dev.sid)
+            assert session["sequence"]["next_seq"] - 1 == dev._session.window.next_seq - 1 - 44   # the tail waits
+            dev.finish()                                                   # which sends the tail
+            assert np.frombuffer(dev.read(buf), dtype=np.uint32).tolist() == \
+                [batch.DRIVER_LAUNCHES + 44] * ELEMENTS
+            assert pool.session(dev.sid)["counters"]["batched_launches"] == batch.DRIVER_LAUNCHES + 44
