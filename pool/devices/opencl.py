@@ -114,6 +114,10 @@ class OpenCLContext(DeviceContext):
         # (program, name): the kernel; (program, name, signature): a kernel
         # told its scalar arguments' types (``_typed_kernel``)
         self.kernels: dict[tuple, cl.Kernel] = {}
+        # The prepared launch whose arguments its kernel holds now (an
+        # OpenCL kernel keeps them between enqueues): the same one again
+        # skips set_args.  Every set_args goes through enqueue_launch.
+        self._args_set_for: tuple | None = None
         self._lock = threading.Lock()  # release() may come from another thread
 
     def info(self) -> dict:
@@ -305,7 +309,10 @@ class OpenCLContext(DeviceContext):
     def enqueue_launch(self, prepared: tuple) -> None:
         k, cl_args, gsize, lsize = prepared
         try:
-            k.set_args(*cl_args)
+            if self._args_set_for is not prepared:
+                self._args_set_for = None        # (until set: a failed set_args leaves them unknown)
+                k.set_args(*cl_args)
+                self._args_set_for = prepared
             cl.enqueue_nd_range_kernel(self.queue, k, gsize, lsize)
         except cl.Error as exc:
             raise _cl_error(exc) from None
