@@ -376,21 +376,22 @@ class Pool:
         LOG.info("session %s detached (%s); kept %.0f s", session.sid, session.state.value,
                  (session.deadline or 0) - now, extra={"sid": session.sid})
 
-    def _deliver_ok_run(self, session: Session, first: int, last: int) -> None:
-        """Plain successes first..last (a launch run's): ``_deliver`` of each."""
+    def _first_reply_after_move(self, session: Session) -> None:
+        """A migration's timeline: the first command completed after the resume."""
         if self._first_reply:
             record = self._first_reply.pop(session.sid, None)
             if record is not None:
                 record.stamp("first_command", time.time())
+
+    def _deliver_ok_run(self, session: Session, first: int, last: int) -> None:
+        """Plain successes first..last (a launch run's): ``_deliver`` of each."""
+        self._first_reply_after_move(session)
         conn = session.connection
         if conn is not None:
             conn.send_ok_run(first, last)
 
     def _deliver(self, session: Session, reply: StoredReply) -> None:
-        if self._first_reply:
-            record = self._first_reply.pop(session.sid, None)
-            if record is not None:
-                record.stamp("first_command", time.time())
+        self._first_reply_after_move(session)
         conn = session.connection
         if conn is not None:
             conn.send_reply(reply)
