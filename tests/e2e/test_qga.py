@@ -183,14 +183,23 @@ def test_rehome_through_guest_exec_resumes_the_session(nova_lab):
     assert result["delivery"]["exit_code"] == 0 and result["host_id"] == "hostA"
     print(f"\nrehome through guest-exec: {wall * 1000:.0f} ms wall, agent {result['seconds'] * 1000:.0f} ms, "
           f"session resumed in {session['seconds'] * 1000:.0f} ms")
-    # the application goes on, on the new connection
-    after = wait_for(lambda: (s := session_state(dom))["calls"] > before["calls"] + 2 and s, 20,
-                     "the session to make progress after the rehome", 0.2, errors=(Exception,))
-    # (one CI run saw epoch 1 here after the driver reported epoch 2: say everything if it recurs)
-    seen = (f"before {before}, rehome {session}, after {after}, "
-            f"agent {qga.agent_status(dom).get('sessions')}")
-    assert after["sid"] == sid, seen
-    assert after["error"] is None and after["epoch"] == session["epoch"], seen
+    # The application goes on, on the new connection.  It writes its state
+    # every 0.2 s: a snapshot written just before the resume can still be
+    # the newest when guest-exec returns (two CI runs read epoch 1 and no
+    # resume here, its calls already past any count taken before the
+    # rehome), so wait for the rehome's epoch first, then for calls after it.
+    def seen() -> str:
+        try:
+            now, agent = session_state(dom), qga.agent_status(dom).get("sessions")
+        except Exception as exc:          # (what the guest says, or why it could not)
+            now = agent = f"unreadable: {exc}"
+        return f"before {before}, rehome {session}, now {now}, agent {agent}"
+    resumed = wait_for(lambda: (s := session_state(dom))["epoch"] == session["epoch"] and s, 20,
+                       "the application to be on the rehome's epoch", 0.2, errors=(Exception,), explain=seen)
+    after = wait_for(lambda: (s := session_state(dom))["calls"] > resumed["calls"] + 2 and s, 20,
+                     "the session to make progress after the rehome", 0.2, errors=(Exception,), explain=seen)
+    assert after["sid"] == sid and after["resumes"] == before["resumes"] + 1, seen()
+    assert after["error"] is None and after["epoch"] == session["epoch"], seen()
     # the agent keeps the identity; libvirt marked the domain tainted, as the module warns
     status = qga.agent_status(dom)
     assert status["identity"]["host_id"] == "hostA" and [s["sid"] for s in status["sessions"]] == [sid]
