@@ -500,8 +500,8 @@ class Link:
         one ``launches`` frame; anything else corked or sent closes it."""
         try:
             first = not self._cork and not self._launches
+            # (a full batch went when it filled, below)
             if self._launches and (seq != self._launch_next or epoch != self._launch_epoch
-                                   or len(self._launches) >= batch.DRIVER_LAUNCHES
                                    or self._launch_bytes + len(record) > batch.MAX_PAYLOAD):
                 self._close_launches()
             launches = self._launches

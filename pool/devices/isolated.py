@@ -104,8 +104,17 @@ class _LaunchBatch:
         self.shapes: list = []
         self.shape_of: dict = {}
         self.call: _Call | None = None
-        self.error: AccelmigError | None = None     # it could not be sent
+        self.error: AccelmigError | None = None     # it could not be sent, or its call failed
         self.failed: dict | None = None             # index -> error (wire form), once answered
+
+    def shape(self, program: int, kernel: str, gsize, lsize, args: list) -> int:
+        """The index of this launch's shape, added if new."""
+        key = (program, kernel, id(gsize), id(lsize), id(args))
+        shape = self.shape_of.get(key)
+        if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
+            shape = self.shape_of[key] = len(self.shapes)
+            self.shapes.append([program, kernel, gsize, lsize or None, args])
+        return shape
 
 
 class TenantProcess:
@@ -575,12 +584,7 @@ class IsolatedContext(DeviceContext):
         if batch is None:
             batch = self._batch = _LaunchBatch()
         index = len(batch.launches)
-        key = (program, kernel, id(gsize), id(lsize), id(args))
-        shape = batch.shape_of.get(key)
-        if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
-            shape = batch.shape_of[key] = len(batch.shapes)
-            batch.shapes.append([program, kernel, gsize, lsize or None, args])
-        batch.launches.append(shape)
+        batch.launches.append(batch.shape(program, kernel, gsize, lsize, args))
         if len(batch.launches) >= LAUNCH_BATCH:
             self._send_batch()
         return lambda: self._launch_outcome(batch, index)
@@ -597,18 +601,14 @@ class IsolatedContext(DeviceContext):
             batch = self._batch
             if batch is None:
                 batch = self._batch = _LaunchBatch()
-            out, shapes, shape_of = batch.launches, batch.shapes, batch.shape_of
+            out = batch.launches
             start = len(out)
             take = min(total - offset, LAUNCH_BATCH - start)
             for launch in launches[offset:offset + take]:
                 found = shape_by_header.get(id(launch))
                 if found is None or found[0] is not batch:
-                    gsize, lsize, args = launch["gsize"], launch.get("lsize"), launch["args"]
-                    key = (launch["prog"], launch["kernel"], id(gsize), id(lsize), id(args))
-                    shape = shape_of.get(key)
-                    if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
-                        shape = shape_of[key] = len(shapes)
-                        shapes.append([launch["prog"], launch["kernel"], gsize, lsize or None, args])
+                    shape = batch.shape(launch["prog"], launch["kernel"], launch["gsize"], launch.get("lsize"),
+                                        launch["args"])
                     found = shape_by_header[id(launch)] = (batch, shape)
                 out.append(found[1])
             segments.append((batch, start, offset, take))
@@ -620,14 +620,7 @@ class IsolatedContext(DeviceContext):
     def _run_failures(self, segments) -> dict[int, Exception]:
         failures: dict[int, Exception] = {}
         for batch, start, offset, count in segments:
-            if batch is self._batch:
-                self._send_batch()
-            if batch.error is None and batch.failed is None:
-                try:
-                    result, _ = self.process.wait(batch.call)
-                    batch.failed = self._failures(result, len(batch.launches))
-                except AccelmigError as exc:     # the whole call failed (KILLED): each launch of it
-                    batch.error = exc
+            self._settle_batch(batch)
             if batch.error is not None:
                 failures.update(dict.fromkeys(range(offset, offset + count), batch.error))
                 continue
@@ -646,18 +639,22 @@ class IsolatedContext(DeviceContext):
         except AccelmigError as exc:          # the process is gone: each launch says so
             batch.error = exc
 
-    def _launch_outcome(self, batch: _LaunchBatch, index: int) -> None:
+    def _settle_batch(self, batch: _LaunchBatch) -> None:
+        """The batch sent (if still open) and answered: ``failed`` set, or
+        ``error`` where it could not be sent or its call failed."""
         if batch is self._batch:
             self._send_batch()
-        if batch.error is not None:
-            raise batch.error
-        if batch.failed is None:
+        if batch.error is None and batch.failed is None:
             try:
                 result, _ = self.process.wait(batch.call)
+                batch.failed = self._failures(result, len(batch.launches))
             except AccelmigError as exc:     # the whole call failed (KILLED): every launch of it
                 batch.error = exc
-                raise
-            batch.failed = self._failures(result, len(batch.launches))
+
+    def _launch_outcome(self, batch: _LaunchBatch, index: int) -> None:
+        self._settle_batch(batch)
+        if batch.error is not None:
+            raise batch.error
         error = batch.failed.get(index)
         if error is not None:
             raise from_wire(error)
