@@ -14,7 +14,9 @@ its sessions' contexts live there.  So:
 - quota is counted here, not in the process: a session released while its
   kernel runs gives its bytes back at once (``abandon``);
 - a PoCL kernel that writes out of bounds corrupts only its own tenant's
-  process, and each tenant has its own kernel cache (``POCL_CACHE_DIR``).
+  process, and each tenant has its own kernel cache (``POCL_CACHE_DIR``);
+- the process is confined (``accelmig.pool.devices.sandbox``): its builds
+  and kernels see none of the node's files, processes or network.
 
 The process is not trusted: its answers are checked (the call they answer
 must be in flight, a read's payload must have the size asked for).

@@ -20,6 +20,13 @@ into the tenant's upload arena (``accelmig.pool.devices.arena``: shared
 memory this process inherits read-only) and calls ``write_arena`` with
 where it lies; the write is enqueued from this process's mapping.
 
+Before it reads its socket or loads PoCL, the process confines itself
+(``accelmig.pool.devices.sandbox``: namespaces, a root of its own,
+Landlock): a build's ``#include`` and a kernel's native code find none of
+the node's files.  The pool passes ``--sandbox off`` only where its check
+at start found that this node cannot; builds are then refused unless
+``--allow-unconfined-builds``.
+
 Nothing here trusts the pool less than the pool trusts it: the pool treats
 every answer from this process as hostile (sizes, ids), since a tenant's
 kernel may have rewritten this process's memory.

@@ -61,6 +61,7 @@ print(json.dumps({
     "connect": attempt(lambda: socket.create_connection(("127.0.0.1", int(sys.argv[2])), 2)),
     "new_user_namespace": attempt(lambda: unshare(CLONE_NEWUSER)),
     "new_network_namespace": attempt(lambda: unshare(CLONE_NEWNET)),
+    "reopen_own_fd": attempt(lambda: open("/proc/self/fd/1", "wb")),
     "spawn": subprocess.run(["/usr/bin/true"]).returncode,
 }))
 """
@@ -125,6 +126,7 @@ def assert_confined(seen: dict) -> None:
     assert {seen["write_root"], seen["write_usr"], seen["write_etc"]} <= {"EROFS", "EACCES"}
     assert seen["connect"] in ("ENETUNREACH", "EACCES")       # no network: not even the node's loopback
     assert seen["new_user_namespace"] == "EPERM" and seen["new_network_namespace"] == "EPERM"
+    assert seen["reopen_own_fd"] == "ENOENT"                  # (the upload arena: no way to write it)
     assert seen["spawn"] == 0                                 # PoCL runs its linker: processes still start
 
 
@@ -152,11 +154,14 @@ def test_where_user_namespaces_are_off_root_goes_on_without_one(tenant_dir, list
     assert "uid 0 without capabilities" in seen["layers"]
 
 
+#: user namespaces off (their limit at 0) and no privilege
+NO_NAMESPACES = ("unshare", "--user", "--map-root-user", "sh", "-c",
+                 'echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --bounding-set=-all --inh-caps=-all "$@"',
+                 "sh")
+
+
 def test_where_nothing_can_be_had_it_says_why(tenant_dir, listener):
-    seen = run_inside(tenant_dir, listener, prefix=(
-        "unshare", "--user", "--map-root-user", "sh", "-c",
-        'echo 0 > /proc/sys/user/max_user_namespaces && exec setpriv --bounding-set=-all --inh-caps=-all "$@"',
-        "sh"))
+    seen = run_inside(tenant_dir, listener, prefix=NO_NAMESPACES)
     assert seen["unavailable"].startswith("the kernel gives no namespaces (No space left on device): "
                                           "user namespaces are off"), seen
 
@@ -218,3 +223,31 @@ def test_a_device_process_gets_no_secret_of_the_pools_environment():
                              POCL_CACHE_DIR="/c")
     assert env == {"PATH": "/usr/bin", "POCL_DEVICES": "cpu", "OCL_ICD_VENDORS": "/x", "PYTHONPATH": "/p",
                    "LC_ALL": "C", "POCL_CACHE_DIR": "/c"}
+
+
+def test_a_device_process_that_cannot_confine_itself_never_serves(tenant_dir):
+    """The pool found at start that it could (``--sandbox required``), and
+    now it cannot: the process says why and exits, unconfined never."""
+    from accelmig.pool.devices.worker import PIPE_LIMITS
+    from accelmig.wire.frames import FrameReader
+    ours, theirs = socket.socketpair()
+    proc = subprocess.Popen([*NO_NAMESPACES, sys.executable, "-m", "accelmig.pool.devices.worker",
+                             "--fd", str(theirs.fileno()), "--device", "opencl:0", "--tenant", "t",
+                             "--sandbox", "required"], pass_fds=[theirs.fileno()], cwd=tenant_dir,
+                            env=device_environment(os.environ), stderr=subprocess.DEVNULL)
+    theirs.close()
+    try:
+        reader, frames = FrameReader(PIPE_LIMITS), []
+        while not frames:
+            n = ours.recv_into(reader.get_buffer())
+            assert n, "the device process closed its socket without a word"
+            frames.extend(reader.feed(n))
+        assert frames[0].header["op"] == "failed", frames[0].header
+        assert frames[0].header["error"]["code"] == "UNAVAILABLE"
+        assert "no namespaces" in frames[0].header["error"]["message"]
+        assert proc.wait(30) == 1
+    finally:
+        ours.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
