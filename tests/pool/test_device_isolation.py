@@ -88,6 +88,10 @@ def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go
             spinner.alloc(1 << 20)
             start_spinning(spinner)
             pid = pool.pool.backend.processes()["spinner"]
+            # the pool's process is the sandbox's outer one; the kernel spins in its child
+            import psutil
+            confined = [child.pid for child in psutil.Process(pid).children()]
+            assert len(confined) == 1
             assert tenant_used(pool, "spinner") == (1 << 20) + 16
             with pytest.raises(AccelmigError) as killed:
                 spinner.finish()
@@ -95,6 +99,7 @@ def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go
             assert "device time limit of 3 s" in killed.value.message
             assert spinner.state.value == "failed"          # terminal for the driver
             wait_for(lambda: not alive(pid), 20, "the spinner's device process to be gone")
+            wait_for(lambda: not alive(confined[0]), 20, "the confined process, where the kernel spun, to be gone")
             wait_for(lambda: spinner.sid not in pool.pool.sessions, 10, "the session to end")
             assert tenant_used(pool, "spinner") == 0
             assert pool.pool.tombstones[spinner.sid].startswith("killed:")
