@@ -170,9 +170,18 @@ class PoolConfig:
         "doc": "`process`: each tenant's sessions run their device work in a process of the "
                "tenant's own, which the pool kills when a call overruns `device_time_limit` "
                "(a kernel that never ends stalls only its tenant; each tenant has its own kernel "
-               "cache). `none`: all in the pool's process (no copy across processes; a spinning "
-               "kernel cannot be stopped): for a single trusted tenant only.",
+               "cache), confined so that its builds and kernels see none of the node's files. "
+               "`none`: all in the pool's process (no copy across processes; a spinning kernel "
+               "cannot be stopped; builds are refused unless `allow_unconfined_builds`): for a "
+               "single trusted tenant only.",
         "type": "string: process | none"})
+    allow_unconfined_builds: bool = dataclasses.field(default=False, metadata={
+        "doc": "Serve program builds where nothing confines them: with `device_isolation = "
+               "\"none\"`, or where the node cannot confine device processes (no user or mount "
+               "namespaces for the pool's user: the pool says so at start). Such a build can read "
+               "every file the pool can (`#include`), and a kernel can do what the pool's user can. "
+               "`false`: those builds are refused with FORBIDDEN. For a single trusted tenant only.",
+        "type": "boolean"})
     device_time_limit: float = dataclasses.field(default=60.0, metadata={
         "doc": "Seconds one device call of a tenant (a finish or read waiting for its queued "
                "kernels, a build) may take; then the tenant's device process is killed and its "
@@ -190,8 +199,7 @@ class PoolConfig:
                "pages are reused: touching fresh ones costs ten times the copy into them); then "
                "they go back to the system until the next write.", "type": "number (seconds)"})
     max_source_bytes: int = dataclasses.field(default=1 << 20, metadata={
-        "doc": "Largest program source a build takes (sources are self-contained: `#include` "
-               "and options that name files are refused).", "type": "size"})
+        "doc": "Largest program source a build takes.", "type": "size"})
     max_concurrent_builds: int = dataclasses.field(default=2, metadata={
         "doc": "Builds one tenant may run at once (the rest wait in its device process; other "
                "tenants build beside them).", "type": "integer"})
@@ -288,7 +296,7 @@ class PoolConfig:
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
     _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes", "upload_arena")
-    _BOOLS = ("insecure",)
+    _BOOLS = ("insecure", "allow_unconfined_builds")
 
     @classmethod
     def load(cls, path: str | None, overrides: dict | None = None) -> "PoolConfig":
