@@ -491,7 +491,7 @@ def _refuse_new_namespaces(arch: dict) -> None:
     """A classic-BPF seccomp filter: unshare and setns fail with EPERM,
     clone with a namespace flag too, clone3 with ENOSYS (its flags are in
     memory a filter cannot read; libc then uses clone); any other ABI on
-    this CPU (x32, i386) is refused whole.  Hand-assembled: eleven
+    this CPU (x32, i386) is refused whole.  Hand-assembled: fifteen
     instructions, no libseccomp binding in the standard library."""
     ld_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, eperm, enosys = 0x7FFF0000, 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
