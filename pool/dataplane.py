@@ -41,6 +41,10 @@ PAYLOAD_DIGEST_STREAM = xxhash.xxh3_64      # the same digest, taken piece by pi
 
 LOG = logging.getLogger(__name__)
 
+#: Seconds a connection the pool closes may take to send what it still has
+#: (and its TLS close_notify); then it is aborted.
+CLOSE_GRACE = 2.0
+
 #: What a peer may send before it authenticated (hello, open, resume: small
 #: headers, never a payload): a stranger costs a few KiB, not a buffer the
 #: size of its claim.
@@ -311,10 +315,22 @@ class DataConnection(asyncio.BufferedProtocol):
         self.close()
 
     def close(self) -> None:
+        """The pool ends this connection.  Its session, if it still holds
+        it, is detached now: its grace runs from this decision, not from
+        when the transport lets go (asyncio waits up to 30 s for a TLS
+        peer's close_notify, and for a plain peer that never reads, for
+        ever).  What is queued still goes out, for ``CLOSE_GRACE`` at most."""
+        if self.state is ConnState.CLOSED:
+            return
         self.state = ConnState.CLOSED
+        session = self.session
+        if session is not None and session.connection is self:
+            self.pool.connection_lost(session, self)
         if self.transport is not None:
             self.flush()
-            self.transport.close()
+            transport = self.transport
+            transport.close()
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, transport.abort)
 
     def flow_changed(self) -> None:
         session = self.session

@@ -152,13 +152,19 @@ class PoolServer:
         return True
 
     async def _janitor_loop(self) -> None:
-        period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))
+        period = janitor_period(self.config)
         while True:
             await asyncio.sleep(period)
             try:
                 self.pool.sweep(time.time())
             except Exception:  # pragma: no cover - keep sweeping whatever happens
                 LOG.exception("janitor failed")
+
+
+def janitor_period(config) -> float:
+    """Seconds between the janitor's sweeps: a quarter of the grace and of
+    the lease, at most 1 s (a session is released at most this late)."""
+    return max(0.05, min(1.0, config.grace / 4, config.lease_ttl / 4))
 
 
 def _bound(server) -> str:

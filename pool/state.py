@@ -113,6 +113,12 @@ class Pool:
 
     def sweep(self, now: float) -> None:
         for session in list(self.sessions.values()):
+            lost = session.context.lost()
+            if lost is not None:
+                # its device process is gone, and its device state with it:
+                # ended now, not when its driver next calls (an idle one never would)
+                self._end_killed(session, lost)
+                continue
             if session.state in (SessionState.DETACHED, SessionState.PARKED) and \
                     session.deadline is not None and now >= session.deadline:
                 kind = "parked retention" if session.state is SessionState.PARKED else "grace period"
@@ -398,14 +404,19 @@ class Pool:
         if reply.header.get("op") == "reply" and reply.header.get("released"):
             self._release(session, "released by the driver")
         elif (reply.header.get("error") or {}).get("code") == ErrorCode.KILLED.value and session.live:
-            # The tenant's device process is gone, and the session's device
-            # state with it: end the session (its driver fails, terminally).
-            error = from_wire(reply.header["error"])
-            LOG.warning("session %s ended: %s", session.sid, error.message,
-                        extra={"sid": session.sid, "tenant": session.tenant.name})
-            self._release(session, f"killed: {error.message}")
-            if conn is not None:
-                conn.fail(error)
+            self._end_killed(session, from_wire(reply.header["error"]))
+
+    def _end_killed(self, session: Session, error: AccelmigError) -> None:
+        """The tenant's device process is gone, and the session's device
+        state with it: end the session (its driver fails, terminally)."""
+        if not session.live:
+            return
+        LOG.warning("session %s ended: %s", session.sid, error.message,
+                    extra={"sid": session.sid, "tenant": session.tenant.name})
+        conn = session.connection
+        self._release(session, f"killed: {error.message}")
+        if conn is not None:
+            conn.fail(error)
 
     def _flow(self, session: Session) -> None:
         if session.connection is not None:
