@@ -210,14 +210,30 @@ class PoolConfig:
     ticket_ttl: float = dataclasses.field(default=300.0, metadata={
         "doc": "Seconds a resume ticket is valid.", "type": "number (seconds)"})
     handshake_timeout: float = dataclasses.field(default=10.0, metadata={
-        "doc": "Seconds a data-plane connection may take from connect to a successful open "
-               "or resume; then it is closed.", "type": "number (seconds)"})
+        "doc": "Seconds a connection (either plane) may take from the moment it is accepted "
+               "through its TLS handshake to a successful open or resume (a host's hello); "
+               "then it is closed.", "type": "number (seconds)"})
+    idle_timeout: float = dataclasses.field(default=300.0, metadata={
+        "doc": "Seconds an authenticated connection (either plane) may send nothing; then it is "
+               "closed (a driver's session detaches and its grace starts). Drivers are told at "
+               "hello and send a keepalive at a third of it; hostd calls every few seconds.",
+        "type": "number (seconds)"})
+    max_connections: int = dataclasses.field(default=0, metadata={
+        "doc": "Connections of both planes the pool holds at once, authenticated or not; `0`: "
+               "the process's descriptor limit (its soft limit raised to the hard one) less a "
+               "quarter of it (at least 64) kept for the pool's own files. A number that "
+               "cannot fit under the descriptor limit stops the pool at start. Past it, a "
+               "newcomer evicts a connection that has not authenticated, or is refused.",
+        "type": "integer"})
     max_unauthenticated: int = dataclasses.field(default=512, metadata={
-        "doc": "Connections (data and control plane) that have not authenticated yet, all peers together; "
-               "more are refused at once.", "type": "integer"})
+        "doc": "Connections (data and control plane) that have not authenticated yet, counted "
+               "from accept, all peers together (at most half of `max_connections`). Past it a "
+               "newcomer evicts the oldest such connection of the address holding the most of "
+               "them, so a working client gets in during a flood.", "type": "integer"})
     max_unauthenticated_per_peer: int = dataclasses.field(default=32, metadata={
-        "doc": "Connections (data and control plane) from one address that have not authenticated yet; "
-               "more are refused at once.", "type": "integer"})
+        "doc": "Connections (data and control plane) from one address that have not authenticated yet, "
+               "counted from accept; more are closed at once, before any TLS handshake.",
+        "type": "integer"})
     max_header: int = dataclasses.field(default=64 * 1024, metadata={
         "doc": "Largest data-plane frame header; a bigger frame closes that connection.",
         "type": "size"})
@@ -282,9 +298,10 @@ class PoolConfig:
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
     _FLOATS = ("cluster_ttl", "grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
-               "device_time_limit", "upload_arena_keep")
+               "idle_timeout", "device_time_limit", "upload_arena_keep")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
+    _COUNTS_OR_AUTO = ("max_connections",)          # 0: derived (pool.admission.ConnectionLimits)
     _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes", "upload_arena")
     _BOOLS = ("insecure",)
 
@@ -316,10 +333,11 @@ class PoolConfig:
             elif key in cls._BOOLS:
                 if not isinstance(value, bool):
                     raise ConfigInvalid(source=path or "flags", reason=f"{key} must be true or false")
-            elif key in cls._COUNTS:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ConfigInvalid(source=path or "flags",
-                                        reason=f"{key} must be a positive integer")
+            elif key in cls._COUNTS or key in cls._COUNTS_OR_AUTO:
+                least = 0 if key in cls._COUNTS_OR_AUTO else 1
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ConfigInvalid(source=path or "flags", reason=(
+                        f"{key} must be a positive integer" + (" (or 0: automatic)" if least == 0 else "")))
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)

@@ -17,42 +17,16 @@ admin socket) with a deadline of the grace plus one janitor period.
 
 from __future__ import annotations
 
-import shutil
 import time
-
-import pytest
 
 from accelmig.pool.config import PoolConfig
 from accelmig.pool.listeners import janitor_period
-from tests.support.processes import PoolProcess
 from tests.support.raw_peers import PoolWatch, RawPeer
 from tests.support.wait import wait_for
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
-                                reason="SKIPPED LOUDLY: the openssl command makes the test CA")
 
 TOKEN = "alice-token-00001"
 TENANTS = f'[tenants.alice]\ntoken = "{TOKEN}"\nquota = "64MiB"\n'
 SPIN = "__kernel void spin(__global volatile uint *a) { while (a[0] == 0) { } }"
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    from accelmig.lab.certs import make_pki
-    return make_pki(tmp_path_factory.mktemp("pki") / "ca")
-
-
-@pytest.fixture
-def start_pool(tmp_path, pki):
-    started = []
-
-    def start(*extra) -> PoolProcess:
-        pool = PoolProcess(tmp_path, TENANTS, tls=pki, extra=extra)
-        started.append(pool)
-        return pool
-    yield start
-    for pool in started:
-        pool.stop()
 
 
 def released_within(watch: PoolWatch, sid: str, seconds: float, since: float) -> float:
@@ -64,11 +38,11 @@ def released_within(watch: PoolWatch, sid: str, seconds: float, since: float) ->
     return time.monotonic() - since
 
 
-def test_a_session_whose_connection_the_pool_closed_is_released_after_its_grace(start_pool, pki):
+def test_a_session_whose_connection_the_pool_closed_is_released_after_its_grace(tls_pool_process, lab_pki):
     grace = 2.0
-    pool = start_pool("--grace", grace)
+    pool = tls_pool_process(TENANTS, "--grace", grace)
     watch = PoolWatch(pool.tokens.parent / "pool.sock")
-    peer = RawPeer(pool.endpoint, pki.ca)
+    peer = RawPeer(pool.endpoint, lab_pki.ca)
     try:
         sid = peer.open(TOKEN)["sid"]
         peer.send({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": 8 << 20})
@@ -86,14 +60,14 @@ def test_a_session_whose_connection_the_pool_closed_is_released_after_its_grace(
         peer.close()
 
 
-def test_a_killed_device_process_ends_every_session_in_it_at_once(start_pool, pki):
+def test_a_killed_device_process_ends_every_session_in_it_at_once(tls_pool_process, lab_pki):
     """The tenant's second session computes nothing while the first one's
     kernel is killed: it ends too (its device state is gone), and its
     quota comes back without waiting for its driver."""
     limit, grace = 1.0, 30.0
-    pool = start_pool("--device-time-limit", limit, "--grace", grace)
+    pool = tls_pool_process(TENANTS, "--device-time-limit", limit, "--grace", grace)
     watch = PoolWatch(pool.tokens.parent / "pool.sock")
-    idle, spinner = RawPeer(pool.endpoint, pki.ca), RawPeer(pool.endpoint, pki.ca)
+    idle, spinner = RawPeer(pool.endpoint, lab_pki.ca), RawPeer(pool.endpoint, lab_pki.ca)
     try:
         idle_sid = idle.open(TOKEN)["sid"]
         idle.send({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": 1 << 20})
