@@ -23,7 +23,7 @@ metadata below by ``python docs/configref.py``)::
     ticket_ttl = 300.0                 # s a resume ticket is valid
     max_header = 65536
     max_payload = "1GiB"
-    max_reply_bytes = "256MiB"         # per session, before execution waits for acks
+    max_reply_bytes = "256MiB"         # per session: replies kept until acknowledged
     log_format = "json"                # or "text"
     # cluster = "etcds://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
     # cluster_tls_ca = "/etc/accelmig/etcd-ca.crt"   # etcds://: the CA that signs etcd's certificate
@@ -241,8 +241,12 @@ class PoolConfig:
         "doc": "Largest data-plane frame payload, told to drivers at hello; they send larger "
                "writes and reads as chunks of at most this (and at most 64 MiB); at least 4 KiB.", "type": "size"})
     max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
-        "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
-               "driver's acknowledgements.", "type": "size"})
+        "doc": "Per session: replies (their payloads and bookkeeping) kept until the driver "
+               "acknowledges them, counted from the moment a command goes to the device (a read "
+               "by its size); past it the session's next commands wait for acknowledgements. "
+               "A read larger than it is refused with QUOTA_EXCEEDED, and drivers are told at "
+               "hello to read in chunks of at most it. Also bounds the write payloads queued per "
+               "session. At least 4 KiB.", "type": "size"})
     max_objects_per_session: int = dataclasses.field(default=8192, metadata={
         "doc": "Per session: buffers and programs held at once (a zero-byte buffer costs "
                "no quota but still host memory); one more is refused with QUOTA_EXCEEDED.",
@@ -344,9 +348,10 @@ class PoolConfig:
         if config.device and config.devices.strip() != "all":
             raise ConfigInvalid(source=path or "flags", reason="device (one device) and devices "
                                                               "(several): choose one")
-        if config.max_payload < MIN_PAYLOAD_LIMIT:
-            raise ConfigInvalid(source=path or "flags", reason=f"max_payload must be at least "
-                                                              f"{MIN_PAYLOAD_LIMIT} bytes (drivers refuse less)")
+        for key in ("max_payload", "max_reply_bytes"):     # (the welcome's max_payload is the lesser)
+            if getattr(config, key) < MIN_PAYLOAD_LIMIT:
+                raise ConfigInvalid(source=path or "flags", reason=f"{key} must be at least "
+                                                                  f"{MIN_PAYLOAD_LIMIT} bytes (drivers refuse less)")
         if config.device_isolation not in ("process", "none"):
             raise ConfigInvalid(source=path or "flags", reason="device_isolation is process or none")
         if config.log_format not in ("json", "text"):

@@ -28,7 +28,8 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameEr
                                   SessionDiverged, StaleEpoch, Timeout)
 from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Limits,
                                   encode_prefix_and_header)
-from accelmig.pool.sequencing import StoredReply, Verdict
+from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
+                                      command_cost)
 from accelmig.pool import streaming
 from accelmig.pool.session import Command, LaunchRun
 
@@ -89,6 +90,9 @@ class DataConnection(asyncio.BufferedProtocol):
         self._feeding = False          # frames are being handled: they flush at the end
         self._idle_timer: asyncio.TimerHandle | None = None
         self._heard = 0.0              # when the peer last sent anything (the loop's clock)
+        self._header_size = 0          # the wire length of the header being handled
+        self._backlogged = False       # reading paused: the session holds too much back
+        self._output_full = False      # reading paused: the peer does not read what is sent
         self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
         # a write copied to the device while its payload arrives (pool.streaming)
         self._stream: streaming.UploadStream | None = None
@@ -124,11 +128,11 @@ class DataConnection(asyncio.BufferedProtocol):
         self._idle_timer = None
         if self.state is not ConnState.ATTACHED:
             return
-        loop = asyncio.get_running_loop()
+        loop = self.pool.loop
         idle = self.pool.config.idle_timeout
         quiet = loop.time() - self._heard
         session = self.session
-        pools_own = self.reading_paused and (session.in_worker or session.paused)
+        pools_own = self._backlogged and (session.in_worker or session.paused)
         if quiet < idle or pools_own:
             self._idle_timer = loop.call_later(idle - quiet if quiet < idle else idle, self._idle_check)
             return
@@ -178,6 +182,7 @@ class DataConnection(asyncio.BufferedProtocol):
             if self.state is ConnState.CLOSED:
                 return
             try:
+                self._header_size = frame.header_size
                 self._handle(frame.header, frame.payload)
             except AccelmigError as exc:
                 self.fail(exc)
@@ -355,12 +360,32 @@ class DataConnection(asyncio.BufferedProtocol):
 
     def flow_changed(self) -> None:
         session = self.session
-        if session is None or self.transport is None or self.transport.is_closing():
+        if session is None:
             return
-        if session.backlogged and not self.reading_paused:
+        self._backlogged = session.backlogged
+        self._apply_flow()
+
+    def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark of what the pool
+        sent: the peer does not read.  No more commands are read from it
+        (they would make more replies) until it does: a peer that
+        acknowledges replies it never reads cannot grow the pool's output."""
+        self._output_full = True
+        self._apply_flow()
+
+    def resume_writing(self) -> None:
+        self._output_full = False
+        self._heard = self.pool.loop.time()      # (the peer read: it is there)
+        self._apply_flow()
+
+    def _apply_flow(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        pause = self._backlogged or self._output_full
+        if pause and not self.reading_paused:
             self.transport.pause_reading()
             self.reading_paused = True
-        elif not session.backlogged and self.reading_paused:
+        elif not pause and self.reading_paused:
             self.transport.resume_reading()
             self.reading_paused = False
 
@@ -374,7 +399,8 @@ class DataConnection(asyncio.BufferedProtocol):
             self.state = ConnState.READY
             self.send({"op": Op.WELCOME.value, "version": self.version,
                        "instance": self.pool.instance, "challenge": self.challenge,
-                       "max_payload": self.pool.config.max_payload,
+                       # (a read's reply must fit what a session keeps unacknowledged)
+                       "max_payload": min(self.pool.config.max_payload, self.pool.config.max_reply_bytes),
                        "max_header": self.pool.config.max_header,
                        "idle_timeout": self.pool.config.idle_timeout,
                        "peer_host": self.peer_host})
@@ -456,7 +482,10 @@ class DataConnection(asyncio.BufferedProtocol):
                 if identity is None:
                     identity = identities[id(launch)] = dp.CommandIdentity(launch, b"", PAYLOAD_DIGEST)
                 digests.append(identity)
-            log.accept_run(first, digests)
+            # the identities (one per distinct launch), an entry per launch,
+            # the records as parsed: counted until acknowledged
+            log.accept_run(first, digests, COMMAND_BYTES * len(identities) + RUN_REPLY_BYTES * len(launches)
+                           + HEADER_FACTOR * (self._header_size + len(payload)))
             session.counters.batched_launches += len(launches)
             session.submit_launches(LaunchRun(first, launches))
             self.flow_changed()
@@ -484,7 +513,7 @@ class DataConnection(asyncio.BufferedProtocol):
         identity = dp.CommandIdentity(header, payload, PAYLOAD_DIGEST)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
-            session.log.accept(seq, identity)
+            session.log.accept(seq, identity, command_cost(self._header_size))
             if torn is not None and seq == torn.seq:
                 session.torn = None          # its write came whole: the range is whole again
             command = Command(seq, op, header, payload, identity, lease)
@@ -570,7 +599,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if self.admitted is not None:
             self.admitted.authenticated()
         if self._idle_timer is None:
-            loop = asyncio.get_running_loop()
+            loop = self.pool.loop
             self._heard = loop.time()
             self._idle_timer = loop.call_later(self.pool.config.idle_timeout, self._idle_check)
         # Authenticated: now frames may be as large as the pool allows.
