@@ -2,9 +2,10 @@
 
 A listener accepts plain TCP.  Its first protocol is ``AcceptedConnection``:
 before a byte is read it asks ``Admission`` whether this connection may be
-had, then (under TLS) runs the handshake itself, and only then hands the
-connection to the plane's own protocol (``pool.dataplane.DataConnection``;
-the control plane's stream protocol).  asyncio's ``create_server(ssl=...)``
+had; under TLS it makes the TLS layer when the peer's first bytes come (a
+silent connection holds no TLS state) and runs the handshake itself; then
+the plane's own protocol (``pool.dataplane.DataConnection``; the control
+plane's stream protocol) has the connection.  asyncio's ``create_server(ssl=...)``
 would run the handshake before the pool saw the connection at all: a
 stranger's silent connections were never counted, and each cost asyncio's
 256 KiB TLS read buffer (issue 28, item 7).
