@@ -161,6 +161,13 @@ class Admission:
         self.total += 1
         return None
 
+    def abort_strangers(self) -> None:
+        """The pool stops: every connection not authenticated yet goes now
+        (an authenticated one is closed by its plane)."""
+        for mine in list(self._strangers.values()):
+            for conn in list(mine):
+                conn.abort()
+
     def _victim(self) -> "AcceptedConnection | None":
         if not self._strangers:
             return None

@@ -128,6 +128,8 @@ class PoolServer:
             self._janitor.cancel()
         for server in self._servers:
             server.close()
+        if pool.admission is not None:
+            pool.admission.abort_strangers()
         for conn in list(pool.connections):
             conn.close()
         await self.control.close()

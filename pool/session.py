@@ -419,7 +419,8 @@ class Session:
     def reply_estimate(self, command: Command) -> int:
         """What ``command``'s reply will be counted for (``StoredReply.nbytes``):
         a read's size; a read larger than ``max_reply_bytes`` is refused
-        without its payload (``execute``)."""
+        without its payload (``execute``).  A program's binary is counted
+        once it is back (the bound is passed by at most that one binary)."""
         if command.op is Op.READ:
             size = command.header["size"]
             if size <= self.max_reply_bytes:
