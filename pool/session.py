@@ -298,11 +298,14 @@ class Session:
         """Count an allocation of ``nbytes`` of device memory and the
         ``overhead`` bytes of host memory its object holds
         (QUOTA_EXCEEDED when the tenant may not)."""
-        with self._overhead_lock:
-            if not self._overhead_open:
-                overhead = 0                     # (its release gave back everything: nothing to keep)
-            self.tenant.reserve(nbytes, self.device_type, overhead)
-            self.overhead += overhead
+        self.tenant.reserve(nbytes, self.device_type, overhead)     # (in a cluster: etcd, no lock held)
+        if overhead:
+            with self._overhead_lock:
+                kept = self._overhead_open
+                if kept:
+                    self.overhead += overhead
+            if not kept:                         # released meanwhile: it gave back all it had
+                self.tenant.give_back(0, None, overhead)
         if self.device is not None:
             self.device.charge(nbytes)
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 import socket
 import ssl
 
-from accelmig.pool.session import BUFFER_CHARGE
+import pytest
+
+from accelmig.pool.session import BUFFER_CHARGE, Tenant
+from accelmig.wire.errors import LimitExceeded
 from tests.support.raw_peers import PoolWatch, RawPeer, rss
 from tests.support.wait import wait_for
 
@@ -162,3 +165,14 @@ def test_headers_kept_for_unacknowledged_commands_are_bounded(tls_pool_process, 
         assert grown < 120 * MiB, f"{grown >> 20} MiB held for {sent} unacknowledged headers"
     finally:
         peer.close()
+
+
+def test_a_tenants_quota_counts_its_objects_bookkeeping_beside_device_bytes():
+    tenant = Tenant("t", "token-xxxxxxxx", 10_000, quota_by_type={"cpu": 9_000})
+    tenant.reserve(4_000, "cpu", overhead=2_048)
+    with pytest.raises(LimitExceeded, match="would use 8000 bytes of device memory and 4096 bytes of host memory"):
+        tenant.reserve(4_000, "cpu", overhead=2_048)
+    assert (tenant.used, tenant.overhead, tenant.used_by_type) == (4_000, 2_048, {"cpu": 4_000})
+    tenant.reserve(3_000, "cpu", overhead=512)       # device bytes alone: the type's limit still holds
+    tenant.give_back(4_000, "cpu", overhead=2_048)
+    assert (tenant.used, tenant.overhead) == (3_000, 512)
