@@ -713,6 +713,9 @@ class IsolatedContext(DeviceContext):
         self._call("finish")
         self._quiet = True
 
+    def lost(self):
+        return self.process.dead
+
     def abandon(self) -> int:
         """The session is released, maybe while a call of its runs: its bytes
         back now (the worker's ``release`` drops the context when that call

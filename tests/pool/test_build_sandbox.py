@@ -317,7 +317,7 @@ def no_namespaces():
 
 
 def test_a_node_that_cannot_confine_says_so_and_refuses_every_build(tmp_path, node, no_namespaces):
-    pool = PoolProcess(tmp_path, tenants_file(), tls=node["pki"], prefix=no_namespaces)
+    pool = PoolProcess(tmp_path, tenants_file(), tls=node["pki"], wrapper=no_namespaces)
     try:
         said = pool.wait_log(lambda e: "cannot be confined" in e["msg"])
         assert said["level"] == "error" and "REFUSED" in said["msg"], said
@@ -338,7 +338,7 @@ def test_a_node_that_cannot_confine_says_so_and_refuses_every_build(tmp_path, no
 
 
 def test_the_opt_out_serves_builds_unconfined_and_warns(tmp_path, node, no_namespaces):
-    pool = PoolProcess(tmp_path, tenants_file(), tls=node["pki"], prefix=no_namespaces,
+    pool = PoolProcess(tmp_path, tenants_file(), tls=node["pki"], wrapper=no_namespaces,
                        extra=("--allow-unconfined-builds",))
     try:
         said = pool.wait_log(lambda e: "cannot be confined" in e["msg"])
@@ -398,7 +398,7 @@ def test_a_pool_of_an_unprivileged_user_confines_its_tenants_too(node):
             os.chown(path, NOBODY, NOBODY)
         os.chmod(base, 0o755)
         secret.chmod(0o644)
-        pool = PoolProcess(pool_files, tenants_file(), tls=pki, prefix=as_nobody, env={"HOME": str(base / "home")})
+        pool = PoolProcess(pool_files, tenants_file(), tls=pki, wrapper=as_nobody, env={"HOME": str(base / "home")})
         try:
             with connect(pool.endpoint, TOKENS["alice"], cafile=str(pki.ca), agent=False, timeout=60) as dev:
                 ready = pool.wait_log(lambda e: "device process of tenant alice ready" in e["msg"])
