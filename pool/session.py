@@ -82,6 +82,27 @@ class Tenant:
         self.live_sessions = 0
         self._lock = threading.Lock()
         self.ledger = None      # pool.cluster.quotas.QuotaLedger: in a cluster the quota holds pool-wide
+        # the replies its sessions on this node keep unacknowledged or have
+        # under way (``Session.reply_bytes_held``), and the sessions holding
+        # commands back until that falls: the event loop's alone
+        self.replies = 0
+        self.waiting_for_replies: set = set()
+
+    @property
+    def reply_budget(self) -> int:
+        """What its sessions on this node may keep of unacknowledged replies
+        together: as much as its quota (replies are the pool's memory, as
+        its buffers are the device's), past it one command at a time.  Each
+        session is bounded by ``max_reply_bytes`` too."""
+        return self.quota
+
+    def replies_changed(self, delta: int) -> None:
+        """On the loop: its sessions' kept replies grew or fell by ``delta``;
+        a fall lets the sessions that wait for it go on."""
+        self.replies += delta
+        if delta < 0 and self.waiting_for_replies:
+            for session in list(self.waiting_for_replies):
+                session.pump()
 
     def session_made(self) -> None:
         with self._lock:
@@ -271,6 +292,7 @@ class Session:
         # the replies of commands handed to the worker, counted from the
         # hand-off (a read's by its size): with the log's, at most max_reply_bytes
         self.replies_reserved = 0
+        self._replies_counted = 0         # what of them the tenant's ``replies`` holds
         # the host memory charged to the tenant for this session's objects
         # (BUFFER_CHARGE, PROGRAM_CHARGE and the program's bytes): given back
         # whole at release, whatever still runs; a lock, as the worker frees
@@ -383,6 +405,9 @@ class Session:
             command.drop_payload(None)       # (an arena lease must go back; a buffer may go to GC)
         self.held.clear()
         self.held_bytes = 0
+        self.tenant.waiting_for_replies.discard(self)
+        counted, self._replies_counted = self._replies_counted, 0
+        self.tenant.replies_changed(-counted)        # its replies go with it
         # quota back now where the backend can (a kernel may still be running),
         # and all of the objects' host memory charge
         with self._overhead_lock:
@@ -408,13 +433,35 @@ class Session:
     def paused(self) -> bool:
         return bool(self.paused_by)
 
+    @property
+    def reply_bytes_held(self) -> int:
+        """Its replies kept unacknowledged and counted for commands under way."""
+        return self.log.reply_bytes + self.replies_reserved
+
+    def _count_replies(self) -> None:
+        """Tell the tenant how its replies held changed (after each change)."""
+        if self.state is SessionState.RELEASED:
+            return
+        held = self.reply_bytes_held
+        delta, self._replies_counted = held - self._replies_counted, held
+        if delta:
+            self.tenant.replies_changed(delta)
+
     def _may_run(self, replies: int) -> bool:
         """Whether commands whose replies are counted ``replies`` bytes may
         go to the worker now: the replies kept or to come stay within
-        ``max_reply_bytes`` (one command may always run alone: a read of at
-        most that, see ``reply_estimate``), payloads queued and commands
-        unacknowledged within theirs."""
-        kept = self.log.reply_bytes + self.replies_reserved
+        ``max_reply_bytes`` for the session and within the tenant's
+        ``reply_budget`` for all its sessions together (one command may
+        always run alone, in the session and in the tenant: a read of at
+        most ``max_reply_bytes``, see ``reply_estimate``), payloads queued
+        and commands unacknowledged within theirs.  A session held back by
+        the tenant's budget waits on the tenant: another session's
+        acknowledgement lets it go on."""
+        kept, tenant = self.reply_bytes_held, self.tenant
+        if tenant.replies and tenant.replies + replies > tenant.reply_budget:
+            tenant.waiting_for_replies.add(self)
+            return False
+        tenant.waiting_for_replies.discard(self)
         return ((not kept or kept + replies <= self.max_reply_bytes)
                 and self.queued_bytes <= self.max_queued_bytes
                 and self.log.unacked_commands <= self.max_unacked)
@@ -451,6 +498,7 @@ class Session:
         for command in commands:
             command.reserved = REPLY_BYTES
         self.replies_reserved += REPLY_BYTES * len(commands)
+        self._count_replies()
         self.in_worker += len(commands)
         self._worker.put_run(commands)
 
@@ -464,6 +512,7 @@ class Session:
             return
         run.reserved = reserved
         self.replies_reserved += reserved
+        self._count_replies()
         self.in_worker += len(run.launches)
         self._worker.put_run(run)
 
@@ -475,6 +524,7 @@ class Session:
     def _dispatch(self, command: Command) -> None:
         command.reserved = self.reply_estimate(command)
         self.replies_reserved += command.reserved
+        self._count_replies()
         self.queued_bytes += len(command.payload)
         self.in_worker += 1
         self._worker.put(command)
@@ -534,6 +584,7 @@ class Session:
             self.log.record_reply(reply)
             if self.on_reply is not None:
                 self.on_reply(self, reply)
+        self._count_replies()
         self.pump()
         if self.on_flow is not None:
             self.on_flow(self)
@@ -560,6 +611,7 @@ class Session:
             for reply in self.log.acknowledge(upto):
                 if self.buffers is not None and reply.payload:
                     self.buffers.put(reply.payload)  # the driver has it: reusable
+            self._count_replies()
             self.pump()
 
     def describe(self) -> dict:

@@ -176,3 +176,49 @@ def test_a_tenants_quota_counts_its_objects_bookkeeping_beside_device_bytes():
     tenant.reserve(3_000, "cpu", overhead=512)       # device bytes alone: the type's limit still holds
     tenant.give_back(4_000, "cpu", overhead=2_048)
     assert (tenant.used, tenant.overhead) == (3_000, 512)
+
+
+def test_the_replies_a_tenants_sessions_keep_together_stay_within_its_quota(tls_pool_process, lab_pki):
+    """Per session, ``max_reply_bytes`` (256 MiB by default) let a tenant of
+    a 16 MiB quota make the pool hold 256 MiB of replies it never
+    acknowledged, and as much again in each of its sessions.  Together its
+    sessions keep at most its quota of replies on a node (one more command
+    may run alone); a session held back by that waits on the tenant and goes
+    on when another session's replies are acknowledged."""
+    pool = tls_pool_process(tenants("16MiB"), "--grace", 60)
+    watch = PoolWatch(pool.tokens.parent / "pool.sock")
+    first, second = RawPeer(pool.endpoint, lab_pki.ca), RawPeer(pool.endpoint, lab_pki.ca)
+    try:
+        sid = first.open(TOKEN)["sid"]
+        other = second.open(TOKEN)["sid"]
+        for peer in (first, second):
+            peer.send({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": MiB})
+            peer.send({"op": "finish", "seq": 2, "epoch": 1})
+            peer.replies_through(2)
+            peer.send({"op": "ack", "ack": 2})
+        reads = range(3, 3 + 32)
+        for seq in reads:              # never read, never acknowledged (main ran all 32: 32 MiB held)
+            first.send({"op": "read", "seq": seq, "epoch": 1, "buf": 1, "offset": 0, "size": MiB})
+        state = wait_for(lambda: (lambda s: s["held"] > 0 and s["in_flight"] == 0 and s)(session_of(watch, sid)),
+                         20, "the reads within the tenant's budget to run, the others to be held")
+        ran = state["sequence"]["highest_reply"] - 2
+        assert 1 <= ran < 16, state
+        assert state["sequence"]["reply_bytes"] <= 16 * MiB
+        # the tenant's other session: nothing of its own kept, held back all the same
+        second.send({"op": "read", "seq": 3, "epoch": 1, "buf": 1, "offset": 0, "size": MiB})
+        held = wait_for(lambda: (lambda s: s["held"] == 1 and s)(session_of(watch, other)), 20,
+                        "the other session's read to be held for the tenant's budget")
+        assert held["sequence"]["highest_reply"] == 2, held
+        # the first session reads and acknowledges what it got: both go on, nothing dropped
+        got = []
+        while len(got) < len(reads):
+            header, payload = first.next_frame()
+            assert header["op"] == "reply" and header["ok"] and len(payload) == MiB, header
+            got.append(header["seq"])
+            first.send({"op": "ack", "ack": header["seq"]})
+        assert got == list(reads)
+        header, payload = second.next_frame()
+        assert header["seq"] == 3 and header["ok"] and len(payload) == MiB, header
+    finally:
+        first.close()
+        second.close()
