@@ -133,7 +133,7 @@ cl_int am_answer(size_t size, void *value, size_t *size_ret, const void *data, s
     if (value != NULL) {
         if (size < len)
             return CL_INVALID_VALUE;
-        if (len)
+        if (len && data != NULL)
             memcpy(value, data, len);
     }
     if (size_ret != NULL)

@@ -398,7 +398,10 @@ static cl_int CL_API_CALL am_clGetProgramInfo(cl_program program, cl_program_inf
         break;
     }
     case CL_PROGRAM_BINARIES: {
-        err = am_answer(size, value, size_ret, NULL, sizeof(unsigned char *));
+        /* an array of one pointer, the caller's, to fill with the binary */
+        err = value != NULL && size < sizeof(unsigned char *) ? CL_INVALID_VALUE : CL_SUCCESS;
+        if (size_ret != NULL)
+            *size_ret = sizeof(unsigned char *);
         if (err == CL_SUCCESS && value != NULL) {
             unsigned char *out = ((unsigned char **)value)[0];
             uint64_t handle = program->handle;

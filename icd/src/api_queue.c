@@ -343,7 +343,8 @@ static cl_command_queue make_queue(cl_context ctx, cl_device_id device, cl_comma
         am_ctx_retain(ctx);
         queue->device = device;
         queue->properties = props;
-        memcpy(queue->props_array, array, array_len * sizeof *array);
+        if (array_len)
+            memcpy(queue->props_array, array, array_len * sizeof *array);
         queue->props_array_len = array_len;
         pthread_mutex_init(&queue->submit_mu, NULL);
         am_ctx_add_queue(ctx, queue);

@@ -131,7 +131,8 @@ static int put(am_devparams *params, cl_device_info code, const void *bytes, siz
             uint8_t *copy = malloc(len ? len : 1);
             if (copy == NULL)
                 return -1;
-            memcpy(copy, bytes, len);
+            if (len)
+                memcpy(copy, bytes, len);
             free(params->values[i].bytes);
             params->values[i].bytes = copy;
             params->values[i].len = len;
@@ -144,7 +145,8 @@ static int put(am_devparams *params, cl_device_info code, const void *bytes, siz
     uint8_t *copy = malloc(len ? len : 1);
     if (copy == NULL)
         return -1;
-    memcpy(copy, bytes, len);
+    if (len)
+        memcpy(copy, bytes, len);
     params->values[params->count++] = (am_param_value){code, copy, len};
     return 0;
 }
@@ -360,7 +362,8 @@ static void restrict_versions(am_devparams *p, cl_device_info code, const char *
     cl_name_version *all = malloc(value->len ? value->len : 1);
     if (all == NULL)
         return;
-    memcpy(all, value->bytes, n * sizeof *all);
+    if (n)
+        memcpy(all, value->bytes, n * sizeof *all);
     size_t kept = 0;
     for (size_t i = 0; i < n; i++) {
         size_t len = strnlen(all[i].name, CL_NAME_VERSION_MAX_NAME_SIZE);
