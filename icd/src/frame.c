@@ -30,10 +30,12 @@ int am_frame_head(am_buf *out, const char *header_json, size_t header_len, uint6
     return am_buf_append(out, header_json, header_len);
 }
 
-int am_reader_init(am_reader *r, size_t max_header, uint64_t max_payload, am_sink_fn sink, void *sink_ctx) {
+int am_reader_init(am_reader *r, size_t max_header, uint64_t max_payload, uint64_t max_unsunk, am_sink_fn sink,
+                   void *sink_ctx) {
     memset(r, 0, sizeof *r);
     r->max_header = max_header;
     r->max_payload = max_payload;
+    r->max_unsunk = max_unsunk;
     r->direct_threshold = DIRECT_THRESHOLD;
     r->staging_size = AM_FRAME_PREFIX + max_header + DIRECT_THRESHOLD;
     if (r->staging_size < 256 * 1024)
@@ -133,6 +135,10 @@ static int parse(am_reader *r, am_frame_fn on_frame, void *ctx) {
         uint8_t *dest = r->sink != NULL ? r->sink(r->sink_ctx, header, plen) : NULL;
         bool in_sink = dest != NULL;
         if (dest == NULL) {
+            if (plen > r->max_unsunk) {
+                json_object_put(header);
+                return fail(r, "a large payload nothing asked for");
+            }
             if (plen > SIZE_MAX || (r->owned = malloc((size_t)plen)) == NULL) {
                 json_object_put(header);
                 return fail(r, "no memory for a payload");

@@ -41,6 +41,7 @@ typedef struct am_reader {
     size_t max_header;
     uint64_t max_payload;
     size_t direct_threshold;
+    uint64_t max_unsunk;        /* a large payload no sink takes: at most this (a peer's claim costs no more) */
     /* a frame whose large payload is being received */
     json_object *pending_header; /* owned while pending */
     uint8_t *dest;               /* the sink's, or `owned` */
@@ -52,7 +53,10 @@ typedef struct am_reader {
     bool broken;
 } am_reader;
 
-int am_reader_init(am_reader *r, size_t max_header, uint64_t max_payload, am_sink_fn sink, void *sink_ctx);
+/* `max_payload`: any payload at most; one that no sink takes, at most
+ * `max_unsunk` (the reader allocates that one itself). */
+int am_reader_init(am_reader *r, size_t max_header, uint64_t max_payload, uint64_t max_unsunk, am_sink_fn sink,
+                   void *sink_ctx);
 void am_reader_free(am_reader *r);
 /* Where the next bytes go, and how many may go there (>0 unless broken). */
 uint8_t *am_reader_space(am_reader *r, size_t *len);

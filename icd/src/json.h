@@ -16,7 +16,10 @@
 
 /* Parse `len` bytes as one JSON object with a string "op"; NULL (and why
  * in `why`) for anything else: not UTF-8, not strict JSON, too deep, junk
- * after it.  The caller owns the result (json_object_put). */
+ * after it.  (json-c's strict mode still takes NaN, as a double, and a
+ * lone surrogate escape, as U+FFFD: no field reader here accepts a double,
+ * and a replacement character is only text.)  The caller owns the result
+ * (json_object_put). */
 json_object *am_json_parse_header(const char *text, size_t len, char *why, size_t why_len);
 
 json_object *am_json_get(json_object *obj, const char *key);

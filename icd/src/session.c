@@ -36,6 +36,8 @@
 /* what the pool may send: a device listing's header is the largest one */
 #define MAX_HEADER (1u << 20)
 #define MAX_PAYLOAD (1ull << 40)
+/* a payload no command waits with a destination for: at most this */
+#define MAX_UNSUNK (1u << 20)
 /* a transfer's chunk at most (agent/driver/transfer.py's TRANSFER_CHUNK) */
 #define CHUNK (64ull << 20)
 #define SECRET_BYTES 32
@@ -58,8 +60,9 @@ static const unsigned TRANSITIONS[ST_COUNT] = {
 /* a frame that came with a handshake's answer, for the normal dispatch after it */
 typedef struct early_frame {
     json_object *header;
-    uint8_t *payload;
+    uint8_t *payload;          /* owned, unless in its command's sink already */
     uint64_t len;
+    bool in_sink;
 } early_frame;
 
 struct am_session {
@@ -150,7 +153,7 @@ void am_ownership_proof(const unsigned char *secret, size_t secret_len, const ch
 
 /* -- frames in --------------------------------------------------------------------- */
 
-static int keep_early(am_session *s, json_object *header, const uint8_t *payload, uint64_t len) {
+static int keep_early(am_session *s, json_object *header, const uint8_t *payload, uint64_t len, bool in_sink) {
     if (s->early_count == s->early_cap) {
         size_t cap = s->early_cap ? s->early_cap * 2 : 8;
         early_frame *more = realloc(s->early, cap * sizeof *more);
@@ -160,26 +163,29 @@ static int keep_early(am_session *s, json_object *header, const uint8_t *payload
         s->early_cap = cap;
     }
     uint8_t *copy = NULL;
-    if (len) {
+    if (len && !in_sink) {
         copy = malloc((size_t)len);
         if (copy == NULL)
             return -1;
         memcpy(copy, payload, (size_t)len);
     }
-    s->early[s->early_count++] = (early_frame){json_object_get(header), copy, len};
+    s->early[s->early_count++] = (early_frame){json_object_get(header), copy, len, in_sink};
     return 0;
 }
 
-static int batch_push(am_session *s, am_cmd *cmd) {
-    if (s->batch_count == s->batch_cap) {
-        size_t cap = s->batch_cap ? s->batch_cap * 2 : 64;
-        am_cmd **more = realloc(s->batch, cap * sizeof *more);
-        if (more == NULL)
-            return -1;
-        s->batch = more;
-        s->batch_cap = cap;
-    }
-    s->batch[s->batch_count++] = cmd;
+/* Room for `more` replies in the batch, before any is taken from the
+ * window (a reply taken must reach its waiter or its hook: no failure after). */
+static int batch_reserve(am_session *s, size_t more) {
+    if (s->batch_cap - s->batch_count >= more)
+        return 0;
+    size_t cap = s->batch_cap ? s->batch_cap : 64;
+    while (cap - s->batch_count < more)
+        cap *= 2;
+    am_cmd **bigger = realloc(s->batch, cap * sizeof *bigger);
+    if (bigger == NULL)
+        return -1;
+    s->batch = bigger;
+    s->batch_cap = cap;
     return 0;
 }
 
@@ -194,7 +200,7 @@ static void *payload_sink(void *ctx, json_object *header, uint64_t size) {
     am_session *s = ctx;
     uint64_t seq;
     bool ok = false;
-    if (s->capture || strcmp(am_json_op(header), "reply") != 0 || !am_json_u64(am_json_get(header, "seq"), &seq) ||
+    if (strcmp(am_json_op(header), "reply") != 0 || !am_json_u64(am_json_get(header, "seq"), &seq) ||
         !am_json_bool(am_json_get(header, "ok"), &ok) || !ok)
         return NULL;
     pthread_mutex_lock(&s->mu);
@@ -204,11 +210,9 @@ static void *payload_sink(void *ctx, json_object *header, uint64_t size) {
     return dest;
 }
 
-static int take_reply(am_session *s, am_cmd *cmd, json_object *header, const uint8_t *payload, uint64_t len,
-                      bool in_sink) {
-    bool ok = false;
-    if (!am_json_bool(am_json_get(header, "ok"), &ok))
-        return refuse_frame(s, "a reply without ok");
+/* A reply's outcome into its command (which is then the batch's). */
+static void take_reply(am_session *s, am_cmd *cmd, bool ok, json_object *header, const uint8_t *payload,
+                       uint64_t len, bool in_sink) {
     cmd->ok = ok;
     cmd->reply = json_object_get(header);
     if (!ok)
@@ -220,23 +224,32 @@ static int take_reply(am_session *s, am_cmd *cmd, json_object *header, const uin
         cmd->payload_in_sink = true;
     } else if (len > 0) {
         cmd->reply_payload = malloc((size_t)len);
-        if (cmd->reply_payload == NULL)
-            return refuse_frame(s, "no memory for a reply's payload");
-        memcpy(cmd->reply_payload, payload, (size_t)len);
-        cmd->reply_payload_len = len;
+        if (cmd->reply_payload == NULL) {
+            cmd->ok = false;
+            am_error_set(&cmd->error, "INTERNAL", "out of memory for a reply of %" PRIu64 " bytes", len);
+        } else {
+            memcpy(cmd->reply_payload, payload, (size_t)len);
+            cmd->reply_payload_len = len;
+        }
     }
-    return batch_push(s, cmd) == 0 ? 0 : refuse_frame(s, "out of memory");
+    s->batch[s->batch_count++] = cmd;
 }
 
 static int on_frame(void *ctx, json_object *header, const uint8_t *payload, uint64_t len, bool in_sink) {
     am_session *s = ctx;
     if (s->capture)
-        return keep_early(s, header, payload, len) == 0 ? 0 : refuse_frame(s, "out of memory");
+        return keep_early(s, header, payload, len, in_sink) == 0 ? 0 : refuse_frame(s, "out of memory");
+    if (s->frame_failed)
+        return 1; /* (refused before: nothing after it counts) */
     const char *op = am_json_op(header);
     if (strcmp(op, "reply") == 0) {
+        /* everything checked before the window changes: a refused frame changes nothing */
         uint64_t seq;
-        if (!am_json_u64(am_json_get(header, "seq"), &seq))
-            return refuse_frame(s, "a reply without seq");
+        bool ok;
+        if (!am_json_u64(am_json_get(header, "seq"), &seq) || !am_json_bool(am_json_get(header, "ok"), &ok))
+            return refuse_frame(s, "a reply without seq or ok");
+        if (batch_reserve(s, 1) != 0)
+            return refuse_frame(s, "out of memory");
         bool bad;
         pthread_mutex_lock(&s->mu);
         am_cmd *cmd = am_window_complete(&s->window, seq, &bad);
@@ -245,7 +258,8 @@ static int on_frame(void *ctx, json_object *header, const uint8_t *payload, uint
             return refuse_frame(s, "a reply out of order");
         if (cmd == NULL)
             return 0; /* a replayed reply of a command answered before */
-        return take_reply(s, cmd, header, payload, len, in_sink);
+        take_reply(s, cmd, ok, header, payload, len, in_sink);
+        return 0;
     }
     if (strcmp(op, "done") == 0) {
         uint64_t first, last;
@@ -253,24 +267,21 @@ static int on_frame(void *ctx, json_object *header, const uint8_t *payload, uint
             last < first || len != 0)
             return refuse_frame(s, "a done frame without its range");
         pthread_mutex_lock(&s->mu);
-        if (last >= s->window.next_seq) {
-            pthread_mutex_unlock(&s->mu);
-            return refuse_frame(s, "a done frame past what was sent");
-        }
-        for (uint64_t seq = first; seq <= last; seq++) {
+        uint64_t last_seen = s->window.last_seen;
+        bool fits = last < s->window.next_seq && first <= last_seen + 1;
+        pthread_mutex_unlock(&s->mu);
+        if (!fits)
+            return refuse_frame(s, "a done frame past what was sent, or out of order");
+        if (last > last_seen && batch_reserve(s, (size_t)(last - last_seen)) != 0)
+            return refuse_frame(s, "out of memory");
+        pthread_mutex_lock(&s->mu);
+        for (uint64_t seq = last_seen + 1; seq <= last; seq++) {
             bool bad;
             am_cmd *cmd = am_window_complete(&s->window, seq, &bad);
-            if (bad) {
-                pthread_mutex_unlock(&s->mu);
-                return refuse_frame(s, "a done frame out of order");
-            }
             if (cmd == NULL)
-                continue;
+                continue; /* (none: the window was checked above, under the one thread that completes) */
             cmd->ok = true;
-            if (batch_push(s, cmd) != 0) {
-                pthread_mutex_unlock(&s->mu);
-                return refuse_frame(s, "out of memory");
-            }
+            s->batch[s->batch_count++] = cmd;
         }
         pthread_mutex_unlock(&s->mu);
         return 0;
@@ -350,7 +361,7 @@ static int dial(am_session *s, const char *endpoint, double timeout, const char 
     double deadline = am_now() + timeout;
     am_reader_free(&s->reader);
     drop_early(s);
-    if (am_reader_init(&s->reader, MAX_HEADER, MAX_PAYLOAD, payload_sink, s) != 0) {
+    if (am_reader_init(&s->reader, MAX_HEADER, MAX_PAYLOAD, MAX_UNSUNK, payload_sink, s) != 0) {
         am_error_set(err, "INTERNAL", "out of memory");
         return -1;
     }
@@ -392,7 +403,7 @@ static int end_handshake(am_session *s) {
     s->capture = false;
     int rc = 0;
     for (size_t i = 0; i < s->early_count && rc == 0; i++)
-        rc = on_frame(s, s->early[i].header, s->early[i].payload, s->early[i].len, false);
+        rc = on_frame(s, s->early[i].header, s->early[i].payload, s->early[i].len, s->early[i].in_sink);
     drop_early(s);
     return rc;
 }
@@ -400,6 +411,7 @@ static int end_handshake(am_session *s) {
 json_object *am_list_devices(const am_config *cfg, SSL_CTX *tls, am_error *err) {
     am_session probe;
     memset(&probe, 0, sizeof probe);
+    pthread_mutex_init(&probe.mu, NULL);
     probe.tls = tls;
     probe.link.fd = -1;
     am_buf request;
@@ -425,6 +437,7 @@ done:
     am_reader_free(&probe.reader);
     drop_early(&probe);
     free(probe.early);
+    pthread_mutex_destroy(&probe.mu);
     return answer;
 }
 
@@ -907,6 +920,60 @@ fail:
     return NULL;
 }
 
+am_session *am_session_offline(uint32_t pending) {
+    am_config cfg;
+    am_config_defaults(&cfg);
+    am_session *s = session_new(&cfg, NULL, NULL);
+    if (s == NULL)
+        return NULL;
+    snprintf(s->sid, sizeof s->sid, "offline");
+    if (am_reader_init(&s->reader, MAX_HEADER, MAX_PAYLOAD, MAX_UNSUNK, payload_sink, s) != 0) {
+        session_free(s);
+        return NULL;
+    }
+    s->state = ST_CONNECTED;
+    for (uint32_t i = 0; i < pending; i++) {
+        am_cmd *cmd = am_cmd_new("read", "", NULL, 0, false);
+        if (cmd == NULL || am_window_add(&s->window, cmd) != 0) {
+            am_cmd_free(cmd);
+            break;
+        }
+        if (i % 2 == 0) { /* (some with a destination for a payload) */
+            cmd->sink = calloc(1, 64);
+            cmd->sink_len = cmd->sink != NULL ? 64 : 0;
+            cmd->payload_owned = cmd->sink; /* (freed with the command) */
+        }
+    }
+    s->send_next = s->window.next_seq;
+    return s;
+}
+
+int am_session_feed(am_session *s, const uint8_t *data, size_t len, am_error *err) {
+    while (len > 0) {
+        size_t space_len;
+        uint8_t *space = am_reader_space(&s->reader, &space_len);
+        if (space == NULL) {
+            am_error_set(err, "PROTOCOL_ERROR", "protocol error: %s", s->reader.error);
+            return -1;
+        }
+        size_t n = len < space_len ? len : space_len;
+        memcpy(space, data, n);
+        data += n;
+        len -= n;
+        int rc = am_reader_feed(&s->reader, n, on_frame, s);
+        settle_batch(s);
+        if (rc != 0) {
+            if (s->frame_failed)
+                *err = s->frame_error;
+            else
+                am_error_set(err, "PROTOCOL_ERROR", "protocol error: %s", s->reader.error);
+            s->frame_failed = false;
+            return -1;
+        }
+    }
+    return 0;
+}
+
 uint64_t am_session_handle(am_session *s) {
     pthread_mutex_lock(&s->mu);
     uint64_t handle = s->next_handle++;
@@ -1003,7 +1070,7 @@ void am_session_close(am_session *s) {
     if (s == NULL)
         return;
     /* release at the pool (its memory back at once, not after the grace) */
-    am_cmd *release = am_cmd_new("release", "", NULL, 0, false);
+    am_cmd *release = s->thread_started ? am_cmd_new("release", "", NULL, 0, false) : NULL;
     am_error err;
     if (release != NULL) {
         release->waited = true;

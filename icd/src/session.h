@@ -82,6 +82,14 @@ bool am_session_on_io_thread(const am_session *s);
 /* true (and why, if `err`) once the session failed. */
 bool am_session_failed(am_session *s, am_error *err);
 
+/* A session with no connection and no thread, whose window holds
+ * `pending` commands (1, 2, ...): what the unit tests and the fuzz
+ * harness feed what a pool might send (am_session_feed: the bytes as the
+ * I/O thread reads them).  Freed with am_session_close. */
+am_session *am_session_offline(uint32_t pending);
+/* 0, or -1 when the bytes would cost the connection (err: why). */
+int am_session_feed(am_session *s, const uint8_t *data, size_t len, am_error *err);
+
 /* The pool's devices a token may open on: the `devices` answer of a
  * list_devices (the caller owns it), or NULL and why. */
 json_object *am_list_devices(const am_config *cfg, SSL_CTX *tls, am_error *err);
