@@ -257,6 +257,7 @@ static void destroy(cl_context ctx) {
 
 static void *reaper_main(void *arg) {
     destroy(arg);
+    am_platform_teardown_end();
     return NULL;
 }
 
@@ -276,8 +277,11 @@ void am_ctx_release(cl_context ctx) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&reaper, &attr, reaper_main, ctx) != 0)
+    am_platform_teardown_begin();
+    if (pthread_create(&reaper, &attr, reaper_main, ctx) != 0) {
+        am_platform_teardown_end();
         am_error_log("cannot start a thread to end a context: its session stays until the process ends");
+    }
     pthread_attr_destroy(&attr);
 }
 

@@ -1,8 +1,10 @@
 /* The platform and its devices: what the loader asks first (the ICD entry
  * points), platform and device queries, and the device listing from the
  * pool (once, at the first clGetDeviceIDs that reaches it). */
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "icd.h"
 #include "json.h"
@@ -13,10 +15,44 @@
 static am_platform the_platform = {
     .handle = {.dispatch = &am_dispatch, .magic = AM_MAGIC_PLATFORM},
     .mu = PTHREAD_MUTEX_INITIALIZER,
+    .teardown_done = PTHREAD_COND_INITIALIZER,
 };
 
 am_platform *am_platform_get(void) {
     return &the_platform;
+}
+
+/* seconds the process's exit waits for contexts still being ended */
+#define EXIT_WAIT 5
+
+static void wait_for_teardowns(void) {
+    am_platform *p = &the_platform;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += EXIT_WAIT;
+    pthread_mutex_lock(&p->mu);
+    while (p->teardowns > 0 && pthread_cond_timedwait(&p->teardown_done, &p->mu, &until) != ETIMEDOUT) {
+    }
+    if (p->teardowns > 0)
+        am_warn("%d context(s) still ending at the process's exit: their sessions end at the pool's grace", p->teardowns);
+    pthread_mutex_unlock(&p->mu);
+}
+
+void am_platform_teardown_begin(void) {
+    am_platform *p = &the_platform;
+    pthread_mutex_lock(&p->mu);
+    p->teardowns++;
+    if (!p->exit_hook)
+        p->exit_hook = atexit(wait_for_teardowns) == 0;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void am_platform_teardown_end(void) {
+    am_platform *p = &the_platform;
+    pthread_mutex_lock(&p->mu);
+    p->teardowns--;
+    pthread_cond_broadcast(&p->teardown_done);
+    pthread_mutex_unlock(&p->mu);
 }
 
 static void configure_locked(am_platform *p) {
@@ -77,13 +113,16 @@ static bool discover_locked(am_platform *p) {
     if (!p->config_ok)
         return false;
     am_error err = {0};
+    enum am_log_level level = p->discovery_failed ? AM_LOG_INFO : AM_LOG_WARNING;
     if (am_config_ready(&p->config, &err) != 0) {
-        am_warn("no devices: %s", err.message);
+        am_log(level, "no devices: %s", err.message);
+        p->discovery_failed = true;
         return false;
     }
     json_object *answer = am_list_devices(&p->config, p->tls, &err);
     if (answer == NULL) {
-        am_warn("no devices: the pool at %s: %s: %s", p->config.endpoint, err.code, err.message);
+        am_log(level, "no devices: the pool at %s: %s: %s", p->config.endpoint, err.code, err.message);
+        p->discovery_failed = true;
         return false;
     }
     json_object *devices = am_json_get(answer, "devices");

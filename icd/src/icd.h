@@ -92,11 +92,21 @@ typedef struct am_platform {
     bool config_ok;
     SSL_CTX *tls;                /* NULL: insecure, said by the configuration */
     bool discovered;
+    bool discovery_failed;       /* said once as a warning; again at info level */
     struct _cl_device_id devices[AM_MAX_DEVICES];
     cl_uint num_devices;
+    /* contexts being ended on a thread of their own (their last reference
+     * went on one of their own threads): the process's exit waits for them
+     * (a while), so that their sessions are released at the pool */
+    int teardowns;
+    pthread_cond_t teardown_done;
+    bool exit_hook;
 } am_platform;
 
 am_platform *am_platform_get(void);
+/* A context is being ended on a thread of its own (begin), or was (end). */
+void am_platform_teardown_begin(void);
+void am_platform_teardown_end(void);
 /* The configuration (loaded once); NULL and why when it is wrong. */
 const am_config *am_platform_config(am_error *err);
 SSL_CTX *am_platform_tls(void);
