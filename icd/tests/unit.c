@@ -325,6 +325,24 @@ int main(int argc, char **argv) {
                    am_param_kind_name(AM_DEVICE_PARAMS[i].kind));
         return 0;
     }
+    if (argc == 3 && strcmp(argv[1], "config") == 0) {
+        /* the configuration file's keys as this driver reads them (tests compare wire.driverconfig's) */
+        FILE *f = fopen(argv[2], "rb");
+        static char text[70000];
+        size_t len = f != NULL ? fread(text, 1, sizeof text, f) : 0;
+        if (f != NULL)
+            fclose(f);
+        am_config cfg;
+        am_error err;
+        am_config_defaults(&cfg);
+        if (am_config_parse(&cfg, text, len, argv[2], &err) != 0) {
+            printf("refused\n");
+            return 0;
+        }
+        printf("endpoint=%s\ntoken=%s\ntoken_file=%s\ncafile=%s\ninsecure=%d\ntimeout=%g\nconnect_timeout=%g\n",
+               cfg.endpoint, cfg.token, cfg.token_file, cfg.cafile, cfg.insecure, cfg.timeout, cfg.connect_timeout);
+        return 0;
+    }
     if (argc == 7 && strcmp(argv[1], "proof") == 0) {
         unsigned char secret[64], binding[256];
         int secret_len = hex_decode(argv[2], secret, sizeof secret);

@@ -31,6 +31,8 @@ _NATIVE_DTYPES = {name: np.dtype(numpy_name) for name, numpy_name in NUMPY_NAMES
 #: (a hostile tenant could make up many; past this many a kernel's other
 #: signatures take the untyped path: slower, never wrong)
 TYPED_SIGNATURES = 8
+#: the OpenCL platform name of accelmig's own driver (icd/): never a device of a pool
+ACCELMIG_PLATFORM = "accelmig"
 
 
 def _all_devices() -> list[cl.Device]:
@@ -41,6 +43,8 @@ def _all_devices() -> list[cl.Device]:
         return []
     devices: list[cl.Device] = []
     for platform in platforms:
+        if platform.name.strip() == ACCELMIG_PLATFORM:
+            continue    # the accelmig driver itself (a guest's ICD installed here): its devices are this pool's
         try:
             devices.extend(platform.get_devices())
         except cl.Error:

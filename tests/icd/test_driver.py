@@ -145,3 +145,59 @@ def test_what_the_driver_does_not_offer_is_answered_the_opencl_way(icd, pool):
     }
     assert {key: int(value) for key, value in answers.items()} == expected
     assert done.stdout.endswith("done\n")
+
+
+CONFIGS = [
+    None,                   # the reference page's sample file
+    'endpoint = "10.0.0.1:7070"\ntoken = "a \\"quoted\\" token" # a comment\ninsecure = true\n',
+    '[other]\nendpoint = "not this one"\n[driver]\ntimeout = 2.5\nconnect_timeout = 1\ncafile = "/ca.pem"\n',
+    'unknown_key = 1\nendpoint = "[::1]:7070"\n',
+    'endpoint = 10.0.0.1:7070\n',
+    'insecure = "yes"\n',
+    'timeout = 0\n',
+    'just words\n',
+    'token = "unterminated\n',
+    'token = "bad \\q escape"\n',
+]
+
+
+@pytest.mark.parametrize("text", CONFIGS)
+def test_the_c_driver_reads_driver_toml_as_the_python_driver_does(icd, tmp_path, text):
+    from accelmig.wire import driverconfig
+    from accelmig.wire.errors import ConfigInvalid
+    if text is None:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("configref_for_icd", icd_support.ROOT / "docs" / "configref.py")
+        configref = importlib.util.module_from_spec(spec)
+        import sys
+        sys.modules[spec.name] = configref
+        spec.loader.exec_module(configref)
+        text = configref.sample_toml(next(f for f in configref.files() if f.name == "driver.toml"))
+    path = tmp_path / "driver.toml"
+    path.write_text(text)
+    c_side = icd_support.run(icd.program("icd-unit"), dict(os.environ), "config", str(path)).stdout
+    try:
+        cfg = driverconfig.parse(text)
+    except ConfigInvalid:
+        assert c_side == "refused\n", c_side
+        return
+    fields = dict(line.split("=", 1) for line in c_side.splitlines())
+    assert fields == {"endpoint": cfg.endpoint or "", "token": cfg.token or "", "token_file": cfg.token_file or "",
+                      "cafile": cfg.cafile or "", "insecure": str({None: -1, False: 0, True: 1}[cfg.insecure]),
+                      "timeout": f"{cfg.timeout:g}", "connect_timeout": f"{cfg.connect_timeout:g}"}
+
+
+def test_a_pool_never_serves_the_accelmig_platform_as_a_device(icd, pool, tmp_path):
+    """A machine with the accelmig driver installed (its .icd beside PoCL's)
+    that runs a pool: the pool's devices are PoCL's, not the driver's own
+    platform (whose devices would be this very pool)."""
+    vendors = icd_support.local_vendors(tmp_path)
+    (vendors / "accelmig.icd").write_text((icd.vendors / "accelmig.icd").read_text())
+    env = icd_support.driver_env(icd, pool.endpoint, ALICE, OCL_ICD_VENDORS=str(vendors))
+    probe = ("import pyopencl as cl; from accelmig.pool.devices import opencl; "
+             "print(sorted(p.name for p in cl.get_platforms())); print(len(opencl.list_devices()))")
+    import sys
+    done = icd_support.run(sys.executable, env, "-c", probe, timeout=120)
+    platforms, count = done.stdout.splitlines()
+    assert "accelmig" in platforms and "Portable Computing Language" in platforms    # both there
+    assert count == "1"
