@@ -48,11 +48,9 @@ cl_int am_error_to_cl(const am_error *err, cl_int fallback) {
         {"SESSION_EXPIRED", CL_OUT_OF_RESOURCES},
         {"SESSION_DIVERGED", CL_OUT_OF_RESOURCES},
         {"STALE_EPOCH", CL_OUT_OF_RESOURCES},
-        {"NO_SUCH_DEVICE", CL_DEVICE_NOT_AVAILABLE},
-        {"UNAVAILABLE", CL_DEVICE_NOT_AVAILABLE},
-        {"DISCONNECTED", CL_DEVICE_NOT_AVAILABLE},
-        {"AUTH_FAILED", CL_DEVICE_NOT_AVAILABLE},
-        {"TIMEOUT", CL_OUT_OF_RESOURCES},
+        /* (the pool gone, refused, timed out: the caller's own "it failed",
+         * CL_OUT_OF_RESOURCES for a command; clCreateContext says
+         * CL_DEVICE_NOT_AVAILABLE itself) */
     };
     if (err->cl_error < 0)
         return err->cl_error; /* the runtime said exactly what went wrong */

@@ -201,3 +201,10 @@ def test_a_pool_never_serves_the_accelmig_platform_as_a_device(icd, pool, tmp_pa
     platforms, count = done.stdout.splitlines()
     assert "accelmig" in platforms and "Portable Computing Language" in platforms    # both there
     assert count == "1"
+
+
+def test_a_pool_of_an_older_protocol_is_named_and_lists_no_device(icd):
+    with PoolThread(TENANTS, data_versions=(1, 2)) as pool:
+        done = icd_support.run("clinfo", icd_support.driver_env(icd, pool.endpoint, ALICE), timeout=60, check=False)
+    assert "Number of devices                                 0" in done.stdout
+    assert "does not speak data-plane protocol 3" in done.stderr and "upgrade the pool" in done.stderr, done.stderr
