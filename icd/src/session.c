@@ -373,8 +373,15 @@ static int dial(am_session *s, const char *endpoint, double timeout, const char 
     if (send_frame(s, hello, deadline, err) != 0 || (then != NULL && send_frame(s, then, deadline, err) != 0))
         goto fail;
     json_object *welcome = next_answer(s, deadline, err);
-    if (welcome == NULL)
+    if (welcome == NULL) {
+        if (strcmp(err->code, "VERSION_UNSUPPORTED") == 0) {
+            char said[sizeof err->message];
+            snprintf(said, sizeof said, "%s", err->message);
+            am_error_set(err, "VERSION_UNSUPPORTED", "the pool at %s does not speak data-plane protocol %d (the "
+                         "OpenCL driver needs it: upgrade the pool): %.300s", endpoint, AM_PROTOCOL_VERSION, said);
+        }
         goto fail;
+    }
     uint64_t version = 0, max_payload = CHUNK;
     size_t challenge_len = 0;
     const char *challenge = am_json_str(welcome, "challenge", &challenge_len);
