@@ -130,7 +130,12 @@ void am_ctx_watch_locked(cl_context ctx, cl_event event, uint64_t seq) {
 static void on_completed(void *arg, uint64_t upto) {
     cl_context ctx = arg;
     am_watch *done = NULL;
+    /* Waiters see the completion only once the watches' references are
+     * gone (`completing`): a waiter that then releases its last objects
+     * ends the context on its own thread, not on this one. */
+    am_ctx_retain(ctx);
     pthread_mutex_lock(&ctx->mu);
+    ctx->completing++;
     while (ctx->watches != NULL && ctx->watches->seq <= upto) {
         am_watch *watch = ctx->watches;
         ctx->watches = watch->next;
@@ -145,6 +150,11 @@ static void on_completed(void *arg, uint64_t upto) {
         free(done);
         done = next;
     }
+    pthread_mutex_lock(&ctx->mu);
+    ctx->completing--;
+    pthread_cond_broadcast(&ctx->cond);
+    pthread_mutex_unlock(&ctx->mu);
+    am_ctx_release(ctx);
 }
 
 static void on_failed(void *arg, const am_error *err) {
@@ -231,6 +241,7 @@ void am_ctx_retain(cl_context ctx) {
 }
 
 static void destroy(cl_context ctx) {
+    bool released = atomic_load(&ctx->app_refs) == 0;
     am_session_close(ctx->session); /* (no hook runs after it) */
     ctx->session = NULL;
     pthread_mutex_lock(&ctx->mu);
@@ -253,11 +264,12 @@ static void destroy(cl_context ctx) {
     pthread_cond_destroy(&ctx->cond);
     pthread_mutex_destroy(&ctx->mu);
     free(ctx);
+    if (released)
+        am_platform_dying_end();
 }
 
 static void *reaper_main(void *arg) {
     destroy(arg);
-    am_platform_teardown_end();
     return NULL;
 }
 
@@ -277,11 +289,8 @@ void am_ctx_release(cl_context ctx) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    am_platform_teardown_begin();
-    if (pthread_create(&reaper, &attr, reaper_main, ctx) != 0) {
-        am_platform_teardown_end();
+    if (pthread_create(&reaper, &attr, reaper_main, ctx) != 0)
         am_error_log("cannot start a thread to end a context: its session stays until the process ends");
-    }
     pthread_attr_destroy(&attr);
 }
 
@@ -359,6 +368,7 @@ static cl_context CL_API_CALL am_clCreateContext(const cl_context_properties *pr
     }
     ctx->dispatch = &am_dispatch;
     atomic_init(&ctx->refs, 1);
+    atomic_init(&ctx->app_refs, 1);
     ctx->device = devices[0];
     ctx->notify = notify;
     ctx->notify_data = user_data;
@@ -386,6 +396,7 @@ static cl_context CL_API_CALL am_clCreateContext(const cl_context_properties *pr
         goto fail;
     }
     ctx->magic = AM_MAGIC_CONTEXT;
+    am_platform_context_made();
     goto out;
 fail:
     pthread_cond_destroy(&ctx->notice_cond);
@@ -418,6 +429,7 @@ static cl_context CL_API_CALL am_clCreateContextFromType(const cl_context_proper
 static cl_int CL_API_CALL am_clRetainContext(cl_context ctx) {
     if (!am_is_context(ctx))
         return CL_INVALID_CONTEXT;
+    atomic_fetch_add(&ctx->app_refs, 1);
     am_ctx_retain(ctx);
     return CL_SUCCESS;
 }
@@ -425,6 +437,8 @@ static cl_int CL_API_CALL am_clRetainContext(cl_context ctx) {
 static cl_int CL_API_CALL am_clReleaseContext(cl_context ctx) {
     if (!am_is_context(ctx))
         return CL_INVALID_CONTEXT;
+    if (atomic_fetch_sub(&ctx->app_refs, 1) == 1)
+        am_platform_dying_begin(); /* (until destroy: the exit waits for it) */
     am_ctx_release(ctx);
     return CL_SUCCESS;
 }

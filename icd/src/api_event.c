@@ -147,7 +147,8 @@ cl_int am_events_wait(cl_uint num, const cl_event *events) {
                 failed = true;
             }
         }
-        if (all_done)
+        /* (done, while a completion hook is still ending: its broadcast comes) */
+        if (all_done && ctx->completing == 0)
             break;
         if (need > asked) {
             pthread_mutex_unlock(&ctx->mu);

@@ -15,43 +15,52 @@
 static am_platform the_platform = {
     .handle = {.dispatch = &am_dispatch, .magic = AM_MAGIC_PLATFORM},
     .mu = PTHREAD_MUTEX_INITIALIZER,
-    .teardown_done = PTHREAD_COND_INITIALIZER,
+    .dying_done = PTHREAD_COND_INITIALIZER,
 };
 
 am_platform *am_platform_get(void) {
     return &the_platform;
 }
 
-/* seconds the process's exit waits for contexts still being ended */
-#define EXIT_WAIT 5
+/* seconds the process's exit waits for contexts the application released
+ * and whose last internal reference has not gone yet (normally: none, or
+ * milliseconds) */
+#define EXIT_WAIT 2
 
-static void wait_for_teardowns(void) {
+static void wait_for_dying(void) {
     am_platform *p = &the_platform;
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += EXIT_WAIT;
     pthread_mutex_lock(&p->mu);
-    while (p->teardowns > 0 && pthread_cond_timedwait(&p->teardown_done, &p->mu, &until) != ETIMEDOUT) {
+    while (p->dying > 0 && pthread_cond_timedwait(&p->dying_done, &p->mu, &until) != ETIMEDOUT) {
     }
-    if (p->teardowns > 0)
-        am_warn("%d context(s) still ending at the process's exit: their sessions end at the pool's grace", p->teardowns);
+    if (p->dying > 0)
+        am_info("%d released context(s) still held by objects at the process's exit: their sessions end "
+                "at the pool's grace", p->dying);
     pthread_mutex_unlock(&p->mu);
 }
 
-void am_platform_teardown_begin(void) {
+void am_platform_context_made(void) {
     am_platform *p = &the_platform;
     pthread_mutex_lock(&p->mu);
-    p->teardowns++;
     if (!p->exit_hook)
-        p->exit_hook = atexit(wait_for_teardowns) == 0;
+        p->exit_hook = atexit(wait_for_dying) == 0;
     pthread_mutex_unlock(&p->mu);
 }
 
-void am_platform_teardown_end(void) {
+void am_platform_dying_begin(void) {
     am_platform *p = &the_platform;
     pthread_mutex_lock(&p->mu);
-    p->teardowns--;
-    pthread_cond_broadcast(&p->teardown_done);
+    p->dying++;
+    pthread_mutex_unlock(&p->mu);
+}
+
+void am_platform_dying_end(void) {
+    am_platform *p = &the_platform;
+    pthread_mutex_lock(&p->mu);
+    p->dying--;
+    pthread_cond_broadcast(&p->dying_done);
     pthread_mutex_unlock(&p->mu);
 }
 

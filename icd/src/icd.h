@@ -95,18 +95,21 @@ typedef struct am_platform {
     bool discovery_failed;       /* said once as a warning; again at info level */
     struct _cl_device_id devices[AM_MAX_DEVICES];
     cl_uint num_devices;
-    /* contexts being ended on a thread of their own (their last reference
-     * went on one of their own threads): the process's exit waits for them
-     * (a while), so that their sessions are released at the pool */
-    int teardowns;
-    pthread_cond_t teardown_done;
+    /* contexts the application released whose last internal reference has
+     * not gone yet (an event a hook or a callback still holds): the
+     * process's exit waits for them a while, so that their sessions are
+     * released at the pool, not left to its grace */
+    int dying;
+    pthread_cond_t dying_done;
     bool exit_hook;
 } am_platform;
 
 am_platform *am_platform_get(void);
-/* A context is being ended on a thread of its own (begin), or was (end). */
-void am_platform_teardown_begin(void);
-void am_platform_teardown_end(void);
+/* A context was made (the exit hook is set then, before anything can be dying). */
+void am_platform_context_made(void);
+/* The application released a context for the last time (begin); it is gone (end). */
+void am_platform_dying_begin(void);
+void am_platform_dying_end(void);
 /* The configuration (loaded once); NULL and why when it is wrong. */
 const am_config *am_platform_config(am_error *err);
 SSL_CTX *am_platform_tls(void);
@@ -125,7 +128,8 @@ typedef struct am_op am_op;
 struct _cl_context {
     const cl_icd_dispatch *dispatch;
     uint32_t magic;
-    atomic_int refs;
+    atomic_int refs;                 /* the application's and its objects' */
+    atomic_int app_refs;             /* the application's own (clCreateContext, clRetainContext) */
     cl_device_id device;
     cl_context_properties *props;    /* owned copy, 0-terminated (NULL: none given) */
     size_t props_len;
@@ -135,6 +139,7 @@ struct _cl_context {
     pthread_mutex_t mu;
     pthread_cond_t cond;
     am_watch *watches;               /* events waiting for their command's completion, by seq */
+    int completing;                  /* completion hooks under way: waiters wait for them to end */
     cl_command_queue *queues;        /* weak: removed when a queue goes */
     size_t num_queues, cap_queues;
     cl_mem *mems;                    /* weak: live buffers (clSetKernelArg without argument info) */
