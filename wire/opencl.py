@@ -93,8 +93,8 @@ PARAM_KINDS = ("uint", "bool", "ulong", "size", "str", "sizes", "props", "versio
 #: OpenCL 1.0 to 3.0, as clinfo asks them. CL_DEVICE_PLATFORM,
 #: CL_DEVICE_PARENT_DEVICE, CL_DEVICE_REFERENCE_COUNT and
 #: CL_DEVICE_PARTITION_TYPE are the driver's own (objects of its process).
-#: The C driver keeps the same table (icd/src/device_params.h); a test holds
-#: them equal.
+#: The C driver keeps the same table (icd/src/devparams.c); a test holds
+#: them equal (tests/icd/test_driver.py).
 DEVICE_PARAMS = (
     ("CL_DEVICE_TYPE", 0x1000, "ulong"),
     ("CL_DEVICE_VENDOR_ID", 0x1001, "uint"),
