@@ -8,7 +8,7 @@
 #   ./dev.sh test          every test tier, as CI runs it (.ci/run calls exactly this)
 #   ./dev.sh test --fast   the seconds-long tier: no root, no VM
 #   ./dev.sh bench [NAME]  benchmarks under bench/ (tables, JSON, PNG and REPORT.md in bench/results/)
-#   ./dev.sh setup         only install
+#   ./dev.sh setup         only install (and build the OpenCL driver, icd/build)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -22,6 +22,8 @@ APT_PACKAGES=(
   etcd-server
   libvirt-dev
   qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients busybox-static
+  # the OpenCL driver (icd/): its build, clinfo to prove it, clang's libFuzzer for its fuzz tier
+  cmake ninja-build libjson-c-dev libssl-dev opencl-c-headers clinfo clang libclang-rt-14-dev
 )
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
@@ -68,9 +70,24 @@ install_venv() {
   fi
 }
 
+build_icd() {
+  # libaccelmig-opencl.so, the OpenCL driver for guests (icd/README.md); incremental
+  local build="$ROOT/icd/build"
+  if [ ! -f "$build/CMakeCache.txt" ]; then
+    say "configuring the OpenCL driver (icd/) in $build"
+    cmake -S "$ROOT/icd" -B "$build" -G Ninja >/dev/null
+  fi
+  if ! cmake --build "$build" >"$build/last-build.log" 2>&1; then
+    cat "$build/last-build.log" >&2
+    say "the OpenCL driver (icd/) does not build: see above"
+    return 1
+  fi
+}
+
 setup() {
   install_apt "${APT_PACKAGES[@]}"
   install_venv
+  build_icd
 }
 
 cmd=${1:-help}

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from accelmig.plugin import config as host_config
 from accelmig.pool import config as pool_config
+from accelmig.wire import driverconfig
 
 PAGE = Path(__file__).resolve().parent / "config-reference.md"
 COMMAND = ".venv/bin/python docs/configref.py"
@@ -234,6 +235,17 @@ def files() -> list[ConfigFile]:
             "It holds secrets: owned by the pool's user, mode 0600."),
             sections_of(pool_config.HostSpec, "hosts.NAME", "hosts.hostA",
                         doc="One hypervisor host (not `admin`: that name is the admin socket's).")),
+        ConfigFile("driver.toml", (
+            f"A guest's drivers' configuration, `{driverconfig.DEFAULT_PATH}` "
+            f"(`${driverconfig.PATH_ENV}` elsewhere): where the pool is and how to reach it, for the "
+            "OpenCL driver (`libaccelmig-opencl.so`) and the Python driver. A TOML subset (one "
+            "`key = value` a line, strings in double quotes; a guest needs no TOML library): every key "
+            "optional, the environment (`ACCELMIG_ENDPOINT`, `ACCELMIG_TOKEN`, `ACCELMIG_CAFILE`, "
+            "`ACCELMIG_INSECURE`, `ACCELMIG_TIMEOUT`) wins over it, and the guest agent's answer "
+            "wins for the endpoint. An unknown key is a warning (a newer file, an older driver). A file "
+            "holding `token` must be readable by the application's user only."),
+            sections_of(driverconfig.DriverConfig, "driver",
+                        doc="The keys (at the top of the file, or in a `[driver]` table).")),
     ]
 
 

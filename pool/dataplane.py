@@ -22,6 +22,7 @@ import xxhash
 
 from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
+from accelmig.wire import opencl as wire_opencl
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameError, ProtocolError,
@@ -30,7 +31,7 @@ from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Lim
                                   encode_prefix_and_header)
 from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
                                       command_cost)
-from accelmig.pool import streaming
+from accelmig.pool import clcommands, streaming
 from accelmig.pool.session import Command, LaunchRun
 
 #: What a command's payload is digested with, for divergence checks
@@ -415,6 +416,8 @@ class DataConnection(asyncio.BufferedProtocol):
             elif op is Op.RESUME and self.pool.placement is not None and \
                     not str(header.get("sid")).startswith(f"s-{self.pool.instance}-"):
                 self._off_loop(self.pool.placement.locate, header.get("sid"), header=header)
+            elif op is Op.LIST_DEVICES and self.version >= wire_opencl.OPENCL_VERSION:
+                self.send(clcommands.list_devices(self.pool, header))      # (then open, resume or close)
             elif op is Op.RESUME:
                 session, replay = self.pool.resume_session(self, header)
                 self._attach(session)
@@ -450,7 +453,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if op is Op.LAUNCHES:
             self._launches(session, header, payload)
             return False
-        dp.validate_command(header, len(payload))
+        dp.validate_command(header, len(payload), self.version)
         if header["epoch"] != session.epoch or self.epoch != session.epoch:
             raise StaleEpoch(sid=session.sid, got=header["epoch"], current=session.epoch)
         if "ack" in header:

@@ -30,9 +30,10 @@ import threading
 import time
 from typing import Callable
 
+from accelmig.pool import clcommands
 from accelmig.pool.devices import DeviceContext, buildpolicy
 from accelmig.pool.sequencing import REPLY_BYTES, RUN_REPLY_BYTES, SequenceLog, StoredReply, ok_reply
-from accelmig.wire.dataplane import Op
+from accelmig.wire.dataplane import OPENCL_OPS, Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
 
@@ -805,6 +806,11 @@ def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
     return out
 
 
+def _unprofiled(command: Command) -> Command:
+    """The same command without ``prof`` (what ``clcommands.profiled`` runs)."""
+    return dataclasses.replace(command, header={k: v for k, v in command.header.items() if k != "prof"})
+
+
 def _check_object_limit(session: Session, kind: str) -> None:
     """Before a buffer or program is made: the session's count limit."""
     if session.objects >= session.max_objects:
@@ -817,6 +823,8 @@ def _check_object_limit(session: Session, kind: str) -> None:
 def execute(session: Session, command: Command) -> StoredReply | PendingReply:
     """Run one command on the session's device context; never raises.  A
     launch the backend pipelines comes back pending (``_settled`` ends it)."""
+    if command.header.get("prof") is True:       # protocol 3: run alone, timed
+        return clcommands.profiled(session, command, lambda cmd: execute(session, _unprofiled(cmd)))
     ctx = session.context
     h = command.header
     counters = session.counters
@@ -925,6 +933,8 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         elif op is Op.RELEASE:
             ctx.finish()
             fields = {"released": True}
+        elif op in OPENCL_OPS:
+            fields, payload = clcommands.execute(session, command)
         else:  # pragma: no cover - validate_command admits only the ops above
             raise InternalError(reason=f"no executor for {op.value}")
         if session.metrics is not None:

@@ -2,6 +2,10 @@
 
 - ``accelmig.wire.frames``: the frame format shared by every TCP/unix link;
 - ``accelmig.wire.dataplane``: driver <-> pool commands, versions, digests;
+- ``accelmig.wire.batch``, ``accelmig.wire.opencl``: data-plane protocols 2
+  (launch batches) and 3 (what the OpenCL API needs: device listing and
+  parameters, fill, rect transfers, sub-buffers, kernel info, profiling);
+- ``accelmig.wire.driverconfig``: a guest's ``driver.toml`` (both drivers);
 - ``accelmig.wire.control``: host <-> pool control plane (HMAC-authenticated);
 - ``accelmig.wire.devices``: device ids and types, the device selector a
   session opens with (tenant input: parsed strictly, bounded);

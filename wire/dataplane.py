@@ -51,11 +51,14 @@ import re
 import struct
 import zlib
 
-from accelmig.wire.errors import BadRequest, UnknownOp, VersionUnsupported
+from accelmig.wire import opencl
+from accelmig.wire.errors import BadRequest, ProtocolError, UnknownOp, VersionUnsupported
 
 #: data-plane protocol versions this code speaks, oldest first: 2 adds
-#: ``launches``, pipelined launches in one frame (``wire.batch``)
-PROTOCOL_VERSIONS = (1, 2)
+#: ``launches``, pipelined launches in one frame (``wire.batch``); 3 what
+#: the OpenCL API needs (``wire.opencl``: device listing, fill, rect
+#: transfers, sub-buffers, kernel info, by-value arguments, profiling)
+PROTOCOL_VERSIONS = (1, 2, 3)
 
 
 class Op(str, enum.Enum):
@@ -64,12 +67,14 @@ class Op(str, enum.Enum):
     OPEN = "open"
     RESUME = "resume"
     ACK = "ack"
+    LIST_DEVICES = "list_devices"    # protocol 3: the devices a token may open on (``wire.opencl``)
     # pool -> driver
     WELCOME = "welcome"      # answer to hello
     OPENED = "opened"        # answer to open
     RESUMED = "resumed"      # answer to resume, replayed replies follow
     REDIRECT = "redirect"    # answer to open in a cluster: open at that node instead (once)
     REPLY = "reply"          # answer to one sequenced command
+    DEVICES = "devices"      # answer to list_devices (protocol 3)
     DONE = "done"            # plain success of commands "from".."to" (coalesced replies)
     ERROR = "error"          # connection-level error; the pool closes after it
     # sequenced commands
@@ -88,9 +93,16 @@ class Op(str, enum.Enum):
     RELEASE = "release"              # end the session, free everything
     # a run of sequenced launches in one frame (protocol 2, ``wire.batch``)
     LAUNCHES = "launches"
+    # protocol 3 (``wire.opencl``)
+    FILL = "fill"
+    WRITE_RECT = "write_rect"        # payload: the region, packed
+    READ_RECT = "read_rect"
+    COPY_RECT = "copy_rect"
+    ALLOC_SUB = "alloc_sub"
+    KERNEL_INFO = "kernel_info"
 
 
-CONNECTION_OPS = frozenset({Op.HELLO, Op.OPEN, Op.RESUME, Op.ACK})
+CONNECTION_OPS = frozenset({Op.HELLO, Op.OPEN, Op.RESUME, Op.ACK, Op.LIST_DEVICES})
 
 # op -> {field: type(s)} of required fields; optional ones are checked where used
 _REQUIRED: dict[Op, dict[str, tuple]] = {
@@ -107,12 +119,25 @@ _REQUIRED: dict[Op, dict[str, tuple]] = {
     Op.LAUNCH: {"prog": (int,), "kernel": (str,), "gsize": (list,), "args": (list,)},
     Op.FINISH: {},
     Op.RELEASE: {},
+    Op.FILL: {"buf": (int,), "offset": (int,), "size": (int,), "pattern": (str,)},
+    Op.WRITE_RECT: {"buf": (int,), "origin": (list,), "region": (list,), "row_pitch": (int,),
+                    "slice_pitch": (int,)},
+    Op.READ_RECT: {"buf": (int,), "origin": (list,), "region": (list,), "row_pitch": (int,),
+                   "slice_pitch": (int,)},
+    Op.COPY_RECT: {"src": (int,), "dst": (int,), "src_origin": (list,), "dst_origin": (list,),
+                   "region": (list,), "src_row_pitch": (int,), "src_slice_pitch": (int,),
+                   "dst_row_pitch": (int,), "dst_slice_pitch": (int,)},
+    Op.ALLOC_SUB: {"buf": (int,), "parent": (int,), "origin": (int,), "size": (int,)},
+    Op.KERNEL_INFO: {"prog": (int,), "kernel": (str,)},
 }
 SEQUENCED_OPS = frozenset(_REQUIRED)
 #: commands the driver does not wait for (pipelined)
-PIPELINED_OPS = frozenset({Op.ALLOC, Op.FREE, Op.WRITE, Op.COPY, Op.LAUNCH, Op.FREE_PROGRAM})
+PIPELINED_OPS = frozenset({Op.ALLOC, Op.FREE, Op.WRITE, Op.COPY, Op.LAUNCH, Op.FREE_PROGRAM,
+                           Op.FILL, Op.WRITE_RECT, Op.COPY_RECT, Op.ALLOC_SUB})
 #: commands whose payload is data
-PAYLOAD_OPS = frozenset({Op.WRITE, Op.BUILD, Op.BUILD_BINARY})
+PAYLOAD_OPS = frozenset({Op.WRITE, Op.BUILD, Op.BUILD_BINARY, Op.WRITE_RECT})
+#: commands of protocol 3 (``wire.opencl``): refused on a connection of an older one
+OPENCL_OPS = frozenset({Op.FILL, Op.WRITE_RECT, Op.READ_RECT, Op.COPY_RECT, Op.ALLOC_SUB, Op.KERNEL_INFO})
 
 
 def negotiate(offered, supported=PROTOCOL_VERSIONS) -> int:
@@ -187,11 +212,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT
 
 
-def validate_command(header: dict, payload_len: int) -> Op:
-    """Check a sequenced command's fields; return its op or raise BadRequest."""
+def validate_command(header: dict, payload_len: int, version: int = PROTOCOL_VERSIONS[-1]) -> Op:
+    """Check a sequenced command's fields; return its op or raise BadRequest
+    (``ProtocolError`` for something of a protocol newer than ``version``,
+    the one the connection agreed to)."""
     op = parse_op(header)
     if op not in SEQUENCED_OPS:
         raise BadRequest(reason=f"{op.value!r} is not a sequenced command")
+    if version < opencl.OPENCL_VERSION and (op in OPENCL_OPS or "prof" in header):
+        raise ProtocolError(reason=f"{op.value}{' with prof' if op not in OPENCL_OPS else ''} on a connection "
+                                   f"that agreed to protocol {version} (it needs {opencl.OPENCL_VERSION})")
     for key in ("seq", "epoch"):
         if not _is_int(header.get(key)) or header[key] < 0:
             raise BadRequest(reason=f"{op.value}: {key!r} must be a non-negative integer")
@@ -207,7 +237,9 @@ def validate_command(header: dict, payload_len: int) -> Op:
     if op not in PAYLOAD_OPS and payload_len:
         raise BadRequest(reason=f"{op.value} carries no payload ({payload_len} bytes sent)")
     if op == Op.LAUNCH:
-        _validate_launch(header)
+        _validate_launch(header, version)
+    if op in OPENCL_OPS or "prof" in header:
+        opencl.validate(op.value, header, payload_len)
     return op
 
 
@@ -219,7 +251,7 @@ def _validate_range(name: str, value) -> list[int]:
     return value
 
 
-def _validate_launch(header: dict) -> None:
+def _validate_launch(header: dict, version: int = PROTOCOL_VERSIONS[-1]) -> None:
     gsize = _validate_range("gsize", header["gsize"])
     lsize = header.get("lsize")
     if lsize is not None:
@@ -230,6 +262,8 @@ def _validate_launch(header: dict) -> None:
         if not isinstance(arg, dict) or len(arg) == 0:
             raise BadRequest(reason=f"launch: argument {index} must be an object")
         if "buf" in arg:
+            if arg["buf"] is None and version >= opencl.OPENCL_VERSION:
+                continue                    # a NULL buffer (protocol 3)
             if not _is_int(arg["buf"]):
                 raise BadRequest(reason=f"launch: argument {index}: buf must be an integer")
         elif "local" in arg:
@@ -237,6 +271,8 @@ def _validate_launch(header: dict) -> None:
                 raise BadRequest(reason=f"launch: argument {index}: local must be a positive size")
         elif "t" in arg:
             decode_scalar(arg, index)
+        elif "raw" in arg and version >= opencl.OPENCL_VERSION:
+            opencl.raw_arg(arg, index)
         else:
             raise BadRequest(reason=f"launch: argument {index} is none of buf/local/scalar")
 

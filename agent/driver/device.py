@@ -28,7 +28,7 @@ from accelmig.agent.driver import transfer
 from accelmig.agent.driver.args import as_bytes_view, dims, encode_arg, record_arg
 from accelmig.agent.driver.registry import AgentRegistration, domain_of_this_guest, endpoint_from_agent
 from accelmig.agent.driver.session import LinkState, Session
-from accelmig.wire import batch, tls
+from accelmig.wire import batch, driverconfig, tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import AccelmigError, BadRequest, ConfigInvalid, Unavailable
 
@@ -480,17 +480,37 @@ def connect(endpoint: str | None = None, token: str | None = None, **options) ->
     """Open a session on the pool at ``endpoint`` (``"HOST:PORT"``).
 
     Without ``endpoint``, the guest agent is asked where the pool is (the
-    host told it), then ``$ACCELMIG_ENDPOINT``; without ``token``,
-    ``$ACCELMIG_TOKEN``.  Options: see ``Device`` (TLS: ``cafile``,
+    host told it), then ``$ACCELMIG_ENDPOINT``, then the guest's driver
+    configuration file (``wire.driverconfig``: ``/etc/accelmig/driver.toml``);
+    without ``token``, ``$ACCELMIG_TOKEN``, then that file; TLS from the
+    options, the environment, then that file (the OpenCL driver reads the
+    same keys in the same order).  Options: see ``Device`` (TLS: ``cafile``,
     ``insecure``, ``$ACCELMIG_CAFILE``, ``$ACCELMIG_INSECURE``).
     """
+    file = None               # the guest's driver.toml (wire.driverconfig), read when something is missing
+
+    def from_file():
+        nonlocal file
+        if file is None:
+            file = driverconfig.load()
+        return file
+
     if endpoint is None:
-        endpoint = endpoint_from_agent(options.get("agent")) or os.environ.get("ACCELMIG_ENDPOINT")
+        endpoint = endpoint_from_agent(options.get("agent")) or os.environ.get("ACCELMIG_ENDPOINT") or \
+            from_file().endpoint
         if not endpoint:
             raise Unavailable(what="the pool's endpoint",
-                              reason="no endpoint given, no guest agent knows one, ACCELMIG_ENDPOINT unset")
+                              reason=f"no endpoint given, no guest agent knows one, ACCELMIG_ENDPOINT unset, "
+                                     f"and {from_file().source or driverconfig.DEFAULT_PATH} names none")
     if token is None:
-        token = os.environ.get("ACCELMIG_TOKEN")
+        token = os.environ.get("ACCELMIG_TOKEN") or driverconfig.token_of(from_file())
         if not token:
-            raise BadRequest(reason="no tenant token given and ACCELMIG_TOKEN unset")
+            raise BadRequest(reason="no tenant token given, ACCELMIG_TOKEN unset, and no token in "
+                                    f"{from_file().source or driverconfig.DEFAULT_PATH}")
+    if options.get("cafile") is None and options.get("insecure") is None and \
+            not os.environ.get(tls.CAFILE_ENV) and not os.environ.get(tls.INSECURE_ENV):
+        if from_file().cafile:
+            options["cafile"] = file.cafile
+        elif file.insecure is not None:
+            options["insecure"] = file.insecure
     return Device(endpoint, token, **options)

@@ -28,7 +28,14 @@ class LocalArg:
 
 @dataclasses.dataclass(frozen=True)
 class BufferArg:
-    handle: int
+    handle: int | None     # None: a NULL buffer (protocol 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawArg:
+    """A by-value argument's bytes as the kernel takes them (protocol 3:
+    a struct, a vector, any scalar)."""
+    raw: bytes
 
 
 @dataclasses.dataclass
@@ -41,12 +48,15 @@ class BuildResult:
 def args_from_wire(args: list) -> list:
     """Validated wire arguments as ``BufferArg``, ``LocalArg``, ``ScalarArg``."""
     from accelmig.wire.dataplane import decode_scalar
+    from accelmig.wire.opencl import raw_arg
     out = []
     for index, arg in enumerate(args):
         if "buf" in arg:
             out.append(BufferArg(arg["buf"]))
         elif "local" in arg:
             out.append(LocalArg(arg["local"]))
+        elif "raw" in arg:
+            out.append(RawArg(raw_arg(arg, index)))
         else:
             out.append(ScalarArg(arg["t"], decode_scalar(arg, index)))
     return out
@@ -208,3 +218,26 @@ class DeviceContext(abc.ABC):
 
     @abc.abstractmethod
     def buffer_size(self, handle: int) -> int: ...
+
+    # -- protocol 3 (``wire.opencl``; ``pool.devices.clops`` implements them) ----------
+    def _unsupported(self, what: str):
+        from accelmig.wire.errors import DeviceError
+        raise DeviceError(reason=f"this device backend has no {what}")
+
+    def fill(self, handle: int, offset: int, size: int, pattern: bytes) -> None:
+        self._unsupported("fill")
+
+    def write_rect(self, handle: int, spec, data) -> None:
+        self._unsupported("rect transfers")
+
+    def read_rect(self, handle: int, spec, out) -> None:
+        self._unsupported("rect transfers")
+
+    def copy_rect(self, src: int, dst: int, src_spec, dst_spec) -> None:
+        self._unsupported("rect transfers")
+
+    def alloc_sub(self, handle: int, parent: int, origin: int, size: int) -> None:
+        self._unsupported("sub-buffers")
+
+    def kernel_info(self, program: int, name: str) -> dict:
+        self._unsupported("kernel queries")

@@ -38,6 +38,8 @@ class PoolDevice:
         self.bytes_in_use = 0
         self.sessions = 0
         self._lock = threading.Lock()     # bytes move on session worker threads
+        # every CL_DEVICE_* value (wire.opencl), read at the first list_devices (pool.clcommands)
+        self.cl_params: dict | None = None
 
     def session_opened(self) -> None:
         with self._lock:

@@ -45,6 +45,7 @@ import time
 
 from accelmig.pool.devices.arena import ArenaLease, UploadArena
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
+from accelmig.pool.devices.clops import IsolatedOps
 from accelmig.pool.devices.sandbox import device_environment, probe
 from accelmig.pool.devices.worker import LAUNCH_BATCH, PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
@@ -506,13 +507,14 @@ class IsolatedBackend(DeviceBackend):
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-class IsolatedContext(DeviceContext):
+class IsolatedContext(IsolatedOps, DeviceContext):
     """A session's context in its tenant's device process.  Buffer sizes are
     kept here too: quota is given back even when the process is gone."""
 
     def __init__(self, backend: IsolatedBackend, process: TenantProcess, ctx_id: int):
         self.backend, self.process, self.ctx_id = backend, process, ctx_id
         self.sizes: dict[int, int] = {}
+        self.sub_sizes: dict[int, tuple[int, int]] = {}   # sub-buffer -> (parent, size): no quota (``clops``)
         self._released = False
         self._lock = threading.Lock()
         # Nothing sent since the last finish answered (launches, copies and
@@ -540,6 +542,9 @@ class IsolatedContext(DeviceContext):
         try:
             return self.sizes[handle]
         except KeyError:
+            sub = self.sub_buffer_size(handle)
+            if sub is not None:
+                return sub
             raise NoSuchObject(kind="buffer", handle=handle) from None
 
     def alloc(self, handle: int, nbytes: int) -> None:
@@ -548,8 +553,12 @@ class IsolatedContext(DeviceContext):
             self.sizes[handle] = nbytes
 
     def free(self, handle: int) -> int:
+        sub = self.check_free(handle)
         self._call("free", {"buf": handle})
         with self._lock:
+            if sub:
+                self.sub_sizes.pop(handle, None)
+                return 0
             return self.sizes.pop(handle, 0)
 
     def write(self, handle: int, offset: int, data) -> None:

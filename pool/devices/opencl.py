@@ -15,7 +15,8 @@ import numpy as np
 import pyopencl as cl
 
 from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, DeviceContext,
-                                        LocalArg, ScalarArg)
+                                        LocalArg, RawArg, ScalarArg)
+from accelmig.pool.devices.clops import OpenCLOps
 from accelmig.wire.dataplane import NUMPY_NAMES
 from accelmig.wire.devices import assign_ids, device_type
 from accelmig.wire.errors import (BuildFailed, DeviceError, Forbidden, NoSuchObject, ObjectExists,
@@ -30,6 +31,8 @@ _NATIVE_DTYPES = {name: np.dtype(numpy_name) for name, numpy_name in NUMPY_NAMES
 #: (a hostile tenant could make up many; past this many a kernel's other
 #: signatures take the untyped path: slower, never wrong)
 TYPED_SIGNATURES = 8
+#: the OpenCL platform name of accelmig's own driver (icd/): never a device of a pool
+ACCELMIG_PLATFORM = "accelmig"
 
 
 def _all_devices() -> list[cl.Device]:
@@ -40,6 +43,8 @@ def _all_devices() -> list[cl.Device]:
         return []
     devices: list[cl.Device] = []
     for platform in platforms:
+        if platform.name.strip() == ACCELMIG_PLATFORM:
+            continue    # the accelmig driver itself (a guest's ICD installed here): its devices are this pool's
         try:
             devices.extend(platform.get_devices())
         except cl.Error:
@@ -107,14 +112,19 @@ class OpenCLBackend(DeviceBackend):
 
 
 def _cl_error(exc: Exception) -> DeviceError:
-    return DeviceError(reason=str(exc).strip() or type(exc).__name__)
+    # the runtime's own error code travels too: the OpenCL driver in the
+    # guest answers the application with it (wire.opencl)
+    code = getattr(exc, "code", None)
+    return DeviceError(reason=str(exc).strip() or type(exc).__name__,
+                       details={"cl_error": code} if isinstance(code, int) else None)
 
 
-class OpenCLContext(DeviceContext):
+class OpenCLContext(OpenCLOps, DeviceContext):
     def __init__(self, backend: OpenCLBackend):
         self.backend = backend
         self.queue = cl.CommandQueue(backend.context, backend.device)
         self.buffers: dict[int, tuple[cl.Buffer, int]] = {}
+        self.subs: dict[int, int] = {}        # sub-buffer -> its parent (``clops``: no bytes of their own)
         self.programs: dict[int, cl.Program] = {}
         # (program, name): the kernel; (program, name, signature): a kernel
         # told its scalar arguments' types (``_typed_kernel``)
@@ -165,9 +175,11 @@ class OpenCLContext(DeviceContext):
 
     def free(self, handle: int) -> int:
         buf, size = self._buffer(handle)
+        sub = self.check_free(handle)
         del self.buffers[handle]
+        self.subs.pop(handle, None)
         buf.release()
-        return size
+        return 0 if sub else size
 
     def write(self, handle: int, offset: int, data) -> None:
         buf, size = self._buffer(handle)
@@ -279,13 +291,16 @@ class OpenCLContext(DeviceContext):
         signature = []
         for arg in args:
             if isinstance(arg, BufferArg):
-                cl_args.append(self._buffer(arg.handle)[0])
+                cl_args.append(None if arg.handle is None else self._buffer(arg.handle)[0])
                 signature.append(None)
             elif isinstance(arg, ScalarArg):
                 cl_args.append(np.frombuffer(arg.raw, dtype=_DTYPES[arg.type_name])[0])
                 signature.append(arg.type_name)
             elif isinstance(arg, LocalArg):
                 cl_args.append(cl.LocalMemory(arg.nbytes))
+                signature.append(None)
+            elif isinstance(arg, RawArg):
+                cl_args.append(np.frombuffer(arg.raw, np.uint8))     # its bytes as they are
                 signature.append(None)
             else:  # pragma: no cover - the session layer only builds these three
                 raise DeviceError(reason=f"unknown argument {arg!r}")
@@ -341,10 +356,12 @@ class OpenCLContext(DeviceContext):
                 self.queue.finish()
             except cl.Error:
                 pass
-            for buf, size in self.buffers.values():
-                released += size
+            for handle, (buf, size) in self.buffers.items():
+                if handle not in self.subs:
+                    released += size
                 buf.release()
             self.buffers.clear()
+            self.subs.clear()
             self.kernels.clear()
             self.programs.clear()
             return released

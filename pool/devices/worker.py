@@ -42,7 +42,8 @@ import socket
 import sys
 import threading
 
-from accelmig.pool.devices.base import BufferArg, LocalArg, ScalarArg
+from accelmig.pool.devices import clops
+from accelmig.pool.devices.base import BufferArg, LocalArg, RawArg, ScalarArg
 from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Unavailable
 from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
 
@@ -60,6 +61,8 @@ def encode_args(args: list) -> list:
             out.append({"buf": arg.handle})
         elif isinstance(arg, LocalArg):
             out.append({"local": arg.nbytes})
+        elif isinstance(arg, RawArg):
+            out.append({"raw": arg.raw.hex()})
         else:
             out.append({"t": arg.type_name, "x": arg.raw.hex()})
     return out
@@ -69,9 +72,11 @@ def decode_args(args: list) -> list:
     out = []
     for arg in args:
         if "buf" in arg:
-            out.append(BufferArg(int(arg["buf"])))
+            out.append(BufferArg(None if arg["buf"] is None else int(arg["buf"])))
         elif "local" in arg:
             out.append(LocalArg(int(arg["local"])))
+        elif "raw" in arg:
+            out.append(RawArg(bytes.fromhex(arg["raw"])))
         else:
             out.append(ScalarArg(str(arg["t"]), bytes.fromhex(arg["x"])))
     return out
@@ -263,6 +268,8 @@ class ContextThread:
             ctx.finish()
         elif method == "release":
             return ctx.release(), b""
+        elif method in clops.DEVICE_PROCESS_METHODS:
+            return clops.run_in_device_process(ctx, method, a, payload)
         else:
             raise BadRequest(reason=f"device process: no method {method!r}")
         return None, b""

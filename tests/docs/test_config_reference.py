@@ -18,6 +18,7 @@ import pytest
 
 from accelmig.plugin.config import HostConfig
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec, load_hosts, load_tenants, parse_size
+from accelmig.wire import driverconfig
 from accelmig.wire.errors import ConfigInvalid
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def test_the_check_mode_tells_a_stale_page_and_the_command(tmp_path, capsys):
 
 def _config_classes():
     """Every dataclass the files are read into, nested sections included."""
-    seen, todo = [], [HostConfig, PoolConfig, TenantSpec, HostSpec]
+    seen, todo = [], [HostConfig, PoolConfig, TenantSpec, HostSpec, driverconfig.DriverConfig]
     while todo:
         cls = todo.pop()
         if cls in seen:
@@ -153,7 +154,12 @@ def _parsed_specs(loader, name):
     return parse
 
 
-PARSERS = {"host.toml": _parsed_host, "pool.toml": _parsed_pool,
+def _parsed_driver(text, tmp_path):
+    cfg = driverconfig.parse(text, "sample")
+    return lambda section, key: getattr(cfg, key.field.name)
+
+
+PARSERS = {"host.toml": _parsed_host, "pool.toml": _parsed_pool, "driver.toml": _parsed_driver,
            "tokens.toml": _parsed_specs(load_tenants, "tokens"),
            "hosts.toml": _parsed_specs(load_hosts, "hosts")}
 

@@ -80,11 +80,13 @@ def test_digest_ignores_what_a_resend_changes_and_nothing_else():
 
 
 def test_version_negotiation():
-    assert dp.negotiate([1, 2, 99]) == 2
+    assert dp.negotiate([1, 2, 3, 99]) == 3
+    assert dp.negotiate([1, 2, 99]) == 2               # a driver from before the OpenCL additions
     assert dp.negotiate([1, 99]) == 1                  # a driver from before launch batches
     assert dp.negotiate([1, 2], supported=(1,)) == 1   # a pool from before them
+    assert dp.negotiate([1, 2, 3], supported=(1, 2)) == 2
     assert dp.offered_versions([2, 1, 1]) == (1, 2)
-    for bad in ([], [3], [1, 7], "x", [None]):          # a driver offers only what it speaks
+    for bad in ([], [4], [1, 7], "x", [None]):          # a driver offers only what it speaks
         with pytest.raises(BadRequest):
             dp.offered_versions(bad)
     with pytest.raises(VersionUnsupported, match="peer offers"):

@@ -1,0 +1,101 @@
+/* A session on the pool (data-plane protocol 3): what one OpenCL context
+ * computes through.  The same contract as the Python driver's session
+ * (agent/driver/session.py): hello, open (with the session secret, which
+ * never leaves this process otherwise), sequenced commands carrying the
+ * session's epoch and the acknowledgement of replies seen, every command
+ * kept in the window until its reply, and after a lost connection a resume
+ * (HMAC proof over the pool's challenge, bound to the TLS channel) that
+ * re-sends exactly what the pool lacks.
+ *
+ * Connection states (one transition table, `state_to`):
+ *
+ *   CONNECTING --opened--> CONNECTED --lost--> DISCONNECTED --resume--> RESUMING
+ *                              ^                   ^    |                  |
+ *                              +-------------------|----|------accepted----+
+ *                                                  +----|------refused-----+
+ *   FAILED: the pool ended the session (lost, expired, diverged, killed),
+ *           or no connection for `timeout` seconds: every command fails.
+ *   CLOSED: am_session_close.
+ *
+ * Threads: the application's (submit, wait), and the session's I/O thread,
+ * which alone reads and writes the socket after the open (OpenSSL objects
+ * are not shared between threads), dispatches replies to the window, runs
+ * each command's hook, acknowledges and reconnects.  `mu` guards the state,
+ * the window, the epoch and the counters; hooks run without it.  Signals
+ * are blocked on the I/O thread: they stay the application's. */
+#ifndef ACCELMIG_SESSION_H
+#define ACCELMIG_SESSION_H
+
+#include <json-c/json.h>
+#include <openssl/ssl.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "config.h"
+#include "errors.h"
+#include "window.h"
+
+/* the data-plane protocol version the OpenCL driver speaks (wire.opencl) */
+#define AM_PROTOCOL_VERSION 3
+
+typedef struct am_session_hooks {
+    void *ctx;
+    /* every command up to `upto` has completed on the device (I/O thread, no lock held) */
+    void (*completed)(void *ctx, uint64_t upto);
+    /* the session ended for good (I/O thread or the caller's, no lock held) */
+    void (*failed)(void *ctx, const am_error *err);
+} am_session_hooks;
+
+typedef struct am_session am_session;
+
+/* Open a session on the device `device_id` (an id of am_list_devices').
+ * `tls` NULL: plain TCP (insecure, said by the configuration). */
+am_session *am_session_open(const am_config *cfg, SSL_CTX *tls, const char *device_id,
+                            const am_session_hooks *hooks, am_error *err);
+/* Release the session at the pool, stop its thread, free it (and every
+ * command still in its window). */
+void am_session_close(am_session *s);
+
+/* A new buffer or program handle (chosen here: a re-sent command names the same object). */
+uint64_t am_session_handle(am_session *s);
+/* The largest payload one command may carry (larger transfers go in chunks). */
+uint64_t am_session_chunk(const am_session *s);
+const char *am_session_sid(const am_session *s);
+
+/* Number `cmd`, keep it in the window and have it sent; it is the
+ * session's from now on (a waited one is the waiter's again once done).
+ * Blocks while the window is full.  `seq` (may be NULL): its number (the
+ * command itself may be answered and freed by then).  -1 (cmd untouched,
+ * still the caller's) when the session failed or closed. */
+int am_session_submit(am_session *s, am_cmd *cmd, uint64_t *seq, am_error *err);
+/* Block until a waited command's outcome is in; the caller then frees it. */
+void am_session_wait(am_session *s, am_cmd *cmd);
+/* The last sequence number given out (0: none yet). */
+uint64_t am_session_last_seq(am_session *s);
+/* Make sure command `seq` is known complete some time soon: a finish
+ * follows it unless a command that completes on its reply already does. */
+void am_session_ensure_completion(am_session *s, uint64_t seq);
+/* Every command up to the returned one completed on the device. */
+uint64_t am_session_completed(am_session *s);
+/* true on the session's own I/O thread (a hook calling back in). */
+bool am_session_on_io_thread(const am_session *s);
+/* true (and why, if `err`) once the session failed. */
+bool am_session_failed(am_session *s, am_error *err);
+
+/* A session with no connection and no thread, whose window holds
+ * `pending` commands (1, 2, ...): what the unit tests and the fuzz
+ * harness feed what a pool might send (am_session_feed: the bytes as the
+ * I/O thread reads them).  Freed with am_session_close. */
+am_session *am_session_offline(uint32_t pending);
+/* 0, or -1 when the bytes would cost the connection (err: why). */
+int am_session_feed(am_session *s, const uint8_t *data, size_t len, am_error *err);
+
+/* The pool's devices a token may open on: the `devices` answer of a
+ * list_devices (the caller owns it), or NULL and why. */
+json_object *am_list_devices(const am_config *cfg, SSL_CTX *tls, am_error *err);
+
+/* wire.dataplane.ownership_proof: HMAC-SHA256(secret, "challenge|sid|epoch[|binding]"), hex. */
+void am_ownership_proof(const unsigned char *secret, size_t secret_len, const char *challenge, const char *sid,
+                        uint64_t epoch, const unsigned char *binding, size_t binding_len, char out[65]);
+
+#endif
