@@ -68,6 +68,8 @@ def execute(session, command) -> tuple[dict, bytes]:
         if spec.extent > limit:
             raise OutOfRange(what=f"read_rect of buffer {h['buf']}", offset=spec.extent - spec.packed_size,
                              size=spec.packed_size, limit=limit)
+        from accelmig.pool.session import refuse_oversized_read   # (that module imports this one)
+        refuse_oversized_read(session, spec.packed_size)
         out = bytearray(spec.packed_size)
         ctx.read_rect(h["buf"], spec, out)
         session.counters.bytes_downloaded += len(out)

@@ -53,6 +53,23 @@ PROGRAM_CHARGE = 1 << 20           # and the program's source or binary, byte fo
 MAX_COMMAND_BYTES = 64 << 20
 
 
+def _packed_size(header: dict) -> int:
+    """A ``read_rect``'s reply bytes: its region, packed (validated at accept)."""
+    width, height, depth = header["region"]
+    return width * height * depth
+
+
+def refuse_oversized_read(session: "Session", size: int) -> None:
+    """A read whose reply alone would be more than the session may keep
+    unacknowledged (drivers read in chunks of the welcome's
+    ``max_payload``, which is at most that) is refused before its reply
+    buffer is made."""
+    if size > session.max_reply_bytes:
+        raise LimitExceeded(tenant=session.tenant.name, reason=(
+            f"a read of {size} bytes is more than a session's replies may hold until "
+            f"acknowledged (max_reply_bytes = {session.max_reply_bytes}): read it in chunks"))
+
+
 class SessionState(enum.Enum):
     ATTACHED = "attached"
     DETACHED = "detached"
@@ -472,8 +489,9 @@ class Session:
         a read's size; a read larger than ``max_reply_bytes`` is refused
         without its payload (``execute``).  A program's binary is counted
         once it is back (the bound is passed by at most that one binary)."""
-        if command.op is Op.READ:
-            size = command.header["size"]
+        op = command.op
+        if op is Op.READ or op is Op.READ_RECT:
+            size = command.header["size"] if op is Op.READ else _packed_size(command.header)
             if size <= self.max_reply_bytes:
                 return REPLY_BYTES + size
         return REPLY_BYTES
@@ -868,13 +886,7 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             if h["offset"] < 0 or size < 0 or h["offset"] + size > limit:
                 raise OutOfRange(what=f"read of buffer {h['buf']}", offset=h["offset"], size=size,
                                  limit=limit)
-            if size > session.max_reply_bytes:
-                # its reply alone would be more than the session may keep
-                # unacknowledged (drivers read in chunks of the welcome's
-                # max_payload, which is at most that)
-                raise LimitExceeded(tenant=session.tenant.name, reason=(
-                    f"a read of {size} bytes is more than a session's replies may hold until "
-                    f"acknowledged (max_reply_bytes = {session.max_reply_bytes}): read it in chunks"))
+            refuse_oversized_read(session, size)
             payload = session.buffers.get(size) if session.buffers is not None and size else bytearray(size)
             try:
                 ctx.read_into(h["buf"], h["offset"], payload)

@@ -33,7 +33,7 @@ def pki(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tls_pool(pki):
     p = pki["pki"]
-    with PoolThread(TENANTS, tls_cert=str(p.pool.cert), tls_key=str(p.pool.key)) as pool:
+    with PoolThread(TENANTS, tls_cert=str(p.pool.cert), tls_key=str(p.pool.key), control_listen="") as pool:
         yield pool
 
 
@@ -69,7 +69,7 @@ def test_a_pool_the_driver_cannot_trust_gets_nothing(icd, pki, tls_pool, tmp_pat
         pool = None
     elif case == "dns_only":
         cert = pki["dns_only"]
-        pool = PoolThread(TENANTS, tls_cert=str(cert.cert), tls_key=str(cert.key)).start()
+        pool = PoolThread(TENANTS, tls_cert=str(cert.cert), tls_key=str(cert.key), control_listen="").start()
         env = icd_support.driver_env(icd, pool.endpoint, TOKEN, cafile=str(pki["pki"].ca))
     else:
         env = icd_support.driver_env(icd, endpoint, TOKEN)       # ACCELMIG_INSECURE=1

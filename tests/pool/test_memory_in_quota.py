@@ -68,13 +68,15 @@ def test_one_byte_buffers_are_charged_their_bookkeeping_and_end_at_the_quota(tls
     wait_for(lambda: watch.bytes_in_use() == 0 and not watch.sessions(), 20, "the session to end")
 
 
-def test_unacknowledged_reads_wait_at_max_reply_bytes_and_a_larger_one_is_refused(tls_pool_process, lab_pki):
+@pytest.mark.parametrize("version", [1, 3])
+def test_unacknowledged_reads_wait_at_max_reply_bytes_and_a_larger_one_is_refused(tls_pool_process, lab_pki,
+                                                                                   version):
     bound = 8 * MiB
     pool = tls_pool_process(tenants("64MiB"), "--grace", 60, config=f"max_reply_bytes = {bound}\n")
     watch = PoolWatch(pool.tokens.parent / "pool.sock")
     peer = RawPeer(pool.endpoint, lab_pki.ca)
     try:
-        sid = peer.open(TOKEN)["sid"]
+        sid = peer.open(TOKEN, versions=(version,))["sid"]
         peer.send({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": MiB})
         peer.send({"op": "alloc", "seq": 2, "epoch": 1, "buf": 2, "size": 9 * MiB})
         peer.send({"op": "finish", "seq": 3, "epoch": 1})
@@ -86,13 +88,23 @@ def test_unacknowledged_reads_wait_at_max_reply_bytes_and_a_larger_one_is_refuse
         assert header["error"]["code"] == "QUOTA_EXCEEDED" and "max_reply_bytes" in header["error"]["message"]
         peer.send({"op": "ack", "ack": 4})
         before = rss(pool.pid)
+        if version == 3:                # a rectangle's packed bytes are its reply: the same bound
+            peer.send({"op": "read_rect", "seq": 5, "epoch": 1, "buf": 2, "region": [MiB, 9, 1],
+                       "origin": [0, 0, 0], "row_pitch": 0, "slice_pitch": 0})
+            header, payload = peer.next_frame()
+            assert header["seq"] == 5 and not header["ok"] and payload == b"", header
+            assert header["error"]["code"] == "QUOTA_EXCEEDED" and "max_reply_bytes" in header["error"]["message"]
+            peer.send({"op": "ack", "ack": 5})
+            first = 6
+        else:
+            first = 5
         # 64 reads of 1 MiB that this peer neither reads nor acknowledges
-        reads = range(5, 5 + 64)
+        reads = range(first, first + 64)
         for seq in reads:
             peer.send({"op": "read", "seq": seq, "epoch": 1, "buf": 1, "offset": 0, "size": MiB})
         state = wait_for(lambda: (lambda s: s["held"] > 0 and s["in_flight"] == 0 and s)(session_of(watch, sid)),
                          20, "the reads within the bound to run, the others to be held")
-        ran = state["sequence"]["highest_reply"] - 4
+        ran = state["sequence"]["highest_reply"] - (first - 1)
         assert 1 <= ran <= bound // MiB, state                  # main ran all 64
         assert state["sequence"]["reply_bytes"] <= bound
         assert state["held"] == len(reads) - ran

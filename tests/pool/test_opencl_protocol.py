@@ -43,7 +43,9 @@ kernel void fixed(global int *x) { x[get_global_id(0)] += 1; }
 
 @pytest.fixture(scope="module", params=["process", "none"])
 def pool(request):
-    with PoolThread(TENANTS, device_isolation=request.param) as harness:
+    # (a pool without device processes builds only when told it may: one trusted tenant)
+    with PoolThread(TENANTS, device_isolation=request.param,
+                    allow_unconfined_builds=request.param == "none") as harness:
         yield harness
 
 

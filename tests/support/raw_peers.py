@@ -54,9 +54,9 @@ class RawPeer:
                 return out
             out.extend(f.header for f in self.reader.feed(n))
 
-    def open(self, token: str) -> dict:
+    def open(self, token: str, versions=(1,)) -> dict:
         """hello + open; the ``opened`` answer."""
-        self.send({"op": "hello", "versions": [1]})
+        self.send({"op": "hello", "versions": list(versions)})
         self.send({"op": "open", "token": token, "secret": "ab" * 32})
         welcome, _ = self.next_frame()
         assert welcome["op"] == "welcome", welcome
