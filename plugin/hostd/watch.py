@@ -149,7 +149,15 @@ class DomainWatch:
         self.record = None                       # the RecordView this host takes part in
         self.delivery = NoDelivery()             # how rehomes reach the guest: set from the live XML
         self.channel_path: str | None = None
-        self.sessions: set[str] = set()
+        self.sessions: set[str] = set()          # attested here
+        # what the guest reported and is not attested yet: sid -> new (needs a proof)
+        self.unattested: dict[str, bool] = {}
+        self.attesting: asyncio.Task | None = None
+        # the migration token in the live XML, and whether the pool has it as this host's
+        self.token: str | None = None
+        self.token_registered = False
+        self.token_busy = False
+        self.token_retry_at = 0.0                 # (monotonic) not tried again before
         self.fabric_mac: str | None = None
         # False for a domain nobody marked (a Nova instance, found by its
         # sessions): its NICs are another system's, never re-addressed

@@ -13,11 +13,13 @@ import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.wire import attestation as att
 from accelmig.wire.localapi import LocalClient
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
 from tests.conftest import ALICE, TENANTS, run_cli
+from tests.support.attest import bind
 from tests.support.hostd import SECRET, HostdThread, write_config
 from tests.support.wait import wait_for
 
@@ -25,15 +27,18 @@ GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 SECRET_B = "hostB-secret-9876543210"
 
 
-def accel_domain_xml(name: str, uuid: str, channel: str | None = None) -> str:
+def accel_domain_xml(name: str, uuid: str, channel: str | None = None, token: str | None = None) -> str:
     """A test-driver domain carrying accelmig's metadata (test:///default runs
-    no QEMU: a ``channel`` path is a unix socket the test's own agent serves)."""
+    no QEMU: a ``channel`` path is a unix socket the test's own agent serves)
+    and, with ``token``, the migration token its former host wrote into it."""
     devices = (f"<devices><channel type='unix'><source mode='bind' path='{channel}'/>"
                f"<target type='virtio' name='org.accelmig.agent.0'/></channel></devices>") if channel else ""
+    vouch = (f'<accelmig-migration:token xmlns:accelmig-migration="{att.MIGRATION_NS}" value="{token}"/>'
+             if token else "")
     return f"""<domain type='test'>
   <name>{name}</name><uuid>{uuid}</uuid><memory>65536</memory><vcpu>1</vcpu>
   <metadata><accelmig:domain xmlns:accelmig="http://accelmig.dev/xmlns/domain/1">
-    <accelmig:interfaces owner="accelmig"/></accelmig:domain></metadata>
+    <accelmig:interfaces owner="accelmig"/></accelmig:domain>{vouch}</metadata>
   <os><type arch='x86_64'>hvm</type></os>
   {devices}
 </domain>"""
@@ -75,7 +80,7 @@ def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
     try:
         dev = connect(pool.endpoint, ALICE, agent=False, timeout=5, auto_reconnect=False)
         with control(pool) as a:
-            a.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+            bind(a, dev, uuid)
         image = str(tmp_path / "accel-save.img")
         dom.save(image)
         wait_for(lambda: pool.session(dev.sid)["parked"], what="the session parked")
@@ -157,11 +162,15 @@ def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resume
     agent = None
     try:
         buf = dev.upload(b"kept on the pool" * 4)
+        token = att.new_token()
         with control(pool, "hostB") as b:
-            b.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+            bind(b, dev, uuid)
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
         with control(pool, "hostA") as a:
-            record = a.call("open_migration", domain_uuid=uuid)        # the domain comes to hostA
-        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel)))
+            # the domain comes to hostA with the token hostB wrote into it (as its hook opens)
+            record = a.call("open_migration", domain_uuid=uuid, token=token)
+            assert record["vouched"]
+        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel), token=token))
         created.append(dom)
         dom.create()
         hostd = HostdThread(config, rehome_timeout=1.0, retry_first=0.2, retry_max=0.5).start()

@@ -21,6 +21,7 @@ from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
 from accelmig.wire.records import RecordView
+from tests.support.attest import bind
 from tests.support.tenants import ALICE, BOB, TENANTS
 
 SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001",
@@ -50,24 +51,24 @@ def test_a_session_is_bound_to_the_host_its_connection_comes_from(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
         assert pool.session(dev.sid)["bound_host"] == "hostA"
         with pytest.raises(Conflict, match="bound to host hostA, not hostB"):
-            hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostB"], dev, DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] is None
 
 
 def test_only_the_bound_host_unbinds(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="bound to host hostA"):
-            hosts["hostB"].call("unbind_session", sid=dev.sid)
+            hosts["hostB"].call("unbind_session", sid=dev.sid, domain_uuid=DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
-        hosts["hostA"].call("unbind_session", sid=dev.sid)
+        hosts["hostA"].call("unbind_session", sid=dev.sid, domain_uuid=DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] is None
 
 
 @pytest.mark.parametrize("retention", [0.001, -5, 1e300, "60", True])
 def test_a_retention_out_of_range_is_refused(pool, hosts, retention):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(BadRequest, match="retention must be seconds from 1 to"):
             hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=retention)
         assert pool.session(dev.sid)["state"] == "attached"
@@ -75,7 +76,7 @@ def test_a_retention_out_of_range_is_refused(pool, hosts, retention):
 
 def test_only_the_host_of_a_domain_parks_it(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="bound to hostA"):
             hosts["hostB"].call("park", domain_uuid=DOMAIN, retention=60)
         assert pool.session(dev.sid)["state"] == "attached"
@@ -89,7 +90,8 @@ def test_a_host_cannot_register_a_network_inside_another_hosts(pool, hosts):
     assert "127.0.0.0/8" not in answer["networks"] and "10.99.1.0/24" in answer["networks"]
     # hostA's guests are still hostA's
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        assert hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+        assert bind(hosts["hostA"], dev, DOMAIN)["bound"] == [dev.sid]
+        assert pool.session(dev.sid)["bound_host"] == "hostA"
 
 
 @pytest.fixture
@@ -101,7 +103,7 @@ def admin(pool):
 # -- who opens a migration -----------------------------------------------------------
 def test_only_the_destination_the_domains_host_named_opens_its_migration(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
         with pytest.raises(Forbidden, match="host hostC may not open a migration of domain .*: it goes "
                                             "to host hostB .named by its host hostA"):
@@ -120,7 +122,7 @@ def test_only_the_destination_the_domains_host_named_opens_its_migration(pool, h
 
 def test_a_host_names_the_destination_only_of_its_own_domains(pool, hosts, admin):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="host hostB may not register an intent for domain .*: "
                                             "it runs on host hostA"):
             hosts["hostB"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
@@ -134,7 +136,7 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
     """``accelmig migrate`` that failed before the destination's hook ran
     leaves its intent behind: after INTENT_TTL it keeps nobody out."""
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB", policy="start")
         pool.call(lambda: pool.pool.intents[DOMAIN].update(registered=time.time() - INTENT_TTL - 1))
         record = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
@@ -145,7 +147,7 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
 @pytest.mark.parametrize("method", ["switchover", "close", "commit", "complete", "abort"])
 def test_a_host_that_takes_no_part_in_a_migration_cannot_act_on_it(pool, hosts, method):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         with pytest.raises(Forbidden, match=f"host hostC may not .* {DOMAIN}/{record['migration_id']}"):
             hosts["hostC"].call(method, domain_uuid=DOMAIN, migration_id=record["migration_id"])
@@ -159,7 +161,7 @@ def test_a_record_opened_before_the_pool_knew_the_domain_is_its_sessions_hosts(p
     assert record["source_host"] is None
     mid = record["migration_id"]
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)     # during pre-copy
+        bind(hosts["hostA"], dev, DOMAIN)     # during pre-copy
         with pytest.raises(Forbidden, match="may not switch over .*: it comes from host hostA"):
             hosts["hostC"].call("switchover", domain_uuid=DOMAIN, migration_id=mid)
         with pytest.raises(Forbidden, match="may not close .*: it comes from host hostA"):
@@ -174,7 +176,7 @@ def test_a_record_opened_before_the_pool_knew_the_domain_is_its_sessions_hosts(p
 
 def test_only_the_host_of_a_domain_unparks_it(pool, hosts, admin):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=3600)
         with pytest.raises(Forbidden, match="host hostB may not unpark domain .*: its sessions are "
                                             "bound to hostA"):
@@ -197,17 +199,18 @@ def test_a_destination_attests_another_hosts_session_only_once_that_host_switche
         # hostA's unattested sessions
         invented = hosts["hostC"].call("open_migration", domain_uuid=OTHER)
         with pytest.raises(RecordState, match="cannot attest session .* before its source switched"):
-            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=OTHER)
+            bind(hosts["hostC"], neighbour, OTHER)
         assert pool.session(neighbour.sid)["domain_uuid"] is None
         hosts["hostC"].call("abort", domain_uuid=OTHER, migration_id=invented["migration_id"])
         # the real migration of the guest-exec VM from hostA to hostB
         record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         with pytest.raises(RecordState, match="before its source switched"):
-            hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostB"], dev, DOMAIN)
         hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
-        assert hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+        assert bind(hosts["hostB"], dev, DOMAIN)["bound"] == [dev.sid]
+        assert pool.session(dev.sid)["bound_host"] == "hostA"
         with pytest.raises(Conflict, match="bound to host hostA, not hostC"):
-            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostC"], neighbour, DOMAIN)
         done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
         assert set(done["tickets"]) == {dev.sid}
         assert pool.session(neighbour.sid)["domain_uuid"] is None
@@ -217,11 +220,11 @@ def test_a_session_is_moved_to_another_domain_by_nobody(pool, hosts):
     """Rebinding is refused even to the session's own host: it unbinds first
     (the session then belongs to no domain, and no migration takes it)."""
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         for host in ("hostA", "hostB"):
             with pytest.raises(Conflict):
-                hosts[host].call("bind_session", sid=dev.sid, domain_uuid=OTHER)
+                bind(hosts[host], dev, OTHER)
         assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
 
 
@@ -232,7 +235,13 @@ def test_a_session_is_moved_to_another_domain_by_nobody(pool, hosts):
     ("open_migration", {"domain_uuid": DOMAIN, "migration_id": "m" * 300}, "of 1 to 256 characters"),
     ("open_migration", {"domain_uuid": DOMAIN, "postcopy": "no"}, "postcopy must be true or false"),
     ("register_intent", {"domain_uuid": None}, "domain_uuid must be a string"),
-    ("bind_session", {"sid": 7, "domain_uuid": DOMAIN}, "sid must be a string"),
+    ("bind_sessions", {"sessions": {"s": None}, "domain_uuid": 7}, "domain_uuid must be a string"),
+    ("bind_sessions", {"sessions": ["s"], "domain_uuid": DOMAIN}, "sessions must be an object of 1 to 1024"),
+    ("bind_sessions", {"sessions": {}, "domain_uuid": DOMAIN}, "sessions must be an object of 1 to 1024"),
+    ("bind_sessions", {"sessions": {"s": 7}, "domain_uuid": DOMAIN}, "a proof .a hex string. or null"),
+    ("unbind_session", {"sid": "s"}, "missing 1 required positional argument: 'domain_uuid'"),
+    ("register_token", {"domain_uuid": DOMAIN, "digest": "xyz"}, "digest must be 16 to 128 lower-case hex"),
+    ("open_migration", {"domain_uuid": DOMAIN, "token": 5}, "token must be 16 to 128 lower-case hex"),
     ("abort", {"domain_uuid": DOMAIN, "reason": {"why": 1}}, "reason must be a string"),
     ("list_records", {"open_only": 1}, "open_only must be true or false"),
     ("renew", {"records": [[DOMAIN, 5]]}, "records are .domain_uuid, migration_id. pairs"),
