@@ -26,7 +26,7 @@ deployment, how to reach them and what each one runs.
     key = "pki/pool.key"
 
     [pool.cluster]                 # optional: this pool node joins others on etcd
-    url = "etcds://10.88.0.5:2379" # etcds:// (TLS, client certificate) or etcd:// (plain, test rigs)
+    url = "etcds://10.88.0.5:2379" # etcds:// (TLS, client certificate); etcd:// (plain) only with [tls] insecure
     node_name = "pool-1"           # default: [pool] name
     advertise = "10.88.0.10:7070"  # default: the endpoint guests use
     ttl = 10.0

@@ -27,10 +27,11 @@ import threading
 from . import netns
 
 
-def _store(endpoint: str):
-    from accelmig.pool.cluster.store import ClusterStore
+def _store(endpoint: str, ca: str | None, cert: str | None, key: str | None):
+    from accelmig.pool.cluster.store import ClusterStore, ClusterTLS
     from accelmig.wire.dataplane import parse_endpoint
-    return ClusterStore([parse_endpoint(endpoint)])
+    tls = ClusterTLS(ca, cert, key or "") if ca else None
+    return ClusterStore([parse_endpoint(endpoint)], tls=tls)
 
 
 def _print(record: dict) -> None:
@@ -41,12 +42,15 @@ def _print(record: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m accelmig.lab.etcdview", description=__doc__.split("\n")[0])
     parser.add_argument("--endpoint", required=True, help="etcd's client endpoint, HOST:PORT")
+    parser.add_argument("--ca", help="etcds://: the CA that verifies etcd (with --cert and --key)")
+    parser.add_argument("--cert", help="etcds://: the client certificate etcd asks for")
+    parser.add_argument("--key", help="etcds://: its key")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("nodes", help="the live pool nodes, as one JSON object")
     watch = sub.add_parser("watch", help="events under a key prefix, one JSON line each")
     watch.add_argument("prefix", help="a key prefix, e.g. /accelmig/v1/nodes/")
     args = parser.parse_args(argv)
-    store = _store(args.endpoint)
+    store = _store(args.endpoint, args.ca, args.cert, args.key)
     if args.command == "nodes":
         from accelmig.pool.cluster.registry import live_nodes
         _print({name: dataclasses.asdict(view) for name, view in live_nodes(store).items()})
@@ -76,10 +80,10 @@ class EtcdWatch:
             watch.wait(lambda e: e["type"] == "DELETE" and e["key"] == key, timeout=30)
     """
 
-    def __init__(self, ns: str, endpoint: str, prefix: str, timeout: float = 30.0):
+    def __init__(self, ns: str, endpoint: str, prefix: str, timeout: float = 30.0, tls_args: list = ()):
         self.seen: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen(netns.exec_argv(ns, [sys.executable, "-m", "accelmig.lab.etcdview",
-                                                          "--endpoint", endpoint, "watch", prefix]),
+                                                          "--endpoint", endpoint, *tls_args, "watch", prefix]),
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         threading.Thread(target=self._pump, daemon=True).start()
@@ -127,10 +131,12 @@ class EtcdWatch:
         self.close()
 
 
-def live_nodes(ns: str, endpoint: str, timeout: float = 30.0) -> dict:
-    """``nodes`` run once in namespace ``ns``: the live nodes as etcd holds them."""
+def live_nodes(ns: str, endpoint: str, timeout: float = 30.0, tls_args: list = ()) -> dict:
+    """``nodes`` run once in namespace ``ns``: the live nodes as etcd holds
+    them (``tls_args``: ``--ca``, ``--cert``, ``--key`` for etcds://)."""
     out = subprocess.run(netns.exec_argv(ns, [sys.executable, "-m", "accelmig.lab.etcdview", "--endpoint",
-                                              endpoint, "nodes"]), capture_output=True, text=True, timeout=timeout)
+                                              endpoint, *tls_args, "nodes"]),
+                         capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise RuntimeError(f"reading etcd's nodes failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout)

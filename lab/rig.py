@@ -517,7 +517,7 @@ class Lab:
         if self.cluster:
             cluster_args = ["--cluster", self.etcd_url, "--node-name", node,
                             "--cluster-advertise", f"{plan.address}:{POOL_DATA_PORT}",
-                            "--cluster-ttl", str(self.cluster_ttl)]
+                            "--cluster-ttl", str(self.cluster_ttl), *self.etcd_client_args("--cluster-tls-")]
             env = {"POCL_DEVICES": NODE_POCL_DEVICES[node]}
         argv = [str(exe), "serve", "--listen", f"{plan.address}:{POOL_DATA_PORT}",
                 "--control-listen", f"{plan.address}:{POOL_CONTROL_PORT}",
@@ -578,11 +578,27 @@ class Lab:
         return f"{ETCD_ADDRESS}:{ETCD_CLIENT_PORT}"
 
     @property
+    def etcd_tls(self) -> bool:
+        """etcd over TLS, as deployed, unless the lab's pool runs --insecure
+        (a pool refuses plain ``etcd://`` without it)."""
+        return not (self.insecure or "--insecure" in self.pool_args)
+
+    @property
     def etcd_url(self) -> str:
-        """What the nodes' ``--cluster`` names: plain ``etcd://`` on the lab's
-        own cluster network, which only the two pool nodes' namespaces join
-        (a deployment uses ``etcds://``: docs/DESIGN.md)."""
-        return f"etcd://{self.etcd_endpoint}"
+        """What the nodes' ``--cluster`` names: ``etcds://`` (etcd verified
+        by the lab's CA, each node by its client certificate) on the lab's
+        own cluster network, which only the two pool nodes' namespaces join;
+        plain ``etcd://`` for a lab run --insecure."""
+        return f"{'etcds' if self.etcd_tls else 'etcd'}://{self.etcd_endpoint}"
+
+    def etcd_client_args(self, prefix: str = "--") -> list[str]:
+        """The TLS files an etcd client of the lab presents (``--ca``,
+        ``--cert``, ``--key`` after ``prefix``); none for plain etcd."""
+        if not self.etcd_tls:
+            return []
+        pki = self.pki()
+        return [f"{prefix}ca", pki["ca"], f"{prefix}cert", pki["etcd_client"]["cert"],
+                f"{prefix}key", pki["etcd_client"]["key"]]
 
     def _etcd_dir(self) -> Path:
         return self.dir / "etcd"
@@ -598,12 +614,18 @@ class Lab:
         edir.mkdir(parents=True, exist_ok=True)
         log = edir / "etcd.log"
         offset = log.stat().st_size if log.exists() else 0
-        client = f"http://{ETCD_ADDRESS}:{ETCD_CLIENT_PORT}"
+        client = f"{'https' if self.etcd_tls else 'http'}://{ETCD_ADDRESS}:{ETCD_CLIENT_PORT}"
+        # one member: no peer traffic ever crosses its peer URL
         peer = f"http://{ETCD_ADDRESS}:{ETCD_PEER_PORT}"
+        tls_args = []
+        if self.etcd_tls:
+            pki = self.pki()
+            tls_args = ["--cert-file", pki["etcd"]["cert"], "--key-file", pki["etcd"]["key"],
+                        "--trusted-ca-file", pki["ca"], "--client-cert-auth"]
         argv = [ETCD, "--name", "lab", "--data-dir", str(edir / "data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"lab={peer}", "--logger", "zap", "--log-outputs", "stderr"]
+                "--initial-cluster", f"lab={peer}", "--logger", "zap", "--log-outputs", "stderr", *tls_args]
         proc = self.spawn("etcd", "etcd", argv, log=log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -624,13 +646,13 @@ class Lab:
         """The live pool nodes as etcd holds them (read from the first node's
         namespace: etcd is on the lab's cluster network only)."""
         from .etcdview import live_nodes
-        return live_nodes(self.ns_of("pool"), self.etcd_endpoint)
+        return live_nodes(self.ns_of("pool"), self.etcd_endpoint, tls_args=self.etcd_client_args())
 
     def etcd_watch(self, prefix: str):
         """An ``EtcdWatch`` of ``prefix`` (lab/etcdview.py), in place when
         this returns; close it (``with``)."""
         from .etcdview import EtcdWatch
-        return EtcdWatch(self.ns_of("pool"), self.etcd_endpoint, prefix)
+        return EtcdWatch(self.ns_of("pool"), self.etcd_endpoint, prefix, tls_args=self.etcd_client_args())
 
     def restart_etcd(self):
         """Stop etcd (SIGTERM by its PID) and start it again on the same data:
@@ -645,7 +667,9 @@ class Lab:
         its directory: a CA, the pool's certificate (IP SAN: the pool's
         address) and a client certificate per host; paths, as strings."""
         saved = self.state.get("pki")
-        if saved and all(Path(p).exists() for p in (saved["ca"], saved["pool"]["cert"], saved["pool"]["key"])):
+        if saved and "etcd_client" in saved and all(
+                Path(p).exists() for p in (saved["ca"], saved["pool"]["cert"], saved["pool"]["key"],
+                                           saved["etcd"]["cert"], saved["etcd_client"]["cert"])):
             return saved
         t0 = time.monotonic()
         # 127.0.0.1 too: a test's relay on a host's own loopback stands in for
@@ -654,9 +678,16 @@ class Lab:
         # driver redirected to pool2 checks that it names pool2's address
         made = certs.make_pki(self.dir / "pki", pool_addresses=(*self.topology.pool_addresses(), "127.0.0.1"),
                               pool_dns=(), hosts=self.HOSTS)
+        # etcd's own (it dials its gRPC server with it too) and the pool
+        # nodes' client certificate for it: the lab's etcd is etcds://, as deployed
+        etcd = certs.issue(made.ca.parent, made.ca, made.ca_key, "etcd", addresses=(ETCD_ADDRESS,),
+                           server_and_client=True)
+        etcd_client = certs.issue(made.ca.parent, made.ca, made.ca_key, "pool-etcd", client=True)
         self.state["pki"] = {
             "ca": str(made.ca), "pool": {"cert": str(made.pool.cert), "key": str(made.pool.key)},
-            "hosts": {h: {"cert": str(i.cert), "key": str(i.key)} for h, i in made.hosts.items()}}
+            "hosts": {h: {"cert": str(i.cert), "key": str(i.key)} for h, i in made.hosts.items()},
+            "etcd": {"cert": str(etcd.cert), "key": str(etcd.key)},
+            "etcd_client": {"cert": str(etcd_client.cert), "key": str(etcd_client.key)}}
         self._write_state()
         self.timings["pki"] = time.monotonic() - t0
         return self.state["pki"]

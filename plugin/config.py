@@ -101,8 +101,10 @@ class PoolEndpoints:
                "`\"\"`: the system's trust store.", "example": "/etc/accelmig/pool-ca.crt"})
     cert_file: str = dataclasses.field(default="", metadata={
         "doc": "This host's client certificate (PEM), signed by the CA of the pool's "
-               "`tls_client_ca` (mutual TLS). `\"\"`: none (a pool that asks for one refuses "
-               "the host).", "example": "/etc/accelmig/host.crt"})
+               "`tls_client_ca` (mutual TLS); it must name this host's `[host] id` (its "
+               "subject's CommonName, or a DNS subjectAltName): the pool lets a host act only "
+               "as the name its certificate gives. A pool refuses a host without one unless both say `insecure`.",
+        "example": "/etc/accelmig/host.crt"})
     key_file: str = dataclasses.field(default="", metadata={
         "doc": "The client certificate's private key (PEM; `chmod 600`); `\"\"`: in "
                "`cert_file`.", "example": "/etc/accelmig/host.key"})

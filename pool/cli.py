@@ -201,7 +201,8 @@ def serve(config_path, **flags):
                 raise SystemExit(2)
         # A line a supervisor (or a test) can wait for.
         print(json.dumps({"ready": True, "instance": pool.instance, **server.endpoints,
-                          **({"node": cluster.name} if cluster else {})}), flush=True)
+                          "security": server.security(), **({"node": cluster.name} if cluster else {})}),
+              flush=True)
         await stop.wait()
         LOG.info("signal received: stopping")
         if cluster is not None:          # first: no placement sends a session here any more

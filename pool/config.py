@@ -147,8 +147,10 @@ class PoolConfig:
     tls_client_ca: str = dataclasses.field(default="", metadata={
         "doc": "CA certificate(s) (PEM) the control plane checks hosts' certificates against "
                "(mutual TLS: a host without a certificate signed by it is refused before any "
-               "call). Each call is still HMAC-signed with the host's secret. `\"\"`: hosts "
-               "present no certificate (a warning: their secret alone authenticates them).",
+               "call, and a host acts only as the name its certificate gives: its subject's "
+               "CommonName, or a DNS subjectAltName). Each call is still HMAC-signed with the "
+               "host's secret. Required with a control plane (`control_listen`) unless "
+               "`insecure`.",
         "example": "/etc/accelmig/hosts-ca.crt"})
     insecure: bool = dataclasses.field(default=False, metadata={
         "doc": "Serve both planes over plain TCP (no `tls_cert`): a passive tap reads tenant "
@@ -239,7 +241,7 @@ class PoolConfig:
         "doc": "etcd endpoints that make several pool nodes one pool: `etcds://HOST:PORT[,HOST:PORT...]` "
                "(TLS, this node authenticated by its client certificate: `cluster_tls_*`) or "
                "`etcd://...` (plain HTTP, no authentication: anyone who reaches etcd can redirect "
-               "drivers and erase quotas; a test rig only). The node registers there under a lease "
+               "drivers and erase quotas; a test rig only, refused unless `insecure`). The node registers there under a lease "
                "(docs/DESIGN.md, Pool: many nodes). `http://`/`https://` are refused. `\"\"`: a single "
                "node, no etcd.", "example": "etcds://10.0.0.5:2379"})
     cluster_tls_ca: str = dataclasses.field(default="", metadata={
@@ -360,6 +362,12 @@ class PoolConfig:
             raise ConfigInvalid(source=source, reason="the pool serves TLS: give tls_cert and "
                                                       "tls_key (--tls-cert/--tls-key), or "
                                                       "insecure = true (--insecure) for plain TCP")
+        if not self.insecure and self.control_listen and not self.tls_client_ca:
+            raise ConfigInvalid(source=source, reason=(
+                "the control plane is mutual TLS: give tls_client_ca (--tls-client-ca), the CA "
+                "that signs the hosts' certificates (each names its host), or serve no control "
+                "plane (control_listen = \"\"), or say insecure = true (--insecure: plain TCP "
+                "on both planes, test rigs only)"))
         for key in ("tls_cert", "tls_key", "tls_client_ca"):
             value = getattr(self, key)
             if value and not os.path.isfile(value):
@@ -369,6 +377,7 @@ class PoolConfig:
         """TLS files exactly when the cluster URL says TLS: a config never
         half-says it (files given for plain ``etcd://`` would be ignored)."""
         from accelmig.pool.cluster.keys import cluster_uses_tls
+        self.check_cluster_auth_keys(source)      # first: "a password over TLS only" says more
         given = [k for k in ("cluster_tls_ca", "cluster_tls_cert", "cluster_tls_key") if getattr(self, k)]
         if not self.cluster:
             if given:
@@ -379,13 +388,18 @@ class PoolConfig:
                 raise ConfigInvalid(source=source, reason=f"cluster {self.cluster} is plain etcd:// but "
                                                           f"{', '.join(given)} given: write etcds:// "
                                                           f"for TLS to etcd, or drop them")
+            if not self.insecure:
+                raise ConfigInvalid(source=source, reason=(
+                    f"cluster {self.cluster} is plain etcd:// (HTTP, no authentication): anyone who "
+                    f"reaches etcd could redirect drivers, abort migrations and erase quotas. Write "
+                    f"etcds://HOST:PORT with cluster_tls_ca and cluster_tls_cert, or say insecure = "
+                    f"true (--insecure: plain TCP everywhere, test rigs only)"))
         else:
             missing = [k for k in ("cluster_tls_ca", "cluster_tls_cert") if not getattr(self, k)]
             if missing:
                 raise ConfigInvalid(source=source, reason=f"cluster {self.cluster} is etcds:// (TLS): "
                                                           f"give {' and '.join(missing)} "
                                                           f"(--{' --'.join(m.replace('_', '-') for m in missing)})")
-        self.check_cluster_auth_keys(source)
 
     def check_cluster_auth_keys(self, source: str = "config") -> None:
         """An etcd user with its password file, over TLS only (the password

@@ -20,6 +20,7 @@ from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS,
                                    RecordStateName, Side, Timeline)
 from accelmig.wire import attestation as att
 from accelmig.wire import control as wc
+from accelmig.wire import tls
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
                                   Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
                                   UnknownOp, VersionUnsupported)
@@ -128,6 +129,7 @@ class ControlServer:
                 host = self.pool.hosts.get(name) if isinstance(name, str) else None
                 if host is None:
                     raise AuthFailed(reason=f"no secret for host {name!r} (add it to the pool's hosts file)")
+                self._check_certificate_names(writer, name, peer)
             writer.write(encode_frame({"op": "welcome", "version": 1, "challenge": challenge,
                                        "instance": self.pool.instance}))
             if pending is not None:
@@ -189,6 +191,22 @@ class ControlServer:
             for wait in waits:
                 wait.cancel()
             writer.close()
+
+    def _check_certificate_names(self, writer, name: str, peer) -> None:
+        """A host acts only as the name its client certificate gives (the
+        CA's word), its secret a second factor: a stolen secret alone, or
+        one host's certificate with another's secret, names nobody.  Plain
+        TCP (``insecure``, said at start) has no certificate to ask."""
+        if writer.get_extra_info("ssl_object") is None:
+            LOG.info("host %s connected from %s: INSECURE plain TCP, its secret alone names it",
+                     name, peer, extra={"host": name, "tls": False})
+            return
+        names = tls.certificate_names(writer.get_extra_info("peercert"))
+        if name not in names:
+            raise AuthFailed(reason=f"host {name!r}: the client certificate names "
+                                    f"{', '.join(repr(n) for n in names[:4]) or 'no host'}, not this host")
+        LOG.info("host %s connected from %s (mutual TLS, its certificate names it)", name, peer,
+                 extra={"host": name, "tls": True})
 
     @staticmethod
     def _answer(writer, host, challenge: str, call_id: int, body: dict) -> None:

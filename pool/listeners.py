@@ -75,8 +75,24 @@ class PoolServer:
             start_http_server(mport, addr=mhost, registry=pool.metrics.registry)
             self.endpoints["metrics"] = self.config.metrics_listen
         self._janitor = asyncio.ensure_future(self._janitor_loop())
-        LOG.info("pool %s serving", pool.instance, extra={"instance": pool.instance, **self.endpoints,
-                                                          "devices": [d.id for d in pool.devices]})
+        security = self.security()
+        LOG.info("pool %s serving: %s", pool.instance, ", ".join(f"{k} {v}" for k, v in security.items()),
+                 extra={"instance": pool.instance, **self.endpoints, "security": security,
+                        "devices": [d.id for d in pool.devices]})
+
+    def security(self) -> dict:
+        """What protects each plane, in words an operator greps for: the
+        ready line and the serving line say it, ``INSECURE`` where plain."""
+        config = self.config
+        out = {"data": "INSECURE plain TCP" if config.insecure else "TLS"}
+        if config.control_listen:
+            out["control"] = "INSECURE plain TCP" if config.insecure else \
+                "mutual TLS (hosts' certificates name them)"
+        if config.cluster:
+            from accelmig.pool.cluster.keys import cluster_uses_tls
+            out["cluster"] = "etcd over TLS" if cluster_uses_tls(config.cluster) else \
+                "INSECURE plain etcd://"
+        return out
 
     def _tls_contexts(self):
         """(data plane's, control plane's, the pool's certificate), or Nones
@@ -94,9 +110,6 @@ class PoolServer:
             cert_der = tls.leaf_certificate_der(config.tls_cert)
         except (OSError, ValueError) as exc:      # ssl.SSLError is an OSError
             raise ConfigInvalid(source=config.tls_cert, reason=f"TLS: {exc}") from None
-        if config.control_listen and not config.tls_client_ca:
-            LOG.warning("the control plane asks hosts for no certificate (no --tls-client-ca): "
-                        "their HMAC secret alone authenticates them", extra={"tls": True})
         return data_tls, control_tls, cert_der
 
     async def stop(self) -> None:

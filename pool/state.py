@@ -281,10 +281,11 @@ class Pool:
         session.on_ok_run = self._deliver_ok_run
         session.on_flow = self._flow
         self.sessions[session.sid] = session
-        LOG.info("session %s opened by tenant %s from %s on device %s", session.sid, tenant.name,
-                 conn.peer[0], device.id, extra={"sid": session.sid, "tenant": tenant.name,
-                                                 "host": conn.peer_host, "device": device.id,
-                                                 "selector": str(selector) if selector else None})
+        LOG.info("session %s opened by tenant %s from %s on device %s%s", session.sid, tenant.name,
+                 conn.peer[0], device.id, "" if self.config.tls_cert else " (INSECURE plain TCP)",
+                 extra={"sid": session.sid, "tenant": tenant.name, "host": conn.peer_host,
+                        "device": device.id, "selector": str(selector) if selector else None,
+                        "tls": bool(self.config.tls_cert)})
         return session
 
     def _lookup(self, sid) -> Session:
@@ -371,9 +372,11 @@ class Pool:
         tls_resumed = bool(getattr(conn, "tls_resumed", False))
         LOG.info("session %s resumed at epoch %d from %s (host %s), %d replies replayed, next seq %d%s",
                  sid, session.epoch, conn.peer[0], conn.peer_host, len(replay), session.log.next_seq,
-                 ", TLS session resumed" if tls_resumed else "",
+                 ", TLS session resumed" if tls_resumed else
+                 "" if self.config.tls_cert else " (INSECURE plain TCP)",
                  extra={"sid": sid, "epoch": session.epoch, "ticket": claims is not None,
-                        "blackout_s": blackout, "tls_resumed": tls_resumed})
+                        "blackout_s": blackout, "tls_resumed": tls_resumed,
+                        "tls": bool(self.config.tls_cert)})
         return session, replay
 
     def connection_lost(self, session: Session, conn, now: float | None = None) -> None:

@@ -8,8 +8,9 @@ imports this too, so: standard library only, Python 3.9+).
   (``subjectAltName = IP:10.88.0.1``), a DNS name does not match an address.
 - Control plane: mutual TLS.  The pool verifies the host's certificate
   against ``--tls-client-ca``; the host verifies the pool's as drivers do.
-  The per-host HMAC stays (docs/DESIGN.md, "TLS"): the certificate says "a
-  host of this deployment", the secret says which one.
+  The host acts only as the name its certificate gives
+  (``certificate_names``), and the per-host HMAC stays as a second factor
+  (docs/DESIGN.md, "TLS").
 - Plain TCP only where both ends say ``insecure`` explicitly (a warning in
   each log); a mismatch is a clear error, never a silent downgrade.
 
@@ -64,6 +65,19 @@ def server_context(certfile: str, keyfile: str | None = None,
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cafile=client_ca)
     return ctx
+
+
+def certificate_names(peercert: dict | None) -> tuple[str, ...]:
+    """The names a verified peer certificate gives its holder (what
+    ``SSLSocket.getpeercert()`` decoded): its DNS subjectAltNames, or where
+    it has none, its subject's CommonNames (RFC 6125's order for a
+    service's name).  Empty for no certificate."""
+    if not peercert:
+        return ()
+    dns = tuple(value for kind, value in peercert.get("subjectAltName", ()) if kind == "DNS")
+    if dns:
+        return dns
+    return tuple(value for rdn in peercert.get("subject", ()) for key, value in rdn if key == "commonName")
 
 
 def leaf_certificate_der(certfile: str) -> bytes:

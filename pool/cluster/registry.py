@@ -180,9 +180,12 @@ class NodeRegistration:
             self._stop.wait(min(1.0, left))
         self.lease = lease
         self._to(RegistrationState.REGISTERED)
-        LOG.info("node %s (instance %s) registered in etcd under lease %x (ttl %d s)", self.view.name,
+        LOG.info("node %s (instance %s) registered in etcd under lease %x (ttl %d s)%s", self.view.name,
                  self.view.instance, lease, self.ttl,
-                 extra={"node": self.view.name, "instance": self.view.instance, "lease": lease})
+                 "" if self.store.tls else ": INSECURE plain etcd://, anyone who reaches etcd reads and "
+                                           "writes the pool's records",
+                 extra={"node": self.view.name, "instance": self.view.instance, "lease": lease,
+                        "tls": self.store.tls is not None})
         self.on_lease(lease)
 
     def _keep_alive(self) -> None:

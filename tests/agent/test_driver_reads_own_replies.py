@@ -152,7 +152,8 @@ def test_a_cut_while_the_caller_reads_its_reply_resumes_with_nothing_lost():
 def test_under_tls_the_reader_thread_reads_everything(tmp_path):
     from accelmig.lab.certs import make_pki
     pki = make_pki(tmp_path / "ca")
-    with PoolThread(tenants=TENANTS, tls_cert=str(pki.pool.cert), tls_key=str(pki.pool.key)) as pool:
+    with PoolThread(tenants=TENANTS, tls_cert=str(pki.pool.cert), tls_key=str(pki.pool.key),
+                    control_listen="") as pool:
         with connect(pool.endpoint, TOKEN, cafile=str(pki.ca), agent=False, timeout=60) as dev:
             buf = dev.upload(b"y" * 64)
             for _ in range(20):

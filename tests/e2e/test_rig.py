@@ -244,6 +244,10 @@ def test_a_pool_of_two_nodes_on_etcd_reaches_both_hosts_and_leaves_nothing(monke
             n: lab.pool_node_ready(n)["instance"] for n in ("pool", "pool2")}
         assert [nodes[n]["devices"][0]["name"].split("-")[0] for n in ("pool", "pool2")] == ["pthread", "basic"]
         assert nodes["pool2"]["data"] == "10.88.0.2:7070"
+        # etcd as deployed: TLS both ways (a pool refuses plain etcd:// unless insecure)
+        assert lab.etcd_url.startswith("etcds://")
+        for node in ("pool", "pool2"):
+            assert lab.pool_node_ready(node)["security"]["cluster"] == "etcd over TLS"
         # each host reaches pool2 on its own link (the address hosts.toml names), both guest
         # gateways and the tenant network's are routed back from pool2
         code = "import socket; s = socket.create_connection(('10.88.0.2', 7071), 5); print(s.getsockname()[0])"

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
 TOKEN = "alice-tls-token-0001"
 TENANTS = {"alice": (TOKEN, "64MiB")}
 HOST_SECRET = "hostA-tls-secret-0123456789"
-HOSTS = {"hostA": HOST_SECRET}
+HOSTB_SECRET = "hostB-tls-secret-9876543210"
+HOSTS = {"hostA": HOST_SECRET, "hostB": HOSTB_SECRET}
 SECRET_DATA = b"the-tenant's-confidential-buffer-" * 4
 
 
@@ -110,7 +111,8 @@ def test_a_driver_with_another_ca_refuses_the_pool(pki, pool):
 def test_a_certificate_without_the_endpoints_ip_is_refused(pki):
     """Endpoints are addresses: a certificate that names only a DNS name
     does not match 127.0.0.1 (IP SANs: docs/deploy.md)."""
-    with PoolThread(TENANTS, tls_cert=str(pki["dns_only"].cert), tls_key=str(pki["dns_only"].key)) as p:
+    with PoolThread(TENANTS, tls_cert=str(pki["dns_only"].cert), tls_key=str(pki["dns_only"].key),
+                    control_listen="") as p:
         with pytest.raises(AuthFailed, match="does not verify.*(IP address mismatch|SAN)"):
             connect(p.endpoint, TOKEN, cafile=str(pki["pki"].ca), agent=False)
 
@@ -137,6 +139,41 @@ def test_the_hmac_still_counts_under_mutual_tls(pki, pool):
                        tls=host_context(pki)) as client:
         with pytest.raises(AuthFailed):
             client.call("ping")
+
+
+def test_a_host_acts_only_as_the_name_its_certificate_gives(pki, pool):
+    """Issue 28, item 5: hostA's certificate with hostB's secret was served
+    as ``caller: hostB``.  The certificate names the host; the secret is a
+    second factor, never a way to be someone else."""
+    with ControlClient(pool.control_endpoint, "hostB", HOSTB_SECRET.encode(),
+                       tls=host_context(pki, host="hostA")) as client:
+        with pytest.raises(AuthFailed, match="the client certificate names 'hostA', not this host"):
+            client.call("ping")
+    with ControlClient(pool.control_endpoint, "hostB", HOSTB_SECRET.encode(),
+                       tls=host_context(pki, host="hostB")) as client:
+        assert client.call("ping")["caller"] == "hostB"
+
+
+def test_a_dns_name_in_the_certificate_is_its_name_before_the_common_name(pki, pool, tmp_path):
+    """RFC 6125: where a certificate has DNS subjectAltNames, they are its
+    names and its CommonName is not."""
+    from accelmig.lab.certs import issue
+    made = pki["pki"]
+    odd = issue(tmp_path, made.ca, made.ca_key, "hostA", dns=("hostB",), client=True)
+    context = tls.client_context(str(made.ca), str(odd.cert), str(odd.key))
+    with ControlClient(pool.control_endpoint, "hostA", HOST_SECRET.encode(), tls=context) as client:
+        with pytest.raises(AuthFailed, match="names 'hostB', not this host"):
+            client.call("ping")
+    with ControlClient(pool.control_endpoint, "hostB", HOSTB_SECRET.encode(), tls=context) as client:
+        assert client.call("ping")["caller"] == "hostB"
+
+
+def test_certificate_names_reads_what_ssl_decoded():
+    assert tls.certificate_names(None) == ()
+    cert = {"subject": ((("organizationName", "x"),), (("commonName", "hostA"),))}
+    assert tls.certificate_names(cert) == ("hostA",)
+    cert["subjectAltName"] = (("IP Address", "10.0.0.1"), ("DNS", "hostB"), ("DNS", "hostC"))
+    assert tls.certificate_names(cert) == ("hostB", "hostC")
 
 
 def test_async_client_over_mutual_tls(pki, pool):
@@ -211,6 +248,47 @@ def test_the_pool_cli_wants_tls_or_insecure(tmp_path, pki):
     assert neither.returncode == 2 and "give tls_cert and tls_key" in neither.stderr
     both = run_cli(*base, "--insecure", "--tls-cert", str(pki["pki"].pool.cert), timeout=60)
     assert both.returncode == 2 and "choose one" in both.stderr
+
+
+def test_the_control_plane_is_mutual_tls_or_insecure_said(tmp_path, pki):
+    """Issue 28, item 6: without --tls-client-ca the pool only warned and
+    took any host's secret alone.  It refuses to start now, unless there is
+    no control plane or ``insecure`` is said, and its ready line says what
+    protects each plane."""
+    from tests.support.tenants import run_cli
+    from tests.support.processes import LoggedProcess
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(f'[tenants.a]\ntoken = "{TOKEN}"\nquota = "1MiB"\n')
+    tokens.chmod(0o600)
+    made = pki["pki"]
+    base = ["accelmig-pool", "serve", "--listen", "127.0.0.1:0", "--admin-socket", "", "--tokens", str(tokens),
+            "--device-isolation", "none", "--log-format", "text"]
+    tls_args = ["--tls-cert", str(made.pool.cert), "--tls-key", str(made.pool.key)]
+    refused = run_cli(*base, "--control-listen", "127.0.0.1:0", *tls_args, timeout=60)
+    assert refused.returncode == 2, refused.stderr
+    assert "the control plane is mutual TLS: give tls_client_ca" in refused.stderr
+    for extra, security in (
+            (["--control-listen", "", *tls_args], {"data": "TLS"}),
+            (["--control-listen", "127.0.0.1:0", *tls_args, "--tls-client-ca", str(made.ca)],
+             {"data": "TLS", "control": "mutual TLS (hosts' certificates name them)"}),
+            (["--control-listen", "127.0.0.1:0", "--insecure"],
+             {"data": "INSECURE plain TCP", "control": "INSECURE plain TCP"})):
+        proc = LoggedProcess([*base, *extra], ready_line=True)
+        try:
+            assert proc.ready["security"] == security
+        finally:
+            proc.stop()
+
+
+def test_plain_etcd_is_refused_unless_insecure_is_said(tmp_path, pki):
+    """Issue 28, item 6: ``etcd://`` was taken silently next to a TLS pool."""
+    from accelmig.pool.config import PoolConfig
+    made = pki["pki"]
+    tls_keys = {"tls_cert": str(made.pool.cert), "tls_key": str(made.pool.key), "tls_client_ca": str(made.ca)}
+    with pytest.raises(ConfigInvalid, match="plain etcd:// .*or say insecure = true"):
+        PoolConfig.load(None, {**tls_keys, "cluster": "etcd://127.0.0.1:2379"})
+    config = PoolConfig.load(None, {"insecure": True, "cluster": "etcd://127.0.0.1:2379"})
+    assert config.cluster == "etcd://127.0.0.1:2379"
 
 
 def test_host_toml_insecure_excludes_tls_keys(tmp_path, pki):
