@@ -203,6 +203,8 @@ class DomainWatch:
                 "channel": {"path": self.channel_path, "connected": channel is not None,
                             "synced": bool(channel is not None and channel.hello)},
                 "sessions": sessions[:self.STATUS_SESSIONS], "session_count": len(sessions),
+                # the migration token in the running domain, and whether the pool has it as this host's
+                "migration_token": {"present": self.token is not None, "registered": self.token_registered},
                 "record": self.record.to_wire(inline=False) if self.record is not None else None,
                 "last_rehome": last, "rehome_retry": self.rehome_retry,
                 "history": [{"at": at, "trigger": t, "from": a, "to": b} for at, t, a, b in self.history]}

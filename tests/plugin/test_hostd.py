@@ -359,3 +359,73 @@ def test_a_refused_hook_leaves_no_open_record_behind(world, tmp_path):
     finally:
         hostd.stop()
         relay.close()
+
+
+def test_the_hook_opens_the_record_with_the_token_that_came_with_the_domain(world, tmp_path):
+    """hostB (the domain's host) wrote and registered a migration token; its
+    domain's XML reaches this host's hook with it, and hostd opens the
+    record vouched for.  A made-up token vouches for nothing."""
+    from tests.plugin.test_hook import run_hook
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    port = pool.endpoint.rsplit(":", 1)[1]
+    hostd = HostdThread(config).start()
+    try:
+        with connect(f"[::1]:{port}", ALICE, agent=False, timeout=10) as dev, control(pool, "hostB") as b, \
+                control(pool) as a:
+            bind(b, dev, uuid)
+            token = att.new_token()
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+            for given, vouched in ((att.new_token(), False), (token, True)):
+                code, out, err, _ = run_hook(config, "accel-incoming", "migrate", "begin", "-",
+                                             xml=accel_domain_xml("accel-incoming", uuid, token=given).encode())
+                assert code == 0, err
+                records = a.call("list_records", domain_uuid=uuid)["records"]
+                latest = max(records, key=lambda r: r["times"]["opened"])
+                assert (latest["dest_host"], latest["vouched"]) == ("hostA", vouched), records
+    finally:
+        hostd.stop()
+
+
+def test_a_domain_that_arrived_while_hostd_was_away_is_rehomed_with_the_token_it_carries(world, tmp_path):
+    """No record (the destination's hostd was down at the hook, lenient
+    mode): at its start hostd finds the domain running here with its
+    sessions bound elsewhere, opens the record with the token in its live
+    XML (vouched: no source needs to switch over), rehomes the session and
+    writes a token of its own into the domain."""
+    import threading
+
+    from accelmig.agent.daemon import Agent
+    from accelmig.plugin.domain.model import DomainXML
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    channel, agent_socket = tmp_path / "channel.sock", tmp_path / "agent.sock"
+    port = pool.endpoint.rsplit(":", 1)[1]
+    agent = Agent(str(channel), str(agent_socket), state_dir=str(tmp_path / "agent-state"), rehome_timeout=5)
+    agent.open()
+    threading.Thread(target=agent.run, daemon=True).start()
+    dev = connect(f"[::1]:{port}", ALICE, agent=str(agent_socket), timeout=20, domain=uuid)   # on hostB
+    hostd = None
+    try:
+        buf = dev.upload(b"kept on the pool" * 4)
+        token = att.new_token()
+        with control(pool, "hostB") as b:
+            bind(b, dev, uuid)
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+        dom = conn.defineXML(accel_domain_xml("accel-away", uuid, channel=str(channel), token=token))
+        created.append(dom)
+        dom.create()
+        hostd = HostdThread(config, rehome_timeout=5.0).start()
+        wait_for(lambda: pool.session(dev.sid)["bound_host"] == "hostA", 30, "the session rehomed on hostA")
+        assert dev.read(buf) == b"kept on the pool" * 4
+        with control(pool) as a:
+            record = a.call("list_records", domain_uuid=uuid)["records"][0]
+        assert record["vouched"] and record["dest_host"] == "hostA" and "switchover" not in record["times"]
+        watch = hostd.daemon.watches.get(uuid)
+        wait_for(lambda: watch.token_registered and watch.token != token, 20, "hostA's own token")
+        assert DomainXML.parse(dom.XMLDesc(0)).migration_token() == watch.token
+    finally:
+        if hostd is not None:
+            hostd.stop()
+        dev.close()
+        agent.stop()

@@ -18,10 +18,11 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.pool.control import INTENT_TTL, MAX_WAITS
 from accelmig.pool.testing import PoolThread
+from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
 from accelmig.wire.records import RecordView
-from tests.support.attest import bind
+from tests.support.attest import bind, register_token
 from tests.support.tenants import ALICE, BOB, TENANTS
 
 SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001",
@@ -284,3 +285,99 @@ def test_a_connection_holds_only_so_many_waits_and_finished_ones_do_not_count(po
         finally:
             await client.close()
     asyncio.run(run())
+
+
+# -- migration tokens (issue 28, item 2) --------------------------------------------------------
+def test_only_the_domains_host_registers_its_token_and_a_token_vouches_for_one_destination(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        digest = att.token_digest(att.new_token())
+        # a domain with no session here: nothing to vouch for, nothing registered
+        assert hosts["hostC"].call("register_token", domain_uuid=OTHER, digest=digest)["registered"] is False
+        bind(hosts["hostA"], dev, DOMAIN)
+        with pytest.raises(Forbidden, match="host hostB may not register the migration token of domain .*: "
+                                            "it runs on host hostA"):
+            hosts["hostB"].call("register_token", domain_uuid=DOMAIN, digest=digest)
+        token = register_token(hosts["hostA"], DOMAIN)
+        # the same token again from its host: unchanged
+        assert hosts["hostA"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "fresh"
+        first = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert first["vouched"]
+        assert hosts["hostA"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "in_use"
+        hosts["hostB"].call("abort", domain_uuid=DOMAIN, migration_id=first["migration_id"])
+        # the retry of an aborted migration to the same destination: the same token vouches
+        retry = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert retry["vouched"] and retry["migration_id"] != first["migration_id"]
+        hosts["hostB"].call("abort", domain_uuid=DOMAIN, migration_id=retry["migration_id"])
+        # another host that saw it (or made it up) is vouched for by nobody
+        elsewhere = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert not elsewhere["vouched"]
+        with pytest.raises(Forbidden, match="nobody vouched for it"):
+            hosts["hostC"].call("complete", domain_uuid=DOMAIN, migration_id=elsewhere["migration_id"])
+
+
+def test_a_token_that_moved_its_domain_is_spent(pool, hosts):
+    """The domain's XML still carries its former host's token when it
+    arrives: its new host registers it and is told to write its own."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        token = register_token(hosts["hostA"], DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert hosts["hostB"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "spent"
+        # hostA, no longer its host, may not register one
+        with pytest.raises(Forbidden, match="it runs on host hostB"):
+            hosts["hostA"].call("register_token", domain_uuid=DOMAIN, digest=att.token_digest(token))
+        assert register_token(hosts["hostB"], DOMAIN)
+
+
+def test_a_challenge_is_its_hosts_and_expires(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        issued = hosts["hostA"].call("bind_challenge")
+        proof = att.bind_proof(dev._session.secret, challenge=issued["challenge"], instance=issued["instance"],
+                               host="hostB", domain=DOMAIN, sid=dev.sid)
+        with pytest.raises(Forbidden, match="the pool did not issue it to this host, or it expired"):
+            hosts["hostB"].call("bind_sessions", domain_uuid=DOMAIN, challenge=issued["challenge"],
+                                sessions={dev.sid: proof})
+        pool.call(lambda: setattr(pool.pool.bind_challenges, "ttl", 0.0))
+        expired = hosts["hostA"].call("bind_challenge")
+        proof = att.bind_proof(dev._session.secret, challenge=expired["challenge"], instance=expired["instance"],
+                               host="hostA", domain=DOMAIN, sid=dev.sid)
+        with pytest.raises(Forbidden, match="or it expired"):
+            hosts["hostA"].call("bind_sessions", domain_uuid=DOMAIN, challenge=expired["challenge"],
+                                sessions={dev.sid: proof})
+        assert pool.session(dev.sid)["domain_uuid"] is None
+
+
+# -- what a host reads (issue 28, item 3) --------------------------------------------------------
+def test_a_host_reads_only_its_own_sessions_and_the_records_it_takes_part_in(pool, hosts, admin):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        mid = record["migration_id"]
+        assert [s["sid"] for s in hosts["hostA"].call("list_sessions")["sessions"]] == [dev.sid]
+        for host in ("hostB", "hostC"):
+            listed = hosts[host].call("list_sessions", domain_uuid=DOMAIN)
+            assert listed["sessions"] == [] and listed["elsewhere"] == 1
+        assert [s["sid"] for s in admin.call("list_sessions")["sessions"]] == [dev.sid]
+        assert hosts["hostC"].call("list_records")["records"] == []
+        for host in ("hostA", "hostB"):
+            assert [r["migration_id"] for r in hosts[host].call("list_records")["records"]] == [mid]
+        with pytest.raises(Forbidden, match="host hostC may not list the sessions of .*: it takes no part"):
+            hosts["hostC"].call("record_sessions", domain_uuid=DOMAIN, migration_id=mid)
+        with pytest.raises(Forbidden, match="host hostC may not wait for .*: it takes no part"):
+            hosts["hostC"].call("wait_record", domain_uuid=DOMAIN, migration_id=mid, timeout=0)
+        assert hosts["hostB"].call("wait_record", domain_uuid=DOMAIN, migration_id=mid, timeout=0)["record"]
+        # which domains hold sessions, and how many wait to be attested: never an id
+        assert hosts["hostC"].call("accel_domains")["domains"] == {DOMAIN: 0}
+
+
+def test_a_host_unbinds_a_session_only_from_the_domain_it_is_in(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        with pytest.raises(Forbidden, match=f"unbind session {dev.sid} from domain {OTHER}: it is not in"):
+            hosts["hostA"].call("unbind_session", sid=dev.sid, domain_uuid=OTHER)
+        assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
