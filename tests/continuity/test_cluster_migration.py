@@ -8,7 +8,7 @@ migration steps (``MigrationSteps``).  Each host's guest is the drivers
 themselves: what the agent does with a rehome is ``resume(endpoint, ticket)``.
 
 Hosts here register no networks: their guests' sessions are bound by
-attestation alone (``bind_session``, as for a Nova instance) and a ticket
+attestation alone (``bind_sessions`` with each session's proof, as for a Nova instance) and a ticket
 moves a session whatever address it resumes from, so both "hosts" may share
 loopback."""
 
