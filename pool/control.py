@@ -634,8 +634,10 @@ class ControlServer:
             session = self.pool.sessions.get(sid)
             if session is None or not session.live:
                 refused[sid] = _brief(NoSuchRecord(record=f"session {sid}"))
+            elif self._attested_here(session, caller, domain_uuid):
+                bound.append(sid)             # (nothing to change: a proof or none)
             elif proof is None:
-                (bound if self._attested_here(session, caller, domain_uuid) else prove).append(sid)
+                prove.append(sid)
             elif challenges.used(caller, challenge, sid) or not att.check_bind_proof(
                     session.secret, proof, challenge=challenge, instance=self.pool.instance, host=caller,
                     domain=domain_uuid, sid=sid):
@@ -935,15 +937,20 @@ class ControlServer:
 
     def do_list_sessions(self, caller, domain_uuid=None, cursor=None, limit=None):
         """A page of the pool's sessions (a domain's), in the order they
-        opened: for a host, only its own (``_visible``); of a domain, also
-        how many of its sessions are bound elsewhere (``elsewhere``: a host
-        finding a domain here that arrived while its hostd was away)."""
+        opened: for a host, only its own (``_visible``) and, of a domain,
+        those its migrations from here moved; of a domain, also how many of
+        its sessions are bound elsewhere (``elsewhere``: a host finding a
+        domain here that arrived while its hostd was away)."""
         limit = page_limit("list_sessions", limit)
         scope = "*" if domain_uuid is None else f"domain {domain_uuid}"
         start = self.pool.pager.position("list_sessions", scope, caller, cursor)
         chosen = [s for s in list(self.pool.sessions.values())
                   if s.serial >= start and (domain_uuid is None or s.domain_uuid == domain_uuid)]
-        items = ((s.serial, s.describe()) for s in chosen if self._visible(s, caller))
+        # (the source of a domain's migration still reads what it moved: ``accelmig migrate``
+        # counts what its sessions sent meanwhile)
+        moved = {sid for r in list(self.pool.records.values()) if r.domain_uuid == domain_uuid
+                 and r.source_host == caller for sid in r.sessions} if domain_uuid is not None else set()
+        items = ((s.serial, s.describe()) for s in chosen if self._visible(s, caller) or s.sid in moved)
         page, following = take(items, limit)
         out = {"instance": self.pool.instance, "sessions": page,
                "next": None if following is None else

@@ -33,7 +33,7 @@ import libvirt
 
 from accelmig.plugin.hostd.watch import DomainWatch, Phase
 from accelmig.wire import attestation as att
-from accelmig.wire.errors import AccelmigError, LibvirtFailure, RecordState, from_wire
+from accelmig.wire.errors import AccelmigError, Forbidden, LibvirtFailure, RecordState, from_wire
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -46,6 +46,9 @@ MAX_PROVE_PAGES = 64
 ARRIVAL_WAIT = 1.0
 #: s before a token that could not be written or registered is tried again
 TOKEN_RETRY = 30.0
+#: sessions a guest's reports may leave waiting for their attestation (its
+#: agent keeps 4096 at most): past it a report is dropped, said once
+MAX_PENDING = 4096
 
 
 def _chunks(items: list, size: int):
@@ -56,6 +59,11 @@ def _chunks(items: list, size: int):
 class Attestation:
     def __init__(self, daemon):
         self.daemon = daemon
+        # node client -> (challenge, instance, monotonic time to ask for a new one):
+        # one challenge serves every proof for half its life (each session is
+        # proven once under it), so no guest makes hostd churn the pool's
+        # challenges (a host holds MAX_CHALLENGES at most) under another's feet
+        self._challenges: dict = {}
 
     @property
     def host(self) -> str:
@@ -68,6 +76,13 @@ class Attestation:
         in batches (one task per domain takes what came meanwhile)."""
         for sid in sids:
             if isinstance(sid, str) and 0 < len(sid) <= 256 and sid not in watch.sessions:
+                if len(watch.unattested) >= MAX_PENDING and sid not in watch.unattested:
+                    if not watch.attest_dropped:
+                        LOG.warning("domain %s: its guest reported over %d sessions not attested yet: "
+                                    "the rest dropped until those are", watch.name, MAX_PENDING,
+                                    extra={"domain": watch.name})
+                    watch.attest_dropped = True
+                    break
                 # (a new one needs a proof; one from a hello may be bound here already)
                 watch.unattested[sid] = watch.unattested.get(sid, False) or new
         self.kick(watch)
@@ -80,7 +95,7 @@ class Attestation:
 
     async def _flush(self, watch: DomainWatch) -> None:
         while watch.unattested and watch.phase is Phase.RUNNING:
-            batch, watch.unattested = watch.unattested, {}
+            batch, watch.unattested, watch.attest_dropped = watch.unattested, {}, False
             try:
                 await self.attest(None, watch, batch)
             except AccelmigError as exc:
@@ -100,8 +115,8 @@ class Attestation:
         challenges: dict[str, tuple] = {}         # instance -> (client, challenge)
         if sids is None:
             for client in nodes.every():
-                answer = await self.daemon.node_call(client, "bind_challenge")
-                challenges[answer["instance"]] = (client, answer["challenge"])
+                instance, challenge = await self._challenge(client)
+                challenges[instance] = (client, challenge)
             wanted = None
         else:
             groups: dict = {}
@@ -118,8 +133,8 @@ class Attestation:
                     refused.update(answer.get("refused") or {})
                     needed += [sid for sid in answer.get("prove") or [] if sid in group]
                 if needed:
-                    answer = await self.daemon.node_call(client, "bind_challenge")
-                    challenges[answer["instance"]] = (client, answer["challenge"])
+                    instance, challenge = await self._challenge(client)
+                    challenges[instance] = (client, challenge)
                     wanted += needed
         if wanted is None or wanted:
             proofs, unproven = await self._ask_guest(dom, watch, {i: c for i, (_, c) in challenges.items()},
@@ -136,9 +151,13 @@ class Attestation:
                 if challenge is None:
                     continue                      # (a sid of a node we asked no challenge of)
                 for batch in att.bind_batches(group):
-                    answer = await self.daemon.node_call(client, "bind_sessions", domain_uuid=watch.uuid,
-                                                         domain_name=watch.name, challenge=challenge,
-                                                         sessions=batch)
+                    try:
+                        answer = await self.daemon.node_call(client, "bind_sessions", domain_uuid=watch.uuid,
+                                                             domain_name=watch.name, challenge=challenge,
+                                                             sessions=batch)
+                    except Forbidden:
+                        self.forget_challenges()      # (expired, or the pool restarted): the next report asks anew
+                        raise
                     bound += answer.get("bound") or []
                     refused.update(answer.get("refused") or {})
         watch.sessions.update(bound)
@@ -151,6 +170,20 @@ class Attestation:
             if not watch.token_registered:
                 self.daemon.spawn(self.ensure_token(watch), f"token:{watch.name}")
         return {"bound": bound, "refused": refused}
+
+    async def _challenge(self, client) -> tuple[str, str]:
+        """(instance, challenge) of ``client``'s node for this host's proofs."""
+        held = self._challenges.get(client)
+        if held is not None and time.monotonic() < held[2]:
+            return held[1], held[0]
+        answer = await self.daemon.node_call(client, "bind_challenge")
+        life = float(answer.get("ttl") or att.CHALLENGE_TTL) / 2
+        self._challenges[client] = (answer["challenge"], answer["instance"], time.monotonic() + life)
+        return answer["instance"], answer["challenge"]
+
+    def forget_challenges(self) -> None:
+        """A challenge the pool no longer has (it restarted, it pushed it out): ask anew."""
+        self._challenges.clear()
 
     async def _ask_guest(self, dom, watch: DomainWatch, challenges: dict, sids: list | None):
         """The guest's proofs of ``sids`` (None: of every session it holds):

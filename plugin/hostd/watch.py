@@ -152,6 +152,7 @@ class DomainWatch:
         self.sessions: set[str] = set()          # attested here
         # what the guest reported and is not attested yet: sid -> new (needs a proof)
         self.unattested: dict[str, bool] = {}
+        self.attest_dropped = False               # (said once: reports past MAX_PENDING dropped)
         self.attesting: asyncio.Task | None = None
         # the migration token in the live XML, and whether the pool has it as this host's
         self.token: str | None = None

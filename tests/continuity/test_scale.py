@@ -174,8 +174,9 @@ def test_a_domain_of_a_thousand_sessions_migrates_and_each_resumes_once_with_its
             record = RecordView.from_wire(final["record"])
             assert final["reached"] and record.rehomed
             assert record.session_count == record.resumed_count == SESSIONS and not record.inline
-            # (hostA no longer sees them: they are hostB's, and hostB reads them)
-            assert a.call_all("list_sessions", domain_uuid=domain)["elsewhere"] == SESSIONS
+            # (they are hostB's now: hostA, the migration's source, still reads them, bound elsewhere)
+            moved = a.call_all("list_sessions", domain_uuid=domain)
+            assert len(moved["sessions"]) == moved["elsewhere"] == SESSIONS
             with ControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode()) as b:
                 sessions = {s["sid"]: s for s in b.call_all("list_sessions", domain_uuid=domain)["sessions"]}
             assert len(sessions) == SESSIONS

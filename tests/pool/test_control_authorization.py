@@ -381,3 +381,17 @@ def test_a_host_unbinds_a_session_only_from_the_domain_it_is_in(pool, hosts):
         with pytest.raises(Forbidden, match=f"unbind session {dev.sid} from domain {OTHER}: it is not in"):
             hosts["hostA"].call("unbind_session", sid=dev.sid, domain_uuid=OTHER)
         assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
+
+
+def test_the_source_of_a_migration_still_reads_the_sessions_it_moved(pool, hosts):
+    """``accelmig migrate`` on the source counts what the domain's sessions
+    sent meanwhile, after they are the destination's."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        moved = hosts["hostA"].call("list_sessions", domain_uuid=DOMAIN)["sessions"]
+        assert [(s["sid"], s["pending_move"]) for s in moved] == [(dev.sid, [DOMAIN, record["migration_id"]])]
+        assert hosts["hostC"].call("list_sessions", domain_uuid=DOMAIN)["sessions"] == []
