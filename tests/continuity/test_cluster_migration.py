@@ -540,3 +540,44 @@ def test_the_guest_agent_rehomes_every_session_to_its_own_node_from_one_rehome(t
 
 async def _nothing(dom, watch):
     return None
+
+
+def test_the_domains_token_vouches_on_every_node_and_no_source_need_switch_over(two_nodes):
+    """The domain's sessions on both nodes, its host's token registered at
+    each: the destination's open with it is vouched for on every node (and
+    in etcd), so the destination completes both nodes' parts though the
+    source's hostd never switched over (it died); a made-up token vouches
+    for nothing anywhere."""
+    from accelmig.wire import attestation as att
+    store, nodes = two_nodes
+    devs = open_sessions(store, nodes)
+    domain = str(uuid.uuid4())
+
+    async def scenario():
+        a, b = hostd(nodes, "hostA"), hostd(nodes, "hostB")
+        try:
+            for routing, _ in (a, b):
+                await routing.refresh()
+            await attest(a[0], domain, devs)
+            token = att.new_token()
+            states = [(await client.call("register_token", domain_uuid=domain,
+                                         digest=att.token_digest(token)))["state"] for client in a[0].every()]
+            assert states == ["fresh", "fresh"]
+            made_up = await b[1].pool("open_migration", domain_uuid=domain, token=att.new_token())
+            assert not made_up["vouched"]
+            await b[1].pool("abort", domain_uuid=domain, migration_id=made_up["migration_id"])
+            record = await b[1].pool("open_migration", domain_uuid=domain, token=token)
+            assert record["vouched"]
+            stored = await asyncio.to_thread(RecordLedger(store, "n1").read, domain, record["migration_id"])
+            assert stored.vouched
+            done = await b[1].pool_all("complete", domain_uuid=domain, migration_id=record["migration_id"])
+            assert sorted(done["tickets"]) == sorted(d.sid for d in devs)     # both nodes' parts
+        finally:
+            for routing, _ in (a, b):
+                await routing.close()
+                await routing.coordinator.close()
+    try:
+        asyncio.run(scenario())
+    finally:
+        for dev in devs:
+            dev.close()

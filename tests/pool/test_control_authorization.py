@@ -395,3 +395,17 @@ def test_the_source_of_a_migration_still_reads_the_sessions_it_moved(pool, hosts
         moved = hosts["hostA"].call("list_sessions", domain_uuid=DOMAIN)["sessions"]
         assert [(s["sid"], s["pending_move"]) for s in moved] == [(dev.sid, [DOMAIN, record["migration_id"]])]
         assert hosts["hostC"].call("list_sessions", domain_uuid=DOMAIN)["sessions"] == []
+
+
+def test_a_post_copy_switchover_by_the_source_vouches_for_the_destination_and_commits(pool, hosts):
+    """No token reached the destination (none registered): its own commit
+    waits, the source's SUSPENDED_POSTCOPY switchover vouches and commits."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, postcopy=True)
+        with pytest.raises(Forbidden, match="nobody vouched for it"):
+            hosts["hostB"].call("commit", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        switched = hosts["hostA"].call("switchover", domain_uuid=DOMAIN, postcopy=True)
+        assert (switched["vouched"], switched["state"]) == (True, "committed")
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert set(done["tickets"]) == {dev.sid}
