@@ -997,11 +997,12 @@ class ControlServer:
                 self.pool.pager.cursor("record_sessions", record.key, caller, following)}
 
     async def wait_record(self, caller, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
-        """For a party of the record (or the admin socket): the record once it is rehomed (``until="rehomed"``: completed or
+        """The record once it is rehomed (``until="rehomed"``: completed or
         closed, with every session resumed; or aborted), rehomed with the
         destination's steps in its timeline (``until="timeline"``: its hostd
         noted them after the agent answered) or final (``until="final"``),
-        or as it is after ``timeout`` seconds."""
+        or as it is after ``timeout`` seconds; for a party of the record (or
+        the admin socket) only."""
         if until not in ("rehomed", "timeline", "final"):
             raise BadRequest(reason=f"wait_record: until {until!r} (rehomed, timeline or final)")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 600:

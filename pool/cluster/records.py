@@ -151,7 +151,8 @@ class StoredRecord:
         return cls(domain, mid, RecordStateName(value.get("state")), _text(value.get("source_host"),
                    "source_host", optional=True), _text(value.get("dest_host"), "dest_host"),
                    PausePolicy.parse(value.get("policy")), flags["postcopy"], flags["source_stopped"],
-                   flags["vouched"], dict(nodes), tuple(lost), _text(value.get("abort_reason"), "abort_reason", optional=True),
+                   flags["vouched"], dict(nodes), tuple(lost),
+                   _text(value.get("abort_reason"), "abort_reason", optional=True),
                    meta["mod_revision"], meta["lease"], kept)
 
     @property
@@ -220,7 +221,8 @@ class RecordLedger:
         value = {"domain_uuid": record.domain_uuid, "migration_id": record.migration_id,
                  "state": RecordStateName.OPEN.value, "source_host": record.source_host,
                  "dest_host": record.dest_host, "policy": record.policy.value, "postcopy": record.postcopy,
-                 "source_stopped": False, "vouched": record.vouched, "nodes": {n: v.instance for n, v in taking.items()}, "lost": [],
+                 "source_stopped": False, "vouched": record.vouched,
+                 "nodes": {n: v.instance for n, v in taking.items()}, "lost": [],
                  "abort_reason": None, "opened": round(time.time(), 3), "opened_by": self.node}
         parts = {name: {"node": name, "instance": view.instance, "state": "open"} for name, view in taking.items()}
         puts = [self.store.op_put(key, value, lease)]
