@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "devices", "placement", "etcd_tls", "records"]
+BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "sandbox", "devices", "placement", "etcd_tls",
+              "records"]
 
 
 def main(argv: list[str]) -> int:

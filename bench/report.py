@@ -21,7 +21,7 @@ from bench import common
 
 #: the order of the report (others, if any, follow by name)
 ORDER = ["remoting", "remoting-launches", "remoting-big", "remoting-chunked", "remoting-tls", "resume", "storm",
-         "blackout", "blackout-long", "isolation", "devices", "placement", "etcd_tls"]
+         "blackout", "blackout-long", "isolation", "sandbox", "devices", "placement", "etcd_tls"]
 #: how many hours older than the newest result one may be before it is flagged
 STALE_HOURS = 24.0
 

@@ -89,6 +89,10 @@ def main():
 @click.option("--device-isolation", type=click.Choice(["process", "none"]), help="process: each tenant's "
               "device work in a process of its own, killed when a call overruns --device-time-limit; "
               "none: all in the pool's process (one trusted tenant only) [default process].")
+@click.option("--allow-unconfined-builds", is_flag=True, default=None, help="Serve program builds that "
+              "nothing confines (with --device-isolation none, or where device processes cannot be "
+              "confined): they can read every file the pool can. One trusted tenant only "
+              "[config: allow_unconfined_builds; default: refused].")
 @click.option("--device-time-limit", type=float, metavar="SECONDS", help="Longest one device call of a "
               "tenant (a finish, a read, a build) may take before its device process is killed "
               "[default 60].")

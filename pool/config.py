@@ -23,7 +23,7 @@ metadata below by ``python docs/configref.py``)::
     ticket_ttl = 300.0                 # s a resume ticket is valid
     max_header = 65536
     max_payload = "1GiB"
-    max_reply_bytes = "256MiB"         # per session, before execution waits for acks
+    max_reply_bytes = "256MiB"         # per session: replies kept until acknowledged
     log_format = "json"                # or "text"
     # cluster = "etcds://10.0.0.5:2379" # several nodes as one pool (docs/DESIGN.md, Pool: many nodes)
     # cluster_tls_ca = "/etc/accelmig/etcd-ca.crt"   # etcds://: the CA that signs etcd's certificate
@@ -170,9 +170,18 @@ class PoolConfig:
         "doc": "`process`: each tenant's sessions run their device work in a process of the "
                "tenant's own, which the pool kills when a call overruns `device_time_limit` "
                "(a kernel that never ends stalls only its tenant; each tenant has its own kernel "
-               "cache). `none`: all in the pool's process (no copy across processes; a spinning "
-               "kernel cannot be stopped): for a single trusted tenant only.",
+               "cache), confined so that its builds and kernels see none of the node's files. "
+               "`none`: all in the pool's process (no copy across processes; a spinning kernel "
+               "cannot be stopped; builds are refused unless `allow_unconfined_builds`): for a "
+               "single trusted tenant only.",
         "type": "string: process | none"})
+    allow_unconfined_builds: bool = dataclasses.field(default=False, metadata={
+        "doc": "Serve program builds where nothing confines them: with `device_isolation = "
+               "\"none\"`, or where the node cannot confine device processes (no user or mount "
+               "namespaces for the pool's user: the pool says so at start). Such a build can read "
+               "every file the pool can (`#include`), and a kernel can do what the pool's user can. "
+               "`false`: those builds are refused with FORBIDDEN. For a single trusted tenant only.",
+        "type": "boolean"})
     device_time_limit: float = dataclasses.field(default=60.0, metadata={
         "doc": "Seconds one device call of a tenant (a finish or read waiting for its queued "
                "kernels, a build) may take; then the tenant's device process is killed and its "
@@ -190,8 +199,7 @@ class PoolConfig:
                "pages are reused: touching fresh ones costs ten times the copy into them); then "
                "they go back to the system until the next write.", "type": "number (seconds)"})
     max_source_bytes: int = dataclasses.field(default=1 << 20, metadata={
-        "doc": "Largest program source a build takes (sources are self-contained: `#include` "
-               "and options that name files are refused).", "type": "size"})
+        "doc": "Largest program source a build takes.", "type": "size"})
     max_concurrent_builds: int = dataclasses.field(default=2, metadata={
         "doc": "Builds one tenant may run at once (the rest wait in its device process; other "
                "tenants build beside them).", "type": "integer"})
@@ -212,14 +220,30 @@ class PoolConfig:
     ticket_ttl: float = dataclasses.field(default=300.0, metadata={
         "doc": "Seconds a resume ticket is valid.", "type": "number (seconds)"})
     handshake_timeout: float = dataclasses.field(default=10.0, metadata={
-        "doc": "Seconds a data-plane connection may take from connect to a successful open "
-               "or resume; then it is closed.", "type": "number (seconds)"})
+        "doc": "Seconds a connection (either plane) may take from the moment it is accepted "
+               "through its TLS handshake to a successful open or resume (a host's hello); "
+               "then it is closed.", "type": "number (seconds)"})
+    idle_timeout: float = dataclasses.field(default=300.0, metadata={
+        "doc": "Seconds an authenticated connection (either plane) may send nothing; then it is "
+               "closed (a driver's session detaches and its grace starts). Drivers are told at "
+               "hello and send a keepalive at a third of it; hostd calls every few seconds.",
+        "type": "number (seconds)"})
+    max_connections: int = dataclasses.field(default=0, metadata={
+        "doc": "Connections of both planes the pool holds at once, authenticated or not; `0`: "
+               "the process's descriptor limit (its soft limit raised to the hard one) less a "
+               "quarter of it (at least 64) kept for the pool's own files. A number that "
+               "cannot fit under the descriptor limit stops the pool at start. Past it, a "
+               "newcomer evicts a connection that has not authenticated, or is refused.",
+        "type": "integer"})
     max_unauthenticated: int = dataclasses.field(default=512, metadata={
-        "doc": "Connections (data and control plane) that have not authenticated yet, all peers together; "
-               "more are refused at once.", "type": "integer"})
+        "doc": "Connections (data and control plane) that have not authenticated yet, counted "
+               "from accept, all peers together (at most half of `max_connections`). Past it a "
+               "newcomer evicts the oldest such connection of the address holding the most of "
+               "them, so a working client gets in during a flood.", "type": "integer"})
     max_unauthenticated_per_peer: int = dataclasses.field(default=32, metadata={
-        "doc": "Connections (data and control plane) from one address that have not authenticated yet; "
-               "more are refused at once.", "type": "integer"})
+        "doc": "Connections (data and control plane) from one address that have not authenticated yet, "
+               "counted from accept; more are closed at once, before any TLS handshake.",
+        "type": "integer"})
     max_header: int = dataclasses.field(default=64 * 1024, metadata={
         "doc": "Largest data-plane frame header; a bigger frame closes that connection.",
         "type": "size"})
@@ -227,8 +251,12 @@ class PoolConfig:
         "doc": "Largest data-plane frame payload, told to drivers at hello; they send larger "
                "writes and reads as chunks of at most this (and at most 64 MiB); at least 4 KiB.", "type": "size"})
     max_reply_bytes: int = dataclasses.field(default=256 << 20, metadata={
-        "doc": "Per session: reply bytes kept un-acknowledged before execution waits for the "
-               "driver's acknowledgements.", "type": "size"})
+        "doc": "Per session: replies (their payloads and bookkeeping) kept until the driver "
+               "acknowledges them, counted from the moment a command goes to the device (a read "
+               "by its size); past it the session's next commands wait for acknowledgements. "
+               "A read larger than it is refused with QUOTA_EXCEEDED, and drivers are told at "
+               "hello to read in chunks of at most it. Also bounds the write payloads queued per "
+               "session. At least 4 KiB.", "type": "size"})
     max_objects_per_session: int = dataclasses.field(default=8192, metadata={
         "doc": "Per session: buffers and programs held at once (a zero-byte buffer costs "
                "no quota but still host memory); one more is refused with QUOTA_EXCEEDED.",
@@ -284,11 +312,12 @@ class PoolConfig:
         "doc": "Least severe log level written.", "type": "string: DEBUG | INFO | WARNING | ERROR"})
 
     _FLOATS = ("cluster_ttl", "grace", "park_retention", "lease_ttl", "ticket_ttl", "handshake_timeout",
-               "device_time_limit", "upload_arena_keep")
+               "idle_timeout", "device_time_limit", "upload_arena_keep")
     _COUNTS = ("max_unauthenticated", "max_unauthenticated_per_peer", "max_objects_per_session",
                "max_sessions_per_tenant", "max_concurrent_builds")
+    _COUNTS_OR_AUTO = ("max_connections",)          # 0: derived (pool.admission.ConnectionLimits)
     _SIZES = ("max_header", "max_payload", "max_reply_bytes", "max_source_bytes", "upload_arena")
-    _BOOLS = ("insecure",)
+    _BOOLS = ("insecure", "allow_unconfined_builds")
 
     @classmethod
     def load(cls, path: str | None, overrides: dict | None = None) -> "PoolConfig":
@@ -318,19 +347,21 @@ class PoolConfig:
             elif key in cls._BOOLS:
                 if not isinstance(value, bool):
                     raise ConfigInvalid(source=path or "flags", reason=f"{key} must be true or false")
-            elif key in cls._COUNTS:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ConfigInvalid(source=path or "flags",
-                                        reason=f"{key} must be a positive integer")
+            elif key in cls._COUNTS or key in cls._COUNTS_OR_AUTO:
+                least = 0 if key in cls._COUNTS_OR_AUTO else 1
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ConfigInvalid(source=path or "flags", reason=(
+                        f"{key} must be a positive integer" + (" (or 0: automatic)" if least == 0 else "")))
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)
         if config.device and config.devices.strip() != "all":
             raise ConfigInvalid(source=path or "flags", reason="device (one device) and devices "
                                                               "(several): choose one")
-        if config.max_payload < MIN_PAYLOAD_LIMIT:
-            raise ConfigInvalid(source=path or "flags", reason=f"max_payload must be at least "
-                                                              f"{MIN_PAYLOAD_LIMIT} bytes (drivers refuse less)")
+        for key in ("max_payload", "max_reply_bytes"):     # (the welcome's max_payload is the lesser)
+            if getattr(config, key) < MIN_PAYLOAD_LIMIT:
+                raise ConfigInvalid(source=path or "flags", reason=f"{key} must be at least "
+                                                                  f"{MIN_PAYLOAD_LIMIT} bytes (drivers refuse less)")
         if config.device_isolation not in ("process", "none"):
             raise ConfigInvalid(source=path or "flags", reason="device_isolation is process or none")
         if config.log_format not in ("json", "text"):

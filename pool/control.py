@@ -58,20 +58,16 @@ ADMIN_METHODS = {"list_nodes", "list_sessions", "list_records", "record_sessions
                  "abort", "park", "unpark", "register_intent", "wait_record"}
 
 
-class _Unauthenticated:
-    """A control connection as the pool's admission counts it (by ``peer``)."""
-
-    def __init__(self, peer: tuple):
-        self.peer = peer
-
-
 class ControlServer:
     def __init__(self, pool):
         self.pool = pool
         self._tasks: set[asyncio.Task] = set()
 
-    async def handle_host(self, reader, writer) -> None:
-        await self._tracked(self._serve(reader, writer, admin=False))
+    async def handle_host(self, reader, writer, admitted=None) -> None:
+        """A host's connection, counted from accept by ``admitted`` (a
+        ``pool.admission.AcceptedConnection``: its TLS handshake done, its
+        deadline running)."""
+        await self._tracked(self._serve(reader, writer, admin=False, admitted=admitted))
 
     async def handle_admin(self, reader, writer) -> None:
         await self._tracked(self._serve(reader, writer, admin=True))
@@ -92,25 +88,23 @@ class ControlServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     admin: bool) -> None:
+                     admin: bool, admitted=None) -> None:
         peer = writer.get_extra_info("peername") or "admin-socket"
         challenge = secrets.token_hex(16)
         host = None
         last_id = 0
         waits: set[asyncio.Task] = set()
-        # A host's connection counts against the pool's unauthenticated
-        # budget (shared with the data plane) until its hello is accepted.
-        pending = None if admin else _Unauthenticated(peer if isinstance(peer, tuple) else (str(peer),))
-        if pending is not None:
-            refused = self.pool.admit(pending)
-            if refused is not None:
-                writer.write(encode_frame({"op": "error", "error": refused.to_wire()}))
-                writer.close()
-                return
+        # A host's connection was counted from accept (pool.admission) and
+        # stays counted as a stranger until its hello is accepted, within
+        # what is left of the deadline its TLS handshake started (the hello's
+        # wait below answers it: "no hello within").
+        if admitted is not None:
+            admitted.on_deadline = _answered_below
         try:
             try:
-                header = await asyncio.wait_for(wc.read_frame_async(reader, wc.HELLO_LIMITS),
-                                                self.pool.config.handshake_timeout)
+                header = await asyncio.wait_for(
+                    wc.read_frame_async(reader, wc.HELLO_LIMITS),
+                    admitted.remaining() if admitted is not None else self.pool.config.handshake_timeout)
             except asyncio.TimeoutError:
                 raise ProtocolError(reason=f"no hello within "
                                            f"{self.pool.config.handshake_timeout:g} s") from None
@@ -132,12 +126,18 @@ class ControlServer:
                 self._check_certificate_names(writer, name, peer)
             writer.write(encode_frame({"op": "welcome", "version": 1, "challenge": challenge,
                                        "instance": self.pool.instance}))
-            if pending is not None:
-                self.pool.release_admission(pending)
+            if admitted is not None:
+                admitted.authenticated()
             while True:
                 try:
-                    header = await wc.read_frame_async(reader, wc.CALL_LIMITS)
+                    header = await self._next_call(reader, waits, idle=admitted is not None)
                 except asyncio.IncompleteReadError:
+                    return
+                if header is None:
+                    # closed without an error frame: a client finds the connection
+                    # gone at its next call and makes a new one
+                    LOG.info("control plane: closing %s: nothing received for %g s (idle_timeout)", peer,
+                             self.pool.config.idle_timeout)
                     return
                 call_id = header.get("id")
                 method = header.get("method")
@@ -186,11 +186,35 @@ class ControlServer:
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
-            if pending is not None:
-                self.pool.release_admission(pending)
             for wait in waits:
                 wait.cancel()
-            writer.close()
+            if admitted is not None:
+                admitted.closed()
+                admitted.close_soon(writer.transport)   # (a peer that never reads keeps no descriptor)
+            else:
+                writer.close()
+
+    async def _next_call(self, reader, waits: set, idle: bool) -> dict | None:
+        """The connection's next call; None for a host's connection
+        (``idle``) that sent nothing for ``idle_timeout`` while none of its
+        waits was pending: it is closed (hostd calls every few seconds)."""
+        if not idle:
+            return await wc.read_frame_async(reader, wc.CALL_LIMITS)
+        timeout = self.pool.config.idle_timeout
+        frame = asyncio.ensure_future(wc.read_frame_async(reader, wc.CALL_LIMITS))
+        try:
+            while True:
+                done, _ = await asyncio.wait({frame}, timeout=timeout)
+                if done:
+                    return frame.result()
+                if not waits:
+                    self.pool.metrics.idle_connections.inc()
+                    return None
+        finally:
+            if not frame.done():
+                frame.cancel()
+            elif not frame.cancelled():
+                frame.exception()        # (read: a serve cancelled meanwhile leaves no unread failure)
 
     def _check_certificate_names(self, writer, name: str, peer) -> None:
         """A host acts only as the name its client certificate gives (the
@@ -1059,6 +1083,11 @@ class ControlServer:
 
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}
+
+
+def _answered_below() -> None:
+    """A host's connection whose deadline passed: ``_serve``'s wait for its
+    hello ends at the same moment and says so to the host."""
 
 
 #: what a node of a cluster takes through etcd first (``_clustered``)

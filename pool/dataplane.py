@@ -25,10 +25,11 @@ from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameError, ProtocolError,
-                                  SessionDiverged, StaleEpoch)
+                                  SessionDiverged, StaleEpoch, Timeout)
 from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Limits,
                                   encode_prefix_and_header)
-from accelmig.pool.sequencing import StoredReply, Verdict
+from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
+                                      command_cost)
 from accelmig.pool import streaming
 from accelmig.pool.session import Command, LaunchRun
 
@@ -57,11 +58,15 @@ class ConnState(enum.Enum):
 
 class DataConnection(asyncio.BufferedProtocol):
     """``server_cert_der``: the pool's own certificate when it serves TLS
-    (what ownership proofs are bound to, with the connection's challenge)."""
+    (what ownership proofs are bound to, with the connection's challenge).
+    ``admitted``: the ``pool.admission.AcceptedConnection`` that counted it
+    from accept, ran its TLS handshake and holds its deadline (the pool
+    reports to it when the connection authenticates and when it ends)."""
 
-    def __init__(self, pool, server_cert_der: bytes | None = None):
+    def __init__(self, pool, server_cert_der: bytes | None = None, admitted=None):
         self.pool = pool
         self.server_cert_der = server_cert_der
+        self.admitted = admitted
         self.binding = b""          # wire.tls.channel_binding, once TLS is up
         self.tls_resumed = False    # the driver resumed a TLS session (a reconnect's ticket)
         self._first_bytes = True    # a TLS hello on a plain pool gets a clear log line
@@ -83,7 +88,11 @@ class DataConnection(asyncio.BufferedProtocol):
         self._done: tuple[int, int] | None = None   # a run of plain successes not yet sent
         self._flush_scheduled = False
         self._feeding = False          # frames are being handled: they flush at the end
-        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._heard = 0.0              # when the peer last sent anything (the loop's clock)
+        self._header_size = 0          # the wire length of the header being handled
+        self._backlogged = False       # reading paused: the session holds too much back
+        self._output_full = False      # reading paused: the peer does not read what is sent
         self._records: batch.RecordCache | None = None     # launch records parsed lately (protocol 2)
         # a write copied to the device while its payload arrives (pool.streaming)
         self._stream: streaming.UploadStream | None = None
@@ -100,18 +109,35 @@ class DataConnection(asyncio.BufferedProtocol):
             self.tls_resumed = ssl_object.session_reused
             self._first_bytes = False
         self.pool.connections.add(self)
-        refused = self.pool.admit(self)
-        if refused is not None:
-            self.fail(refused)
-            return
-        self._handshake_timer = asyncio.get_running_loop().call_later(
-            self.pool.config.handshake_timeout, self._handshake_expired)
+        if self.admitted is not None:
+            # one deadline from accept: the TLS handshake took part of it
+            self.admitted.on_deadline = self._handshake_expired
 
     def _handshake_expired(self) -> None:
-        self._handshake_timer = None
+        """The connection's deadline passed before an open or resume (an
+        open waiting for the cluster's placement is answered by it)."""
         if self.state in (ConnState.HELLO, ConnState.READY):
             self.fail(ProtocolError(reason=f"no open or resume within "
                                            f"{self.pool.config.handshake_timeout:g} s"))
+
+    def _idle_check(self) -> None:
+        """An attached connection whose peer sent nothing for
+        ``idle_timeout`` is closed (its session detaches: the grace starts).
+        Not while the pool itself stopped reading for work of the session
+        still running or paused by a migration: that silence is the pool's."""
+        self._idle_timer = None
+        if self.state is not ConnState.ATTACHED:
+            return
+        loop = self.pool.loop
+        idle = self.pool.config.idle_timeout
+        quiet = loop.time() - self._heard
+        session = self.session
+        pools_own = self._backlogged and (session.in_worker or session.paused)
+        if quiet < idle or pools_own:
+            self._idle_timer = loop.call_later(idle - quiet if quiet < idle else idle, self._idle_check)
+            return
+        self.pool.metrics.idle_connections.inc()
+        self.fail(Timeout(what=f"the next frame from {self.peer[0]} (idle_timeout)", timeout=idle))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.reader.broken is not None:
@@ -121,6 +147,7 @@ class DataConnection(asyncio.BufferedProtocol):
         return self._buffer
 
     def buffer_updated(self, nbytes: int) -> None:
+        self._heard = self.pool.loop.time()
         self._feeding = True
         try:
             self._frames_arrived(nbytes)
@@ -155,6 +182,7 @@ class DataConnection(asyncio.BufferedProtocol):
             if self.state is ConnState.CLOSED:
                 return
             try:
+                self._header_size = frame.header_size
                 self._handle(frame.header, frame.payload)
             except AccelmigError as exc:
                 self.fail(exc)
@@ -206,10 +234,11 @@ class DataConnection(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc) -> None:
         self.pool.connections.discard(self)
-        self.pool.release_admission(self)
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
+        if self.admitted is not None:
+            self.admitted.closed()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         self.state = ConnState.CLOSED
         self._drop_leases()        # payloads received (or half received) that no command took
         # Whoever closed it (the peer, or this side after an error), a
@@ -311,19 +340,52 @@ class DataConnection(asyncio.BufferedProtocol):
         self.close()
 
     def close(self) -> None:
+        """The pool ends this connection.  Its session, if it still holds
+        it, is detached now: its grace runs from this decision, not from
+        when the transport lets go (asyncio waits up to 30 s for a TLS
+        peer's close_notify, and for a plain peer that never reads, for
+        ever).  What is queued still goes out, for ``pool.admission.CLOSE_GRACE`` at most."""
+        if self.state is ConnState.CLOSED:
+            return
         self.state = ConnState.CLOSED
+        session = self.session
+        if session is not None and session.connection is self:
+            self.pool.connection_lost(session, self)
         if self.transport is not None:
             self.flush()
-            self.transport.close()
+            if self.admitted is not None:
+                self.admitted.close_soon(self.transport)
+            else:
+                self.transport.close()
 
     def flow_changed(self) -> None:
         session = self.session
-        if session is None or self.transport is None or self.transport.is_closing():
+        if session is None:
             return
-        if session.backlogged and not self.reading_paused:
+        self._backlogged = session.backlogged
+        self._apply_flow()
+
+    def pause_writing(self) -> None:
+        """The transport holds more than its high-water mark of what the pool
+        sent: the peer does not read.  No more commands are read from it
+        (they would make more replies) until it does: a peer that
+        acknowledges replies it never reads cannot grow the pool's output."""
+        self._output_full = True
+        self._apply_flow()
+
+    def resume_writing(self) -> None:
+        self._output_full = False
+        self._heard = self.pool.loop.time()      # (the peer read: it is there)
+        self._apply_flow()
+
+    def _apply_flow(self) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        pause = self._backlogged or self._output_full
+        if pause and not self.reading_paused:
             self.transport.pause_reading()
             self.reading_paused = True
-        elif not session.backlogged and self.reading_paused:
+        elif not pause and self.reading_paused:
             self.transport.resume_reading()
             self.reading_paused = False
 
@@ -337,8 +399,10 @@ class DataConnection(asyncio.BufferedProtocol):
             self.state = ConnState.READY
             self.send({"op": Op.WELCOME.value, "version": self.version,
                        "instance": self.pool.instance, "challenge": self.challenge,
-                       "max_payload": self.pool.config.max_payload,
+                       # (a read's reply must fit what a session keeps unacknowledged)
+                       "max_payload": min(self.pool.config.max_payload, self.pool.config.max_reply_bytes),
                        "max_header": self.pool.config.max_header,
+                       "idle_timeout": self.pool.config.idle_timeout,
                        "peer_host": self.peer_host})
             return
         if self.state is ConnState.PLACING:
@@ -418,7 +482,10 @@ class DataConnection(asyncio.BufferedProtocol):
                 if identity is None:
                     identity = identities[id(launch)] = dp.CommandIdentity(launch, b"", PAYLOAD_DIGEST)
                 digests.append(identity)
-            log.accept_run(first, digests)
+            # the identities (one per distinct launch), an entry per launch,
+            # the records as parsed: counted until acknowledged
+            log.accept_run(first, digests, COMMAND_BYTES * len(identities) + RUN_REPLY_BYTES * len(launches)
+                           + HEADER_FACTOR * (self._header_size + len(payload)))
             session.counters.batched_launches += len(launches)
             session.submit_launches(LaunchRun(first, launches))
             self.flow_changed()
@@ -446,7 +513,7 @@ class DataConnection(asyncio.BufferedProtocol):
         identity = dp.CommandIdentity(header, payload, PAYLOAD_DIGEST)
         verdict = session.log.classify(seq, identity)
         if verdict is Verdict.NEW:
-            session.log.accept(seq, identity)
+            session.log.accept(seq, identity, command_cost(self._header_size))
             if torn is not None and seq == torn.seq:
                 session.torn = None          # its write came whole: the range is whole again
             command = Command(seq, op, header, payload, identity, lease)
@@ -529,10 +596,12 @@ class DataConnection(asyncio.BufferedProtocol):
         self.session = session
         self.epoch = session.epoch
         self.state = ConnState.ATTACHED
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
-        self.pool.release_admission(self)
+        if self.admitted is not None:
+            self.admitted.authenticated()
+        if self._idle_timer is None:
+            loop = self.pool.loop
+            self._heard = loop.time()
+            self._idle_timer = loop.call_later(self.pool.config.idle_timeout, self._idle_check)
         # Authenticated: now frames may be as large as the pool allows.
         self.reader.relimit(Limits(max_header=self.pool.config.max_header,
                                    max_payload=self.pool.config.max_payload))

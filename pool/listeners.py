@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 
+from accelmig.pool.admission import AcceptedConnection, Admission, ConnectionLimits
 from accelmig.pool.control import ControlServer
 from accelmig.pool.dataplane import DataConnection
 from accelmig.pool.state import Pool
@@ -37,6 +38,15 @@ class PoolServer:
         pool = self.pool
         pool.loop = asyncio.get_running_loop()
         data_tls, control_tls, cert_der = self._tls_contexts()
+        limits = ConnectionLimits(self.config)        # (ConfigInvalid: cannot fit the descriptor limit)
+        admission = pool.admission = Admission(limits, pool.metrics)
+        pool.metrics.connections.labels("unauthenticated").set_function(lambda: admission.unauthenticated)
+        pool.metrics.connections.labels("authenticated").set_function(
+            lambda: admission.total - admission.unauthenticated)
+        LOG.info("connections: %s", limits.describe(),
+                 extra={"max_connections": limits.max_connections, "descriptors": limits.descriptors,
+                        "max_unauthenticated": limits.max_unauthenticated,
+                        "max_unauthenticated_per_peer": limits.per_peer})
         admin_sock = None
         if self.config.admin_socket:
             # First: a second pool on the same admin socket stops here, having touched nothing.
@@ -50,9 +60,11 @@ class PoolServer:
             host, port = dp.parse_endpoint(item, listen=True)
             if port == 0 and first_port is not None:
                 port = first_port
+            # plain TCP: the pool runs the TLS handshake itself, once the
+            # connection is counted (pool.admission)
             server = await pool.loop.create_server(
-                lambda: DataConnection(pool, cert_der), host, port, reuse_address=True,
-                ssl=data_tls, ssl_handshake_timeout=self.config.handshake_timeout if data_tls else None)
+                lambda: self._accepted("data", data_tls, lambda admitted: DataConnection(pool, cert_der, admitted)),
+                host, port, reuse_address=True)
             self._servers.append(server)
             bound = _bound(server)
             first_port = first_port or server.sockets[0].getsockname()[1]
@@ -60,9 +72,9 @@ class PoolServer:
             self.endpoints.setdefault("data_all", []).append(bound)
         if self.config.control_listen:
             chost, cport = dp.parse_endpoint(self.config.control_listen, listen=True)
-            cserver = await asyncio.start_server(
-                self.control.handle_host, chost, cport, reuse_address=True, ssl=control_tls,
-                ssl_handshake_timeout=self.config.handshake_timeout if control_tls else None)
+            cserver = await pool.loop.create_server(
+                lambda: self._accepted("control", control_tls, self._control_stream),
+                chost, cport, reuse_address=True)
             self._servers.append(cserver)
             self.endpoints["control"] = _bound(cserver)
         if admin_sock is not None:
@@ -94,6 +106,17 @@ class PoolServer:
                 "INSECURE plain etcd://"
         return out
 
+    def _accepted(self, plane: str, tls_context, make_app) -> AcceptedConnection:
+        return AcceptedConnection(self.pool.admission, make_app, plane=plane, tls_context=tls_context,
+                                  timeout=self.config.handshake_timeout, metrics=self.pool.metrics)
+
+    def _control_stream(self, admitted: AcceptedConnection) -> asyncio.StreamReaderProtocol:
+        """The control plane's protocol for an admitted connection: what
+        ``asyncio.start_server`` would have made, serving ``handle_host``."""
+        reader = asyncio.StreamReader(loop=self.pool.loop)
+        return asyncio.StreamReaderProtocol(
+            reader, lambda r, w: self.control.handle_host(r, w, admitted), loop=self.pool.loop)
+
     def _tls_contexts(self):
         """(data plane's, control plane's, the pool's certificate), or Nones
         for plain TCP, said explicitly (``insecure``) and warned about."""
@@ -118,6 +141,8 @@ class PoolServer:
             self._janitor.cancel()
         for server in self._servers:
             server.close()
+        if pool.admission is not None:
+            pool.admission.abort_strangers()
         for conn in list(pool.connections):
             conn.close()
         await self.control.close()
@@ -165,13 +190,19 @@ class PoolServer:
         return True
 
     async def _janitor_loop(self) -> None:
-        period = max(0.05, min(1.0, self.config.grace / 4, self.config.lease_ttl / 4))
+        period = janitor_period(self.config)
         while True:
             await asyncio.sleep(period)
             try:
                 self.pool.sweep(time.time())
             except Exception:  # pragma: no cover - keep sweeping whatever happens
                 LOG.exception("janitor failed")
+
+
+def janitor_period(config) -> float:
+    """Seconds between the janitor's sweeps: a quarter of the grace and of
+    the lease, at most 1 s (a session is released at most this late)."""
+    return max(0.05, min(1.0, config.grace / 4, config.lease_ttl / 4))
 
 
 def _bound(server) -> str:

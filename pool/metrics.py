@@ -35,7 +35,16 @@ class PoolMetrics:
         self._by_op: dict = {}
         self.refused_connections = Counter(
             "accelmig_refused_connections_total",
-            "Data-plane connections refused: too many not yet authenticated", registry=r)
+            "Connections (either plane) refused at accept: too many from their address not yet "
+            "authenticated, or the pool full of authenticated ones", registry=r)
+        self.evicted_connections = Counter(
+            "accelmig_evicted_connections_total",
+            "Unauthenticated connections closed to make room for a newcomer", registry=r)
+        self.idle_connections = Counter(
+            "accelmig_idle_connections_total",
+            "Authenticated connections closed for sending nothing for idle_timeout", registry=r)
+        self.connections = Gauge("accelmig_connections", "Open connections of both planes",
+                                 ["state"], registry=r)
         self.frame_errors = Counter("accelmig_frame_errors_total", "Connections closed for bad frames",
                                     ["code"], registry=r)
 

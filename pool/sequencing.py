@@ -10,6 +10,12 @@ tests/pool/test_sequencing_model.py).  Numbers:
 
 Invariant: ``acked <= highest_reply < next_seq``.  Commands in
 ``(highest_reply, next_seq)`` are queued or executing; their replies come.
+
+What the log keeps until the driver acknowledges is host memory no quota
+sees: it counts it, so the session can bound it.  ``reply_bytes``: every
+stored reply (its payload and ``REPLY_BYTES``, or ``RUN_REPLY_BYTES`` for a
+plain success of a run); ``command_bytes``: every accepted command's
+identity (what ``accept`` is told it costs: ``command_cost``).
 """
 
 from __future__ import annotations
@@ -33,14 +39,33 @@ class StoredReply:
     seq: int
     header: dict
     payload: bytes | bytearray | memoryview = b""
+    #: bytes its header holds beyond a plain reply's (a build's log, an
+    #: error's message): counted with it
+    extra: int = 0
 
     @property
     def nbytes(self) -> int:
-        return len(self.payload) + OK_REPLY_BYTES
+        return len(self.payload) + REPLY_BYTES + self.extra
 
 
-#: what a stored reply without payload counts for (``StoredReply.nbytes``)
-OK_REPLY_BYTES = 64
+#: What the log's host memory is counted as (tracemalloc, CPython 3.11; the
+#: measurements: docs/DESIGN.md, "What a tenant costs the pool").
+#: A stored reply without payload: its object, header and log entry (386 B measured).
+REPLY_BYTES = 512
+#: A plain success of a launch run: a log entry, no object (112 B measured).
+RUN_REPLY_BYTES = 128
+#: An accepted command's identity beyond its header: object, digest, entry.
+COMMAND_BYTES = 512
+#: A header kept as parsed JSON costs up to ~21 times its length on the wire
+#: (``[{},{},...]``: 64 B per 3-byte dict); an ordinary one 5 to 13 times.
+#: Counted at the worst, so that no header shape holds more than counted.
+HEADER_FACTOR = 24
+
+
+def command_cost(header_size: int) -> int:
+    """What an accepted command whose header was ``header_size`` bytes on the
+    wire is counted for until it is acknowledged."""
+    return COMMAND_BYTES + HEADER_FACTOR * header_size
 
 
 def ok_reply(seq: int) -> StoredReply:
@@ -58,6 +83,8 @@ class SequenceLog:
         # seq -> its reply; None for a plain success recorded in a run (made on demand: ok_reply)
         self.replies: collections.OrderedDict[int, StoredReply | None] = collections.OrderedDict()
         self.reply_bytes = 0
+        self.command_bytes = 0
+        self._costs: collections.deque = collections.deque()   # (last seq, bytes) in order, until acked
 
     # -- commands ----------------------------------------------------------------
     def classify(self, seq: int, digest) -> Verdict:
@@ -71,19 +98,27 @@ class SequenceLog:
             return Verdict.DIVERGED
         return Verdict.DUPLICATE if self.digests.get(seq) == digest else Verdict.DIVERGED
 
-    def accept(self, seq: int, digest) -> None:
+    def accept(self, seq: int, digest, cost: int = 0) -> None:
+        """``cost``: the host memory its identity holds until acknowledged."""
         if seq != self.next_seq:
             raise ProtocolError(reason=f"accept of seq {seq}, expected {self.next_seq}")
         self.digests[seq] = digest
         self.next_seq += 1
+        if cost:
+            self._costs.append((seq, cost))
+            self.command_bytes += cost
 
-    def accept_run(self, first: int, digests: list) -> None:
+    def accept_run(self, first: int, digests: list, cost: int = 0) -> None:
         """New commands ``first``, ``first + 1``, ...: ``accept`` of each
-        (a launch batch's run, all of it new: each ``classify`` would say so)."""
+        (a launch batch's run, all of it new: each ``classify`` would say so);
+        ``cost``: all of theirs, counted until the last is acknowledged."""
         if first != self.next_seq:
             raise ProtocolError(reason=f"accept of seq {first}, expected {self.next_seq}")
         self.digests.update(zip(range(first, first + len(digests)), digests))
         self.next_seq += len(digests)
+        if cost:
+            self._costs.append((self.next_seq - 1, cost))
+            self.command_bytes += cost
 
     @property
     def unacked_commands(self) -> int:
@@ -104,7 +139,7 @@ class SequenceLog:
             raise ProtocolError(reason=f"replies {first}..{last} out of order after {self.highest_reply}")
         self.highest_reply = last
         self.replies.update(dict.fromkeys(range(first, last + 1)))
-        self.reply_bytes += (last - first + 1) * OK_REPLY_BYTES
+        self.reply_bytes += (last - first + 1) * RUN_REPLY_BYTES
 
     def stored_reply(self, seq: int) -> StoredReply | None:
         if seq not in self.replies:
@@ -123,12 +158,15 @@ class SequenceLog:
                 break
             reply = self.replies.popitem(last=False)[1]
             if reply is None:                    # a plain success of a run
-                self.reply_bytes -= OK_REPLY_BYTES
+                self.reply_bytes -= RUN_REPLY_BYTES
             else:
                 self.reply_bytes -= reply.nbytes
                 dropped.append(reply)
         for seq in range(self.acked + 1, upto + 1):
             self.digests.pop(seq, None)
+        costs = self._costs
+        while costs and costs[0][0] <= upto:
+            self.command_bytes -= costs.popleft()[1]
         self.acked = max(self.acked, upto)
         return dropped
 
@@ -161,4 +199,4 @@ class SequenceLog:
     def snapshot(self) -> dict:
         return {"next_seq": self.next_seq, "acked": self.acked,
                 "highest_reply": self.highest_reply, "stored_replies": len(self.replies),
-                "reply_bytes": self.reply_bytes}
+                "reply_bytes": self.reply_bytes, "command_bytes": self.command_bytes}

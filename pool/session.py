@@ -31,12 +31,25 @@ import time
 from typing import Callable
 
 from accelmig.pool.devices import DeviceContext, buildpolicy
-from accelmig.pool.sequencing import SequenceLog, StoredReply, ok_reply
+from accelmig.pool.sequencing import REPLY_BYTES, RUN_REPLY_BYTES, SequenceLog, StoredReply, ok_reply
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
 
 LOG = logging.getLogger(__name__)
+
+#: Host memory the pool and the tenant's device process keep for each
+#: object beside its device bytes, charged to the tenant's quota with it
+#: (measured, docs/DESIGN.md "What a tenant costs the pool": a buffer ~1.3
+#: KiB, a one-line program ~550 KiB in the device process).
+BUFFER_CHARGE = 2048
+PROGRAM_CHARGE = 1 << 20           # and the program's source or binary, byte for byte
+#: A session's accepted, unacknowledged commands' identities
+#: (``SequenceLog.command_bytes``) past which its connection stops being
+#: read until acknowledgements come: far above a driver's window (4096
+#: commands of a few KiB counted each), far below what a peer that never
+#: acknowledges could otherwise make the pool hold.
+MAX_COMMAND_BYTES = 64 << 20
 
 
 class SessionState(enum.Enum):
@@ -58,8 +71,11 @@ class Tenant:
         self.quota = quota
         self.max_sessions = max_sessions     # None: the pool's max_sessions_per_tenant
         self.quota_by_type = dict(quota_by_type or {})
-        self.used = 0
+        self.used = 0                  # device bytes
         self.used_by_type: dict[str, int] = {}
+        # host memory of its objects' bookkeeping (BUFFER_CHARGE, PROGRAM_CHARGE):
+        # counted against ``quota`` with ``used``, on this node
+        self.overhead = 0
         # live sessions (attached, detached or parked), counted as they are
         # made and released: an open checks its limit without a scan of
         # every session of the pool
@@ -75,10 +91,17 @@ class Tenant:
         with self._lock:
             self.live_sessions = max(0, self.live_sessions - 1)
 
-    def reserve(self, nbytes: int, device_type: str | None = None) -> None:
+    def reserve(self, nbytes: int, device_type: str | None = None, overhead: int = 0) -> None:
+        """``nbytes`` of device memory and ``overhead`` bytes of the pool's
+        host memory for the object that holds them, within the quota."""
         with self._lock:
             if self.used + nbytes > self.quota:
                 raise QuotaExceeded(tenant=self.name, size=nbytes, used=self.used, quota=self.quota)
+            if self.used + self.overhead + nbytes + overhead > self.quota:
+                raise LimitExceeded(tenant=self.name, reason=(
+                    f"allocating {nbytes} bytes would use {self.used + nbytes} bytes of device memory "
+                    f"and {self.overhead + overhead} bytes of host memory that the pool keeps for the "
+                    f"tenant's buffers and programs, over its {self.quota}-byte quota (which counts both)"))
             limit = self.quota_by_type.get(device_type) if device_type else None
             held = self.used_by_type.get(device_type, 0) if device_type else 0
             if limit is not None and held + nbytes > limit:
@@ -86,6 +109,7 @@ class Tenant:
                     f"allocating {nbytes} bytes would use {held + nbytes} bytes on {device_type} "
                     f"devices, over its quota_by_type.{device_type} of {limit} bytes"))
             self.used += nbytes
+            self.overhead += overhead
             if device_type:
                 self.used_by_type[device_type] = held + nbytes
         if self.ledger is not None and nbytes:
@@ -94,13 +118,15 @@ class Tenant:
             except BaseException:
                 with self._lock:
                     self.used = max(0, self.used - nbytes)
+                    self.overhead = max(0, self.overhead - overhead)
                     if device_type:
                         self.used_by_type[device_type] = max(0, self.used_by_type.get(device_type, 0) - nbytes)
                 raise
 
-    def give_back(self, nbytes: int, device_type: str | None = None) -> None:
+    def give_back(self, nbytes: int, device_type: str | None = None, overhead: int = 0) -> None:
         with self._lock:
             self.used = max(0, self.used - nbytes)
+            self.overhead = max(0, self.overhead - overhead)
             if device_type and device_type in self.used_by_type:
                 self.used_by_type[device_type] = max(0, self.used_by_type[device_type] - nbytes)
         if self.ledger is not None and nbytes:
@@ -141,6 +167,8 @@ class Command:
     # A write whose pieces the worker copied while it arrived
     # (``pool.streaming.UploadStream``): it writes only the rest.
     stream: object = None
+    # reply bytes counted for it from its hand-off to the worker to its reply
+    reserved: int = 0
 
     def drop_payload(self, buffers) -> None:
         """The payload's memory may be reused: back to the arena or to ``buffers``."""
@@ -163,10 +191,11 @@ class LaunchRun:
     launch's own bookkeeping was most of the pool's time in a launch loop:
     docs/DESIGN.md)."""
 
-    __slots__ = ("first", "launches")
+    __slots__ = ("first", "launches", "reserved")
 
     def __init__(self, first: int, launches: list[dict]):
         self.first, self.launches = first, launches
+        self.reserved = 0
 
     @property
     def last(self) -> int:
@@ -239,6 +268,17 @@ class Session:
         self.held_bytes = 0
         self.queued_bytes = 0            # payload bytes handed to the worker, not yet done
         self.in_worker = 0               # commands handed to the worker, not yet completed
+        # the replies of commands handed to the worker, counted from the
+        # hand-off (a read's by its size): with the log's, at most max_reply_bytes
+        self.replies_reserved = 0
+        # the host memory charged to the tenant for this session's objects
+        # (BUFFER_CHARGE, PROGRAM_CHARGE and the program's bytes): given back
+        # whole at release, whatever still runs; a lock, as the worker frees
+        # objects while the loop releases
+        self.overhead = 0
+        self._overhead_lock = threading.Lock()
+        self._overhead_open = True                      # (until the release gives it all back)
+        self.program_charges: dict[int, int] = {}      # program handle -> its charge (worker thread)
         self.on_reply: Callable[["Session", StoredReply], None] | None = None
         # plain successes first..last, in order (a launch run's): answered as one range
         self.on_ok_run: Callable[["Session", int, int], None] | None = None
@@ -254,14 +294,26 @@ class Session:
     def device_type(self) -> str | None:
         return self.device.type if self.device is not None else None
 
-    def charge(self, nbytes: int) -> None:
-        """Count an allocation (QUOTA_EXCEEDED when the tenant may not)."""
-        self.tenant.reserve(nbytes, self.device_type)
+    def charge(self, nbytes: int, overhead: int = 0) -> None:
+        """Count an allocation of ``nbytes`` of device memory and the
+        ``overhead`` bytes of host memory its object holds
+        (QUOTA_EXCEEDED when the tenant may not)."""
+        self.tenant.reserve(nbytes, self.device_type, overhead)     # (in a cluster: etcd, no lock held)
+        if overhead:
+            with self._overhead_lock:
+                kept = self._overhead_open
+                if kept:
+                    self.overhead += overhead
+            if not kept:                         # released meanwhile: it gave back all it had
+                self.tenant.give_back(0, None, overhead)
         if self.device is not None:
             self.device.charge(nbytes)
 
-    def refund(self, nbytes: int) -> None:
-        self.tenant.give_back(nbytes, self.device_type)
+    def refund(self, nbytes: int, overhead: int = 0) -> None:
+        with self._overhead_lock:
+            overhead = min(overhead, self.overhead)      # (a release may have given it back already)
+            self.overhead -= overhead
+        self.tenant.give_back(nbytes, self.device_type, overhead)
         if self.device is not None:
             self.device.refund(nbytes)
 
@@ -331,7 +383,11 @@ class Session:
             command.drop_payload(None)       # (an arena lease must go back; a buffer may go to GC)
         self.held.clear()
         self.held_bytes = 0
-        # quota back now where the backend can (a kernel may still be running)
+        # quota back now where the backend can (a kernel may still be running),
+        # and all of the objects' host memory charge
+        with self._overhead_lock:
+            overhead, self.overhead, self._overhead_open = self.overhead, 0, False
+        self.tenant.give_back(0, None, overhead)
         self.refund(self.context.abandon())
         self._worker.stop()
 
@@ -352,14 +408,31 @@ class Session:
     def paused(self) -> bool:
         return bool(self.paused_by)
 
-    def _over_bounds(self) -> bool:
-        return (self.log.reply_bytes > self.max_reply_bytes
-                or self.queued_bytes > self.max_queued_bytes
-                or self.log.unacked_commands > self.max_unacked)
+    def _may_run(self, replies: int) -> bool:
+        """Whether commands whose replies are counted ``replies`` bytes may
+        go to the worker now: the replies kept or to come stay within
+        ``max_reply_bytes`` (one command may always run alone: a read of at
+        most that, see ``reply_estimate``), payloads queued and commands
+        unacknowledged within theirs."""
+        kept = self.log.reply_bytes + self.replies_reserved
+        return ((not kept or kept + replies <= self.max_reply_bytes)
+                and self.queued_bytes <= self.max_queued_bytes
+                and self.log.unacked_commands <= self.max_unacked)
+
+    def reply_estimate(self, command: Command) -> int:
+        """What ``command``'s reply will be counted for (``StoredReply.nbytes``):
+        a read's size; a read larger than ``max_reply_bytes`` is refused
+        without its payload (``execute``).  A program's binary is counted
+        once it is back (the bound is passed by at most that one binary)."""
+        if command.op is Op.READ:
+            size = command.header["size"]
+            if size <= self.max_reply_bytes:
+                return REPLY_BYTES + size
+        return REPLY_BYTES
 
     def submit(self, command: Command) -> None:
         """Hand an accepted command to the worker, or hold it back."""
-        if self.held or self.paused or self._over_bounds():
+        if self.held or self.paused or not self._may_run(self.reply_estimate(command)):
             self.held.append(command)
             self.held_bytes += len(command.payload)
         elif command.op is Op.FINISH and not self.in_worker and self.context.finish_is_noop():
@@ -371,20 +444,26 @@ class Session:
         """Commands accepted together (a launch batch's, none with a
         payload): one hand-off to the worker when nothing holds them back,
         else each as ``submit`` would."""
-        if self.held or self.paused or self._over_bounds():
+        if self.held or self.paused or not self._may_run(REPLY_BYTES * len(commands)):
             for command in commands:
                 self.submit(command)
             return
+        for command in commands:
+            command.reserved = REPLY_BYTES
+        self.replies_reserved += REPLY_BYTES * len(commands)
         self.in_worker += len(commands)
         self._worker.put_run(commands)
 
     def submit_launches(self, run: LaunchRun) -> None:
         """A run of new launches: one unit for the worker when nothing
         holds them back, else each as ``submit`` would."""
-        if self.held or self.paused or self._over_bounds():
+        reserved = RUN_REPLY_BYTES * len(run.launches)
+        if self.held or self.paused or not self._may_run(reserved):
             for command in run.commands():
                 self.submit(command)
             return
+        run.reserved = reserved
+        self.replies_reserved += reserved
         self.in_worker += len(run.launches)
         self._worker.put_run(run)
 
@@ -394,6 +473,8 @@ class Session:
         self._worker.put_task(task)
 
     def _dispatch(self, command: Command) -> None:
+        command.reserved = self.reply_estimate(command)
+        self.replies_reserved += command.reserved
         self.queued_bytes += len(command.payload)
         self.in_worker += 1
         self._worker.put(command)
@@ -413,7 +494,7 @@ class Session:
 
     def pump(self) -> None:
         """Release held commands as far as pause and bounds allow."""
-        while self.held and not self.paused and not self._over_bounds():
+        while self.held and not self.paused and self._may_run(self.reply_estimate(self.held[0])):
             command = self.held.popleft()
             self.held_bytes -= len(command.payload)
             self._dispatch(command)
@@ -422,7 +503,8 @@ class Session:
     def backlogged(self) -> bool:
         """True when the connection should stop reading from the driver."""
         return (len(self.held) > 4096 or self.held_bytes > self.max_queued_bytes
-                or self.queued_bytes > self.max_queued_bytes)
+                or self.queued_bytes > self.max_queued_bytes
+                or self.log.command_bytes > MAX_COMMAND_BYTES)
 
     def pause(self, key: str, now: float) -> None:
         if not self.paused_by:
@@ -444,6 +526,7 @@ class Session:
                 self._run_completed(command, reply)
                 continue
             self.queued_bytes -= len(command.payload)
+            self.replies_reserved -= command.reserved
             self.in_worker -= 1
             command.drop_payload(self.buffers)        # ran on the device: reusable
             if self.state is SessionState.RELEASED:
@@ -457,6 +540,7 @@ class Session:
 
     def _run_completed(self, run: LaunchRun, failures: dict) -> None:
         self.in_worker -= len(run.launches)
+        self.replies_reserved -= run.reserved
         if self.state is SessionState.RELEASED:
             return
         if not failures and self.on_ok_run is not None:
@@ -489,7 +573,7 @@ class Session:
             "deadline_in": None if self.deadline is None else round(self.deadline - time.time(), 3),
             "counters": self.counters.to_dict(), "sequence": self.log.snapshot(),
             "torn": self.torn.describe() if self.torn is not None else None,
-            "held": len(self.held), "created": self.created,
+            "held": len(self.held), "in_flight": self.in_worker, "created": self.created,
         }
 
 
@@ -644,7 +728,8 @@ def _error_reply(session: Session, seq: int, op: Op, exc: Exception) -> StoredRe
     if not isinstance(exc, AccelmigError):
         LOG.error("session %s: seq %d (%s) failed", session.sid, seq, op.value, exc_info=exc)
         exc = InternalError(reason=f"{type(exc).__name__}: {exc}")
-    return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": exc.to_wire()})
+    error = exc.to_wire()
+    return StoredReply(seq, {"op": "reply", "seq": seq, "ok": False, "error": error}, b"", len(str(error)))
 
 
 def _settled(batch: list) -> list[tuple[Command, StoredReply]]:
@@ -723,6 +808,13 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             if h["offset"] < 0 or size < 0 or h["offset"] + size > limit:
                 raise OutOfRange(what=f"read of buffer {h['buf']}", offset=h["offset"], size=size,
                                  limit=limit)
+            if size > session.max_reply_bytes:
+                # its reply alone would be more than the session may keep
+                # unacknowledged (drivers read in chunks of the welcome's
+                # max_payload, which is at most that)
+                raise LimitExceeded(tenant=session.tenant.name, reason=(
+                    f"a read of {size} bytes is more than a session's replies may hold until "
+                    f"acknowledged (max_reply_bytes = {session.max_reply_bytes}): read it in chunks"))
             payload = session.buffers.get(size) if session.buffers is not None and size else bytearray(size)
             try:
                 ctx.read_into(h["buf"], h["offset"], payload)
@@ -733,15 +825,15 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             counters.bytes_downloaded += len(payload)
         elif op is Op.ALLOC:
             _check_object_limit(session, "buffer")
-            session.charge(h["size"])
+            session.charge(h["size"], BUFFER_CHARGE)
             try:
                 ctx.alloc(h["buf"], h["size"])
             except BaseException:
-                session.refund(h["size"])
+                session.refund(h["size"], BUFFER_CHARGE)
                 raise
             session.objects += 1
         elif op is Op.FREE:
-            session.refund(ctx.free(h["buf"]))
+            session.refund(ctx.free(h["buf"]), BUFFER_CHARGE)
             session.objects -= 1
         elif op is Op.COPY:
             ctx.copy(h["src"], h["dst"], h["src_offset"], h["dst_offset"], h["size"])
@@ -756,7 +848,8 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             buildpolicy.check_source(source, session.max_source_bytes)
             buildpolicy.check_options(h["options"])
             _check_object_limit(session, "program")
-            result = ctx.build_source(h["prog"], source, h["options"])
+            result = _build(session, h["prog"], len(command.payload),
+                            lambda: ctx.build_source(h["prog"], source, h["options"]))
             session.objects += 1
             counters.builds += 1
             fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
@@ -764,7 +857,8 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             counters.source_bytes += len(command.payload)
             buildpolicy.check_options(h["options"])
             _check_object_limit(session, "program")
-            result = ctx.build_binary(h["prog"], command.payload, h["options"])
+            result = _build(session, h["prog"], len(command.payload),
+                            lambda: ctx.build_binary(h["prog"], command.payload, h["options"]))
             session.objects += 1
             counters.builds += 1
             fields = {"kernels": result.kernels, "log": result.log, "binary_size": result.binary_size}
@@ -772,6 +866,7 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
             payload = ctx.program_binary(h["prog"])
         elif op is Op.FREE_PROGRAM:
             ctx.free_program(h["prog"])
+            session.refund(0, session.program_charges.pop(h["prog"], 0))
             session.objects -= 1
         elif op is Op.INFO:
             fields = {"device": ctx.info()}
@@ -783,7 +878,25 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         if session.metrics is not None:
             session.metrics.count_command(session, command, len(payload))
         reply = {"op": "reply", "seq": command.seq, "ok": True}
-        reply.update(fields)
+        if fields:
+            reply.update(fields)
+            # (a build's log, a device's description: kept with the reply until acknowledged)
+            return StoredReply(command.seq, reply, payload, len(str(fields)))
         return StoredReply(command.seq, reply, payload)
     except Exception as exc:  # an error reply (a bug or an unexpected failure: logged); keep serving
         return _error_reply(session, command.seq, command.op, exc)
+
+
+def _build(session: Session, prog: int, nbytes: int, build):
+    """A program built under its charge: ``PROGRAM_CHARGE`` and its source's
+    or binary's ``nbytes`` (QUOTA_EXCEEDED first when they do not fit),
+    given back when it fails or is freed."""
+    charge = PROGRAM_CHARGE + nbytes
+    session.charge(0, charge)
+    try:
+        result = build()
+    except BaseException:
+        session.refund(0, charge)
+        raise
+    session.program_charges[prog] = charge
+    return result

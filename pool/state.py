@@ -31,7 +31,7 @@ from accelmig.wire import dataplane as dp
 from accelmig.wire.devices import parse_selector
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, ErrorCode, LimitExceeded,
                                   NoSuchRecord,
-                                  SessionDiverged, Unavailable,
+                                  SessionDiverged,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost, from_wire)
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
 
@@ -82,11 +82,9 @@ class Pool:
                 lambda device=device: device.sessions)
         self.buffers = PayloadBuffers()
         self.connections: set = set()            # DataConnections, for a clean stop
-        # Connections that have not authenticated yet, per peer address: a
-        # stranger may hold only a few, and all of them together a bounded
-        # number, so a flood of silent connections cannot take every
-        # descriptor from the tenants.
-        self._unauthenticated: dict[str, set] = {}
+        # Every connection of both planes, counted from accept
+        # (pool.admission.Admission): set by the server that listens
+        self.admission = None
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
         self.quota_ledger = None    # pool.cluster.quotas.QuotaLedger: likewise (every Tenant holds it)
@@ -118,6 +116,12 @@ class Pool:
 
     def sweep(self, now: float) -> None:
         for session in list(self.sessions.values()):
+            lost = session.context.lost()
+            if lost is not None:
+                # its device process is gone, and its device state with it:
+                # ended now, not when its driver next calls (an idle one never would)
+                self._end_killed(session, lost)
+                continue
             if session.state in (SessionState.DETACHED, SessionState.PARKED) and \
                     session.deadline is not None and now >= session.deadline:
                 kind = "parked retention" if session.state is SessionState.PARKED else "grace period"
@@ -147,35 +151,6 @@ class Pool:
         for key, record in list(self.records.items()):
             if record.final and now - max(record.times.values()) > 3600:
                 del self.records[key]
-
-    # -- admission of connections that have not authenticated ---------------------
-    def admit(self, conn) -> AccelmigError | None:
-        """Count ``conn`` as unauthenticated; the error to close it with when
-        its peer, or everyone together, already holds too many."""
-        peer = conn.peer[0]
-        total = sum(len(conns) for conns in self._unauthenticated.values())
-        mine = self._unauthenticated.get(peer, ())
-        if len(mine) >= self.config.max_unauthenticated_per_peer:
-            reason = (f"{len(mine)} connections from {peer} have not authenticated yet "
-                      f"(at most {self.config.max_unauthenticated_per_peer})")
-        elif total >= self.config.max_unauthenticated:
-            reason = (f"{total} connections have not authenticated yet "
-                      f"(at most {self.config.max_unauthenticated})")
-        else:
-            self._unauthenticated.setdefault(peer, set()).add(conn)
-            return None
-        self.metrics.refused_connections.inc()
-        LOG.warning("refusing a connection from %s: %s", peer, reason)
-        return Unavailable(what="the pool", reason=reason)
-
-    def release_admission(self, conn) -> None:
-        """``conn`` authenticated or closed: it no longer counts."""
-        peer = conn.peer[0]
-        conns = self._unauthenticated.get(peer)
-        if conns is not None:
-            conns.discard(conn)
-            if not conns:
-                del self._unauthenticated[peer]
 
     # -- hosts -----------------------------------------------------------------------
     def host_for_address(self, address: str) -> str | None:
@@ -409,14 +384,19 @@ class Pool:
         if reply.header.get("op") == "reply" and reply.header.get("released"):
             self._release(session, "released by the driver")
         elif (reply.header.get("error") or {}).get("code") == ErrorCode.KILLED.value and session.live:
-            # The tenant's device process is gone, and the session's device
-            # state with it: end the session (its driver fails, terminally).
-            error = from_wire(reply.header["error"])
-            LOG.warning("session %s ended: %s", session.sid, error.message,
-                        extra={"sid": session.sid, "tenant": session.tenant.name})
-            self._release(session, f"killed: {error.message}")
-            if conn is not None:
-                conn.fail(error)
+            self._end_killed(session, from_wire(reply.header["error"]))
+
+    def _end_killed(self, session: Session, error: AccelmigError) -> None:
+        """The tenant's device process is gone, and the session's device
+        state with it: end the session (its driver fails, terminally)."""
+        if not session.live:
+            return
+        LOG.warning("session %s ended: %s", session.sid, error.message,
+                    extra={"sid": session.sid, "tenant": session.tenant.name})
+        conn = session.connection
+        self._release(session, f"killed: {error.message}")
+        if conn is not None:
+            conn.fail(error)
 
     def _flow(self, session: Session) -> None:
         if session.connection is not None:

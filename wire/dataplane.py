@@ -15,8 +15,16 @@ naming the range ``from``..``to``: it stands for one reply per command.
 
 Until ``opened``/``resumed`` the peer is a stranger: it sends one frame at
 a time and waits for the answer, frames carry no payload and a header of at
-most 4 KiB, and the whole handshake must end within the pool's
-``handshake_timeout``.  Only then do the negotiated limits apply.
+most 4 KiB, and the whole handshake (TLS included, counted from the TCP
+accept) must end within the pool's ``handshake_timeout``.  Only then do the
+negotiated limits apply.
+
+An attached connection that sends nothing for the pool's ``idle_timeout``
+(told in ``welcome``; older pools leave it out) is closed, and its session
+detaches as for any lost connection.  A driver that has sent nothing for a
+third of it sends an ``ack`` frame of what it has seen
+(``keepalive_interval``): acknowledging again what was acknowledged is a
+no-op for every pool, so the keepalive needs no new operation.
 
 In a pool of several nodes an ``open`` may be answered ``redirect``
 (``endpoint``, ``node``, ``instance``): the node reached placed the session
@@ -159,6 +167,20 @@ def announced_payload_limit(welcome: dict, own_limit: int) -> int:
         raise BadRequest(reason=f"the pool announced max_payload {str(value)[:40]!r}: it must be an "
                                 f"integer of at least {MIN_PAYLOAD_LIMIT}")
     return min(value, own_limit)
+
+
+#: A driver sends its keepalive at most this often, whatever a pool says.
+MIN_KEEPALIVE = 0.2
+
+
+def keepalive_interval(welcome: dict) -> float | None:
+    """Seconds of sending nothing after which a driver sends a keepalive: a
+    third of the ``idle_timeout`` a pool's ``welcome`` announces; None when
+    it announces none (an older pool: it cuts no idle connection)."""
+    value = welcome.get("idle_timeout")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return None
+    return max(MIN_KEEPALIVE, value / 3)
 
 
 def _is_int(value) -> bool:

@@ -55,6 +55,9 @@ DEFAULT_LIMITS = Limits()
 class Frame:
     header: dict
     payload: bytes | bytearray | memoryview = b""
+    #: the header's length on the wire (what a receiver keeping the header
+    #: may count it for)
+    header_size: int = 0
 
     @property
     def op(self) -> str:
@@ -194,6 +197,7 @@ class FrameReader:
         self._start = 0          # first unparsed byte in staging
         self._end = 0            # one past the last received byte in staging
         self._header: dict | None = None   # header of a frame whose payload is pending
+        self._header_size = 0
         self._payload: memoryview | None = None
         self._payload_obj = None
         self._filled = 0
@@ -264,7 +268,7 @@ class FrameReader:
         return frames
 
     def _finish_direct(self) -> Frame:
-        frame = Frame(self._header, self._payload_obj)
+        frame = Frame(self._header, self._payload_obj, self._header_size)
         self._header = self._payload = self._payload_obj = None
         self._filled = 0
         self.frames_read += 1
@@ -288,7 +292,7 @@ class FrameReader:
                     return
                 payload = bytes(buf[pstart:pstart + plen]) if plen else b""
                 self._start = pstart + plen
-                frames.append(Frame(header, payload))
+                frames.append(Frame(header, payload, hlen))
                 continue
             # Large payload: give it its own buffer and receive straight into it.
             target = self.payload_sink(header, plen)
@@ -300,9 +304,10 @@ class FrameReader:
                 view[:have] = buf[pstart:pstart + have]
             self._start = pstart + have
             if have == plen:
-                frames.append(Frame(header, target))
+                frames.append(Frame(header, target, hlen))
                 continue
             self._header, self._payload, self._payload_obj, self._filled = header, view, target, have
+            self._header_size = hlen
             self._start = self._end = 0
             return
 

@@ -39,6 +39,7 @@ import ssl
 import struct
 import threading
 import time
+import weakref
 
 from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
@@ -261,6 +262,10 @@ class Link:
         self.sock: socket.socket | None = None     # the session's cond guards sock and gen
         self.gen = 0
         self.acked_sent = 0                        # the highest acknowledgement sent
+        # what the pool's welcome asked for (wire.dataplane.keepalive_interval):
+        # seconds of sending nothing after which a keepalive goes; None: never
+        self.keepalive_every: float | None = None
+        self.last_sent = 0.0                       # when anything last went out (monotonic)
         self.attempt_sock: socket.socket | None = None   # a connect in progress
         # sockets a reader thread is in: only that thread closes them, so no
         # new socket gets their descriptor while the thread may still read it
@@ -331,6 +336,7 @@ class Link:
                                        f"not one this driver offered {list(self.versions)}")
         self.version = version
         self.binding = binding
+        self.keepalive_every = dp.keepalive_interval(welcome)
         if self.tls_context is not None:
             self._keep_tls_session(sock, endpoint)
         return sock, reader, welcome, leftovers
@@ -403,6 +409,9 @@ class Link:
             return
         with self._reading_lock:
             self._reading.add(sock)
+        self.last_sent = time.monotonic()
+        if self.keepalive_every is not None:
+            KEEPALIVES.watch(self)
         self._start_reader((sock, reader, gen, turn))
 
     # A socket's reader runs on a thread that, once its socket is done, waits
@@ -484,6 +493,7 @@ class Link:
                 if self._cork or self._launches:
                     self._flush_cork_locked(sock)
                 send_all(sock, head, payload)
+                self.last_sent = time.monotonic()
         except OSError as exc:
             self.drop_cork()
             self.lost(gen, exc)
@@ -555,6 +565,7 @@ class Link:
         data = b"".join(self._cork)
         self.drop_cork()
         sock.sendall(data)
+        self.last_sent = time.monotonic()
 
     def run_flusher(self) -> None:
         """Sends corked pipelined frames soon after they were queued (a thread
@@ -600,10 +611,30 @@ class Link:
                     return
             sock.sendall(encode_frame({"op": Op.ACK.value, "ack": upto}))
             self.acked_sent = max(self.acked_sent, upto)
+            self.last_sent = time.monotonic()
         except OSError:
             pass
         finally:
             self.send_lock.release()
+
+    def keepalive_due(self, now: float) -> float | None:
+        """(The keepalive thread) an acknowledgement of what was seen when
+        nothing went out for ``keepalive_every``; when to look again (None:
+        the session ended, never again)."""
+        session = self.session
+        if session.states.ended:
+            return None
+        every = self.keepalive_every
+        if every is None:
+            return now + 60.0
+        due = self.last_sent + every
+        if now < due:
+            return due
+        with session.cond:
+            sock, gen, upto = self.sock, self.gen, session.window.last_seen
+        if sock is not None:
+            self.try_ack(sock, gen, upto)      # (a sender busy with the lock sends anyway)
+        return now + every
 
     # -- receiving ----------------------------------------------------------------
     def _payload_sink(self, header: dict, size: int):
@@ -798,3 +829,47 @@ class Link:
             due = upto - self.acked_sent >= ACK_EVERY
         if due:
             self.try_ack(sock, gen, upto)
+
+
+class KeepaliveClock:
+    """One thread for every link of the process whose pool asked for
+    keepalives (``Link.keepalive_due``): it sleeps until the next link is
+    due, and a link that sent anything meanwhile is not.  One thread for
+    all of them: a guest with a thousand idle sessions pays a wake-up per
+    interval, not a thread per session; an open starts none but the first."""
+
+    def __init__(self):
+        self._links: weakref.WeakSet = weakref.WeakSet()
+        self._cond = threading.Condition()
+        self._started = False
+
+    def watch(self, link: Link) -> None:
+        with self._cond:
+            self._links.add(link)
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._run, name="accelmig-keepalive", daemon=True).start()
+            self._cond.notify()           # (a link due sooner than the thread's wake-up)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                links = list(self._links)
+            now = time.monotonic()
+            wake = now + 60.0
+            for link in links:
+                try:
+                    due = link.keepalive_due(now)
+                except Exception:         # pragma: no cover - one link must not end everyone's keepalives
+                    LOG.exception("keepalive of session %s failed", link.session.sid)
+                    due = now + 60.0
+                if due is None:
+                    with self._cond:
+                        self._links.discard(link)
+                else:
+                    wake = min(wake, due)
+            with self._cond:
+                self._cond.wait(max(0.01, wake - time.monotonic()))
+
+
+KEEPALIVES = KeepaliveClock()

@@ -6,9 +6,13 @@ first of them alone (what one-device callers had)."""
 
 from __future__ import annotations
 
+import logging
+
 from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, DeviceContext,
                                         LocalArg, ScalarArg)
 from accelmig.wire.errors import ConfigInvalid, Unavailable
+
+LOG = logging.getLogger("accelmig.pool.devices")
 
 __all__ = ["BufferArg", "BuildResult", "DeviceBackend", "DeviceContext", "LocalArg",
            "ScalarArg", "backend_for", "devices_for", "open_backend", "list_devices"]
@@ -27,18 +31,31 @@ def devices_for(config):
     _check_spec(config.device)
     chosen = select(opencl.list_devices(), config)
     made: list = []
+    refused = None
+    if config.device_isolation == "none":
+        # Builds in the pool's own process: nothing confines what they read.
+        if config.allow_unconfined_builds:
+            LOG.warning("device_isolation = none with allow_unconfined_builds: builds run in the pool's "
+                        "process and can read every file it can (one trusted tenant only)")
+        else:
+            refused = ("device_isolation = none runs them in the pool's own process, where nothing keeps "
+                       "a build from reading the node's files (allow_unconfined_builds: one trusted tenant)")
+            LOG.error("device_isolation = none: program builds are REFUSED (they would run unconfined in "
+                      "the pool's process); set allow_unconfined_builds = true for one trusted tenant, or "
+                      "use device_isolation = process")
     try:
         for dev in chosen:
             info = {k: v for k, v in dev.items() if k != "index"}
             info["backend"] = "opencl"
             if config.device_isolation == "none":
-                backend = opencl.OpenCLBackend(dev["index"])
+                backend = opencl.OpenCLBackend(dev["index"], builds_refused=refused)
             else:
                 from accelmig.pool.devices.isolated import IsolatedBackend
                 # The device process finds its device by the stable id, not
                 # by an index that another process's runtime might order otherwise.
                 backend = IsolatedBackend(dev["id"], info, time_limit=config.device_time_limit,
-                                          max_builds=config.max_concurrent_builds)
+                                          max_builds=config.max_concurrent_builds,
+                                          allow_unconfined_builds=config.allow_unconfined_builds)
             made.append(PoolDevice(info, backend))
     except BaseException:
         for device in made:

@@ -192,6 +192,13 @@ class DeviceContext(abc.ABC):
     def release(self) -> int:
         """Free everything; return the buffer bytes released."""
 
+    def lost(self):
+        """Why this context's device state is gone (its device process was
+        killed: a ``Killed``), or None.  The pool asks at every sweep, so a
+        session with no call in flight learns it too.  In-process contexts
+        are never lost."""
+        return None
+
     def abandon(self) -> int:
         """The session was released, perhaps while a command of its still
         runs (on another thread): the buffer bytes a backend can give back

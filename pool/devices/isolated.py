@@ -14,7 +14,9 @@ its sessions' contexts live there.  So:
 - quota is counted here, not in the process: a session released while its
   kernel runs gives its bytes back at once (``abandon``);
 - a PoCL kernel that writes out of bounds corrupts only its own tenant's
-  process, and each tenant has its own kernel cache (``POCL_CACHE_DIR``).
+  process, and each tenant has its own kernel cache (``POCL_CACHE_DIR``);
+- the process is confined (``accelmig.pool.devices.sandbox``): its builds
+  and kernels see none of the node's files, processes or network.
 
 The process is not trusted: its answers are checked (the call they answer
 must be in flight, a read's payload must have the size asked for).
@@ -43,6 +45,7 @@ import time
 
 from accelmig.pool.devices.arena import ArenaLease, UploadArena
 from accelmig.pool.devices.base import BuildResult, DeviceBackend, DeviceContext
+from accelmig.pool.devices.sandbox import device_environment, probe
 from accelmig.pool.devices.worker import LAUNCH_BATCH, PIPE_LIMITS, FrameWriter, encode_args
 from accelmig.wire.errors import AccelmigError, Killed, NoSuchObject, ProtocolError, from_wire
 from accelmig.wire.frames import FrameReader
@@ -135,19 +138,25 @@ class TenantProcess:
         self.arena_bytes = 0             # write bytes the process took from the arena instead
         self.arena = self._make_arena(tenant, upload_arena)
         self.arena_ready = False         # the process said it mapped it ("ready")
+        self.sandbox: dict | None = None  # the layers the process said confine it ("ready")
         self.directory = tempfile.mkdtemp(prefix=f"tenant-{_safe(tenant)}-", dir=backend.directory)
         os.makedirs(os.path.join(self.directory, "cache"))
         ours, theirs = socket.socketpair()
-        # the pool's environment (POCL_KERNEL_CACHE=0 turns the cache off), its own cache directory
-        env = dict(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"))
+        # what runtimes read of the pool's environment (POCL_KERNEL_CACHE=0
+        # turns the cache off; nothing else: it may hold secrets), its own
+        # cache directory (the sandbox shows it at /tenant/cache)
+        env = device_environment(os.environ, POCL_CACHE_DIR=os.path.join(self.directory, "cache"))
         arena_args: list[str] = []
         if self.arena is not None:
             arena_args = ["--arena-fd", str(self.arena.child_fd), "--arena-size", str(self.arena.size)]
+        sandbox_args = ["--sandbox", "required" if backend.confinement is not None else "off"]
+        if backend.allow_unconfined_builds:
+            sandbox_args.append("--allow-unconfined-builds")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "accelmig.pool.devices.worker", "--fd", str(theirs.fileno()),
                  "--device", backend.device_spec, "--max-builds", str(backend.max_builds),
-                 "--tenant", tenant, *arena_args],
+                 "--tenant", tenant, *arena_args, *sandbox_args],
                 pass_fds=[theirs.fileno()] + ([self.arena.child_fd] if self.arena else []),
                 cwd=self.directory, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         finally:
@@ -293,8 +302,11 @@ class TenantProcess:
                                 str(error.get("message")) if isinstance(error, dict) else str(frame.header)[:200]))
                         started = True
                         self.arena_ready = self.arena is not None and frame.header.get("arena") == self.arena.size
-                        LOG.info("device process of tenant %s ready (upload arena: %s)", self.tenant,
+                        sandbox = frame.header.get("sandbox")
+                        self.sandbox = sandbox if isinstance(sandbox, dict) else None
+                        LOG.info("device process of tenant %s ready (upload arena: %s; sandbox: %s)", self.tenant,
                                  f"{self.arena.size} bytes" if self.arena_ready else "none",
+                                 ", ".join(map(str, self.sandbox.get("layers", []))) if self.sandbox else "none",
                                  extra={"tenant": self.tenant})
                         continue
                     with self._lock:
@@ -399,10 +411,14 @@ def _safe(name: str) -> str:
 
 
 class IsolatedBackend(DeviceBackend):
-    """A device shared by tenants, each in a device process of its own."""
+    """A device shared by tenants, each in a device process of its own,
+    confined (``accelmig.pool.devices.sandbox``) where this node can: it is
+    checked once, here, and said loudly when it cannot; then no build is
+    served unless ``allow_unconfined_builds``."""
 
     def __init__(self, device_spec: str, info: dict, *, time_limit: float = 60.0,
-                 max_builds: int = 2, idle_exit: float = 60.0, clock=time.monotonic):
+                 max_builds: int = 2, idle_exit: float = 60.0, clock=time.monotonic,
+                 allow_unconfined_builds: bool = False):
         self.device_spec = device_spec
         self.spec = device_spec
         self._info = dict(info, isolation="process")
@@ -410,9 +426,26 @@ class IsolatedBackend(DeviceBackend):
         self.max_builds = max_builds
         self.idle_exit = idle_exit
         self.clock = clock
+        self.allow_unconfined_builds = allow_unconfined_builds
         self.directory = tempfile.mkdtemp(prefix="accelmig-pool-devices-")
         self._tenants: dict[str, TenantProcess] = {}
         self._lock = threading.Lock()
+        self.confinement, why = probe(self.directory)
+        if self.confinement is not None:
+            LOG.info("device %s: tenants' device processes are confined: %s", device_spec,
+                     self.confinement.describe())
+            if self.confinement.missing:
+                LOG.warning("device %s: the device processes' sandbox lacks %s (a second layer: node "
+                            "paths stay invisible)", device_spec, ", ".join(self.confinement.missing))
+        elif allow_unconfined_builds:
+            LOG.warning("device %s: tenants' device processes cannot be confined here (%s); builds are "
+                        "served anyway (allow_unconfined_builds): a build can read every file the pool "
+                        "can, and a kernel can do what the pool's user can", device_spec, why)
+        else:
+            LOG.error("device %s: tenants' device processes cannot be confined here (%s): program builds "
+                      "are REFUSED (a build could read the pool node's files); give the pool user "
+                      "namespaces (docs/DESIGN.md, Device isolation) or, for one trusted tenant, set "
+                      "allow_unconfined_builds = true", device_spec, why)
 
     def info(self) -> dict:
         return dict(self._info)
@@ -679,6 +712,9 @@ class IsolatedContext(DeviceContext):
     def finish(self) -> None:
         self._call("finish")
         self._quiet = True
+
+    def lost(self):
+        return self.process.dead
 
     def abandon(self) -> int:
         """The session is released, maybe while a call of its runs: its bytes

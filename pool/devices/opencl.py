@@ -18,8 +18,8 @@ from accelmig.pool.devices.base import (BufferArg, BuildResult, DeviceBackend, D
                                         LocalArg, ScalarArg)
 from accelmig.wire.dataplane import NUMPY_NAMES
 from accelmig.wire.devices import assign_ids, device_type
-from accelmig.wire.errors import (BuildFailed, DeviceError, NoSuchObject, ObjectExists, OutOfRange,
-                                  Unavailable)
+from accelmig.wire.errors import (BuildFailed, DeviceError, Forbidden, NoSuchObject, ObjectExists,
+                                  OutOfRange, Unavailable)
 
 LOG = logging.getLogger(__name__)
 _DTYPES = {name: np.dtype(numpy_name).newbyteorder("<") for name, numpy_name in NUMPY_NAMES.items()}
@@ -81,7 +81,12 @@ def index_of(device_id: str) -> int:
 
 
 class OpenCLBackend(DeviceBackend):
-    def __init__(self, index: int = 0):
+    """One device in this process.  ``builds_refused``: why no program may
+    be built here (nothing confines what a build reads: the pool's own
+    process, or a device process that could not be confined), or None."""
+
+    def __init__(self, index: int = 0, builds_refused: str | None = None):
+        self.builds_refused = builds_refused
         devices = _all_devices()
         if not 0 <= index < len(devices):
             raise Unavailable(what=f"OpenCL device {index}",
@@ -216,7 +221,12 @@ class OpenCLContext(DeviceContext):
         sizes = program.get_info(cl.program_info.BINARY_SIZES)
         return BuildResult(kernels=sorted(names), log=log.strip(), binary_size=int(sizes[0]))
 
+    def _check_builds_allowed(self) -> None:
+        if self.backend.builds_refused:
+            raise Forbidden(who="a tenant", what=f"build programs on this pool node: {self.backend.builds_refused}")
+
     def build_source(self, handle: int, source: str, options: str) -> BuildResult:
+        self._check_builds_allowed()
         if handle in self.programs:
             raise ObjectExists(kind="program", handle=handle)
         try:
@@ -226,6 +236,7 @@ class OpenCLContext(DeviceContext):
         return self._finish_build(handle, program, options)
 
     def build_binary(self, handle: int, binary: bytes, options: str) -> BuildResult:
+        self._check_builds_allowed()         # (a binary is native code: the same reach)
         if handle in self.programs:
             raise ObjectExists(kind="program", handle=handle)
         try:

@@ -20,6 +20,13 @@ into the tenant's upload arena (``accelmig.pool.devices.arena``: shared
 memory this process inherits read-only) and calls ``write_arena`` with
 where it lies; the write is enqueued from this process's mapping.
 
+Before it reads its socket or loads PoCL, the process confines itself
+(``accelmig.pool.devices.sandbox``: namespaces, a root of its own,
+Landlock): a build's ``#include`` and a kernel's native code find none of
+the node's files.  The pool passes ``--sandbox off`` only where its check
+at start found that this node cannot; builds are then refused unless
+``--allow-unconfined-builds``.
+
 Nothing here trusts the pool less than the pool trusts it: the pool treats
 every answer from this process as hostile (sizes, ids), since a tenant's
 kernel may have rewritten this process's memory.
@@ -36,7 +43,7 @@ import sys
 import threading
 
 from accelmig.pool.devices.base import BufferArg, LocalArg, ScalarArg
-from accelmig.wire.errors import AccelmigError, BadRequest, InternalError
+from accelmig.wire.errors import AccelmigError, BadRequest, InternalError, Unavailable
 from accelmig.wire.frames import FrameReader, Limits, encode_prefix_and_header
 
 LOG = logging.getLogger("accelmig.pool.device-process")
@@ -261,11 +268,13 @@ class ContextThread:
         return None, b""
 
 
-def serve(sock: socket.socket, backend, max_builds: int, arena: memoryview | None = None) -> None:
+def serve(sock: socket.socket, backend, max_builds: int, arena: memoryview | None = None,
+          sandbox: dict | None = None) -> None:
     answers = FrameWriter(sock)
-    # "arena": the size mapped (0: none), so the pool uses it only when it is there
-    answers.send({"op": "ready", "info": backend.info(), "pid": os.getpid(),
-                  "arena": len(arena) if arena is not None else 0})
+    # "arena": the size mapped (0: none), so the pool uses it only when it is
+    # there; "sandbox": the layers that confine this process (None: none)
+    answers.send({"op": "ready", "info": backend.info(), "arena": len(arena) if arena is not None else 0,
+                  "sandbox": sandbox})
     builds = threading.Semaphore(max_builds)
     contexts: dict[int, ContextThread] = {}
     reader = FrameReader(PIPE_LIMITS)
@@ -299,9 +308,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-fd", type=int, default=-1,
                         help="the tenant's upload arena (a memfd the pool shares, read-only here)")
     parser.add_argument("--arena-size", type=int, default=0, help="its size in bytes")
+    parser.add_argument("--sandbox", choices=("required", "off"), default="required",
+                        help="required: confine this process (accelmig.pool.devices.sandbox) before "
+                             "anything else, or fail to start; off: this node cannot (the pool checked), "
+                             "so no build is served unless --allow-unconfined-builds")
+    parser.add_argument("--allow-unconfined-builds", action="store_true",
+                        help="serve builds even without the sandbox (a trusted single tenant)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"accelmig-pool device process (tenant {args.tenant}): %(message)s")
+    refused = None
+    confinement = None
+    if args.sandbox == "required":
+        # Before the socket is read, before PoCL is loaded: nothing of the
+        # tenant's runs, or is even parsed, outside the sandbox.
+        from accelmig.pool.devices.sandbox import confine
+        try:
+            confinement = confine(os.getcwd(), keep_fds=tuple(fd for fd in (args.fd, args.arena_fd) if fd >= 0))
+        except Unavailable as exc:       # the pool checked it could; it cannot now: no start
+            FrameWriter(socket.socket(fileno=args.fd)).send({"op": "failed", "error": exc.to_wire()})
+            return 1
+    elif not args.allow_unconfined_builds:
+        refused = ("its device processes cannot be confined (see the pool's log at start); an operator "
+                   "with one trusted tenant may set allow_unconfined_builds")
     sock = socket.socket(fileno=args.fd)
     from accelmig.pool.devices import open_backend
     try:
@@ -309,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     except AccelmigError as exc:
         FrameWriter(sock).send({"op": "failed", "error": exc.to_wire()})
         return 1
+    backend.builds_refused = refused
     arena = None
     if args.arena_fd >= 0:
         from accelmig.pool.devices.arena import map_child_arena
@@ -318,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             # the pool sees "arena": 0 and sends every payload through the socket
             LOG.warning("no upload arena (every write's payload comes through the socket): %s", exc)
     try:
-        serve(sock, backend, args.max_builds, arena)
+        serve(sock, backend, args.max_builds, arena, confinement.to_wire() if confinement else None)
     except (OSError, AccelmigError) as exc:
         LOG.warning("stopping: %s", exc)
     return 0

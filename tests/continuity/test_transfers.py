@@ -20,6 +20,8 @@ from accelmig.agent.driver import LinkState, connect
 from accelmig.agent.driver.transfer import MAX_IN_FLIGHT, chunk_size, pieces
 from accelmig.pool.config import parse_size
 from accelmig.pool.testing import CutProxy
+from accelmig.pool.sequencing import REPLY_BYTES
+from accelmig.pool.session import BUFFER_CHARGE
 from accelmig.wire.errors import FrameTooLarge, NoSuchObject, OutOfRange, QuotaExceeded
 from tests.support.attest import bind
 from tests.support.tenants import ALICE, BOB, TENANTS
@@ -142,10 +144,12 @@ def test_an_upload_over_quota_is_refused_up_front_with_nothing_written(small, pr
         assert proxy.relayed["up"] - sent < 4096         # the alloc alone crossed the wire
         state = counters(small, dev)
         assert state["bytes_uploaded"] == 0 and state["commands"] == 2
-        # the whole quota, written in chunks: no chunk is refused for quota
-        data = pattern(quota, 5)
+        # the whole quota (less what the buffer's own bookkeeping is charged),
+        # written in chunks: no chunk is refused for quota
+        size = quota - BUFFER_CHARGE
+        data = pattern(size, 5)
         buf = dev.upload(data)
-        assert bytes(dev.read(buf, LIMIT, quota - LIMIT)) == data[-LIMIT:].tobytes()
+        assert bytes(dev.read(buf, LIMIT, size - LIMIT)) == data[-LIMIT:].tobytes()
 
 
 def test_out_of_range_is_refused_once_before_any_byte_travels(small, proxy):
@@ -280,7 +284,7 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
             assert result["replayed"] == answered and answered <= MAX_IN_FLIGHT
             assert after["bytes_downloaded"] - before["bytes_downloaded"] == size
             # the reply log never held the transfer: at most a flight of chunks
-            assert at_cut["reply_bytes"] <= (MAX_IN_FLIGHT + 1) * (LIMIT + 64)
+            assert at_cut["reply_bytes"] <= (MAX_IN_FLIGHT + 1) * (LIMIT + REPLY_BYTES)
             if move == "cut":        # on the wire too: the chunks after the cut are those not seen
                 seen_chunks = seen - first_chunk + 1
                 assert since["down"] <= (chunks - seen_chunks) * (LIMIT + 512) + 4096

@@ -78,6 +78,10 @@ def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
     dom.create()
     hostd = HostdThread(config).start()
     try:
+        # its events are registered once it says libvirt is connected: a save
+        # before that is never seen (a race a loaded machine lost)
+        wait_for(lambda: LocalClient(str(tmp_path / "hostd.sock")).call("ping")["libvirt"], 10,
+                 "hostd to watch libvirt's events")
         dev = connect(pool.endpoint, ALICE, agent=False, timeout=5, auto_reconnect=False)
         with control(pool) as a:
             bind(a, dev, uuid)

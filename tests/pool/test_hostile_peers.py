@@ -4,8 +4,9 @@ real pool on loopback (issue 14, items 1, 3 and 8).
 - Before authentication a frame carries no payload and a small header, so a
   40-byte ``hello`` announcing a 1 GiB payload costs nothing.
 - A connection that does not authenticate in time is closed.
-- One address may hold only a few unauthenticated connections, everyone
-  together a bounded number; the rest are refused at once.
+- One address may hold only a few unauthenticated connections (the rest
+  are refused at once), everyone together a bounded number (past it a
+  newcomer evicts the oldest stranger of the most crowded address).
 - A session whose connection the *pool* closed (a bad frame after open) is
   detached like any other, so its grace runs out and it is released:
   quota, device memory and worker thread come back.
@@ -29,6 +30,7 @@ from accelmig.wire.control import PAGED_ANSWER_MAX, AsyncControlClient, ControlC
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import OutOfRange
 from accelmig.wire.frames import MAGIC, PREFIX, FrameReader, encode_frame
+from tests.support.raw_peers import RawPeer
 from tests.support.tenants import ALICE, TENANTS
 from tests.support.wait import wait_for
 
@@ -146,15 +148,29 @@ def test_unauthenticated_connections_are_capped_per_peer_and_freed_by_authentica
         assert metric == 1
 
 
-def test_unauthenticated_connections_are_capped_in_total():
-    with PoolThread(TENANTS, max_unauthenticated=2) as harness:
-        with _dial(harness.endpoint) as a, _dial(harness.endpoint) as b:
-            assert _hello(a)["op"] == _hello(b)["op"] == "welcome"
-            with _dial(harness.endpoint) as c:
-                frames = _frames_until_closed(c)
-        assert "2 connections have not authenticated yet" in frames[-1]["error"]["message"]
+def test_past_the_total_a_newcomer_evicts_the_oldest_stranger_of_the_most_crowded_address():
+    """At most 3 strangers in all: a fourth, from another address, is not
+    refused: the oldest connection of the address holding the most goes."""
+    with PoolThread(TENANTS, max_unauthenticated=3) as harness:
+        crowd = [RawPeer(harness.endpoint, source="127.0.0.2") for _ in range(2)]
+        lone = RawPeer(harness.endpoint, source="127.0.0.3")
+        try:
+            for peer in crowd + [lone]:
+                peer.send({"op": "hello", "versions": [1]})
+                assert peer.next_frame()[0]["op"] == "welcome"
+            newcomer = RawPeer(harness.endpoint, source="127.0.0.4")
+            assert newcomer.open(ALICE)["op"] == "opened"           # it got in
+            assert crowd[0].frames_until_closed() == []             # the oldest of 127.0.0.2, at once
+            for peer in (crowd[1], lone):                           # the others stay
+                peer.send({"op": "open", "token": ALICE, "secret": "ab" * 32})
+                assert peer.next_frame()[0]["op"] == "opened"
+            newcomer.close()
+        finally:
+            for peer in crowd + [lone]:
+                peer.close()
+        assert harness.call(lambda: harness.pool.metrics.evicted_connections._value.get()) == 1
         # closed ones no longer count
-        wait_for(lambda: harness.call(lambda: not harness.pool._unauthenticated), timeout=10)
+        wait_for(lambda: harness.call(lambda: harness.pool.admission.unauthenticated) == 0, timeout=10)
         with connect(harness.endpoint, ALICE) as dev:
             assert dev.read(dev.upload(b"ok")) == b"ok"
 
@@ -166,7 +182,7 @@ def test_control_plane_connections_that_have_not_authenticated_count_too():
         silent = [_dial(harness.control_endpoint) for _ in range(2)]
         try:
             # both are counted once the pool has seen them: the data plane's third waits for that
-            wait_for(lambda: harness.call(lambda: len(harness.pool._unauthenticated.get("127.0.0.1", ()))) == 2,
+            wait_for(lambda: harness.call(lambda: harness.pool.admission.unauthenticated_from("127.0.0.1")) == 2,
                      10, "the two silent control connections to be counted")
             with _dial(harness.control_endpoint) as third:
                 frames = _frames_until_closed(third)
@@ -176,7 +192,7 @@ def test_control_plane_connections_that_have_not_authenticated_count_too():
             for sock in silent:
                 sock.close()
         # closed ones no longer count; an authenticated host is not counted at all
-        wait_for(lambda: harness.call(lambda: not harness.pool._unauthenticated), 10, "the count to drop")
+        wait_for(lambda: harness.call(lambda: harness.pool.admission.unauthenticated) == 0, 10, "the count to drop")
         with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as a, \
                 ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as b, \
                 ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as c:
@@ -244,6 +260,20 @@ def test_a_silent_control_connection_is_closed_in_time():
         assert "no hello within 0.3 s" in frames[-1]["error"]["message"]
         with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as client:
             assert client.call("ping") is not None
+
+
+def test_a_quiet_control_connection_is_closed_unless_a_wait_of_its_is_pending():
+    """A host's connection that sends nothing for idle_timeout is closed,
+    without an error frame (the client reconnects at its next call); one
+    that waits for a record (``accelmig migrate``) is not, however long."""
+    with PoolThread(TENANTS, hosts={"hostA": HOST_SECRET}, idle_timeout=1.5) as harness:
+        idle_cuts = lambda: harness.call(lambda: harness.pool.metrics.idle_connections._value.get())  # noqa: E731
+        with ControlClient(harness.control_endpoint, "hostA", HOST_SECRET.encode()) as client:
+            waited = time.monotonic()
+            assert client.call("wait_record", domain_uuid="no-such-domain", timeout=4.5)["reached"] is False
+            assert time.monotonic() - waited >= 4.5 and idle_cuts() == 0      # three idle timeouts long
+            wait_for(lambda: idle_cuts() == 1, 10, "the quiet connection to be closed")
+            assert client.call("ping")["caller"] == "hostA"                   # on a new connection
 
 
 def test_a_listing_over_64_kib_comes_in_pages_through_both_clients():

@@ -168,7 +168,9 @@ def test_launch_arguments_of_every_kind_reach_the_kernel_in_a_device_process_or_
     carried them to a device process, decoded for the in-process backend;
     the same result either way."""
     from accelmig.agent.driver.args import LocalMemory
-    with PoolThread(tenants=TENANTS, device_isolation=isolation) as pool:
+    # (none: builds run unconfined in the pool, so only when allowed)
+    with PoolThread(tenants=TENANTS, device_isolation=isolation,
+                    allow_unconfined_builds=isolation == "none") as pool:
         with connect(pool.endpoint, TOKEN, agent=False, timeout=60) as dev:
             start = np.arange(64, dtype=np.uint32)
             buf = dev.upload(start.tobytes())

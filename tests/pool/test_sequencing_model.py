@@ -61,6 +61,9 @@ class _Context:
     def finish_is_noop(self) -> bool:   # nothing ever runs on it: the pool answers a finish on its loop
         return True
 
+    def lost(self):                     # in-process: its device state is never gone
+        return None
+
     def info(self):
         return {"name": "model device"}
 

@@ -15,7 +15,9 @@ from accelmig.pool.cli import main as cli
 from tests.support.systemd import directives, exposure, needs_analyze, verify
 
 #: docs/systemd.md reports the measured score; this is the line it may not cross
-MAX_EXPOSURE = 2.0
+#: (2.0 until the tenants' device processes confined themselves in namespaces of their
+#: own: systemd counts each namespace kind the service may create, docs/systemd.md)
+MAX_EXPOSURE = 2.6
 
 
 def install(root, *args):

@@ -210,6 +210,15 @@ def test_a_cut_in_the_middle_of_a_payload_gives_its_lease_back_and_the_write_run
 
 
 # -- kept apart --------------------------------------------------------------------
+def _confined(pid: int) -> int:
+    """The process of a device process that holds its arena: the sandbox's
+    confined one (the one the pool started hands its descriptors over to it
+    and waits, accelmig.pool.devices.sandbox)."""
+    import psutil
+    (child,) = psutil.Process(pid).children()
+    return child.pid
+
+
 def _arena_fds(pid: int) -> dict[int, int]:
     """fd -> inode of every upload arena a process holds open."""
     found = {}
@@ -234,7 +243,7 @@ def test_each_tenants_process_holds_its_own_arena_read_only_and_sealed():
                 connect(pool.endpoint, BOB, agent=False, timeout=60) as bob:
             alice.upload(pattern(MIB, 1))
             bob.upload(pattern(MIB, 2))
-            pids = pool.call(lambda: pool.pool.backend.processes())
+            pids = {t: _confined(pid) for t, pid in pool.call(lambda: pool.pool.backend.processes()).items()}
             inodes = {t: pool.call(lambda t=t: pool.pool.backend._tenants[t].arena.inode) for t in pids}
             assert inodes["alice"] != inodes["bob"]
             for tenant, pid in pids.items():
@@ -358,9 +367,10 @@ def test_the_janitor_gives_an_idle_tenants_arena_pages_back():
             dev.finish()
             dev.write(buf, pattern(4 * MIB, 1))
             process = process_of(pool, "alice")
-            (fd,) = _arena_fds(process.proc.pid)
+            holder = _confined(process.proc.pid)
+            (fd,) = _arena_fds(holder)
             wait_for(lambda: process.arena.trims == 1, 20, "the janitor to trim the idle arena")
-            assert os.stat(f"/proc/{process.proc.pid}/fd/{fd}").st_blocks == 0
+            assert os.stat(f"/proc/{holder}/fd/{fd}").st_blocks == 0
             dev.write(buf, pattern(4 * MIB, 2))                # the arena takes writes again
             assert bytes(dev.read(buf)) == pattern(4 * MIB, 2)
             assert figures(pool, "alice")["leases"] == 2

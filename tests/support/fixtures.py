@@ -5,6 +5,11 @@ netns toolkit, ``accelmig.lab.netns``) for one test;
 ``netns_factory_module``: one shared by a test module.  Both remove every
 namespace, link and process they made, whatever the test did, and skip
 loudly where this is not root.
+
+``lab_pki``: a throwaway CA with the pool's certificate (``accelmig.lab.certs``)
+for the whole run; ``tls_pool_process``: starts real ``accelmig-pool serve``
+processes serving TLS with it (``start(tenants_toml, *flags, config=TOML,
+wrapper=...)``), each stopped at the end of the test whatever it did.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import shutil
 import pytest
 
 from tests.support.netns import NetnsFactory
+from tests.support.processes import PoolProcess
 
 
 def _need_root():
@@ -42,3 +48,31 @@ def netns_factory_module():
         yield factory
     finally:
         factory.cleanup()
+
+
+@pytest.fixture(scope="session")
+def lab_pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("SKIPPED LOUDLY: the openssl command makes the test CA")
+    from accelmig.lab.certs import make_pki
+    return make_pki(tmp_path_factory.mktemp("pki") / "ca")
+
+
+@pytest.fixture
+def tls_pool_process(tmp_path, lab_pki):
+    started = []
+
+    def start(tenants: str, *flags, config: str = "", wrapper=()) -> PoolProcess:
+        directory = tmp_path / f"pool{len(started)}"
+        directory.mkdir()
+        if config:
+            (directory / "pool.toml").write_text("[pool]\n" + config)
+            flags = ("--config", directory / "pool.toml", *flags)
+        pool = PoolProcess(directory, tenants, tls=lab_pki, extra=flags, wrapper=wrapper)
+        started.append(pool)
+        return pool
+    try:
+        yield start
+    finally:
+        for pool in started:
+            pool.stop()

@@ -18,9 +18,10 @@ class LoggedProcess:
     """A console script run with ``--log-format json``: a reader thread
     collects its stderr log entries; ``wait_log`` takes them in order."""
 
-    def __init__(self, argv: list, *, ready_line: bool = False, env: dict | None = None):
+    def __init__(self, argv: list, *, ready_line: bool = False, env: dict | None = None, wrapper=()):
+        """``wrapper``: a command that runs it (``prlimit --nofile=300:300 --``, ``setpriv ...``)."""
         exe = os.path.join(os.path.dirname(sys.executable), argv[0])
-        self.proc = subprocess.Popen([exe, *map(str, argv[1:])], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*map(str, wrapper), exe, *map(str, argv[1:])], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True,
                                      env=None if env is None else {**os.environ, **env})
         self.lines: queue.Queue = queue.Queue()
@@ -94,10 +95,10 @@ class PoolProcess(LoggedProcess):
     """``accelmig-pool serve`` on loopback with ``tokens.toml`` and ``hosts.toml``
     in ``directory`` (written from the texts given); plain TCP, or TLS and
     mutual TLS with ``tls`` (an ``accelmig.lab.certs.LabPKI``); ``env``: more
-    environment (``POCL_DEVICES``)."""
+    environment (``POCL_DEVICES``); ``wrapper``: what runs it (``prlimit``)."""
 
     def __init__(self, directory, tokens: str, hosts: str = "", *, control_listen: str = "127.0.0.1:0",
-                 extra: tuple = (), tls=None, env: dict | None = None):
+                 extra: tuple = (), tls=None, env: dict | None = None, wrapper=()):
         self.tokens, self.hosts = directory / "tokens.toml", directory / "hosts.toml"
         self.tokens.write_text(tokens)
         self.hosts.write_text(hosts)
@@ -106,7 +107,8 @@ class PoolProcess(LoggedProcess):
                           "--hosts", self.hosts, "--admin-socket", directory / "pool.sock",
                           "--log-format", "json",
                           *(["--tls-cert", tls.pool.cert, "--tls-key", tls.pool.key, "--tls-client-ca", tls.ca]
-                            if tls is not None else ["--insecure"]), *extra], ready_line=True, env=env)
+                            if tls is not None else ["--insecure"]), *extra], ready_line=True, env=env,
+                         wrapper=wrapper)
 
     @property
     def endpoint(self) -> str:
