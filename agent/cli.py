@@ -9,6 +9,7 @@ import sys
 
 from accelmig.wire import channel as ch
 from accelmig.wire import logs
+from accelmig.wire.attestation import parse_prove
 from accelmig.wire.cli import exit_codes_epilog, version
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
@@ -25,9 +26,9 @@ the guest network change and tells every driver to resume its session.
 """
 
 
-EXIT_CODES = {1: "rehome/status: the agent answered that it failed",
-              2: "usage, a bad option value or rehome document, or the channel cannot be opened",
-              3: "run: another agent already serves the socket; rehome/status: no agent answers"}
+EXIT_CODES = {1: "rehome/prove/status: the agent answered that it failed",
+              2: "usage, a bad option value or rehome or prove document, or the channel cannot be opened",
+              3: "run: another agent already serves the socket; rehome/prove/status: no agent answers"}
 
 
 def _endpoint(text: str) -> str:
@@ -83,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
                              "stage it for the rehome of that migration id that follows (the host sends "
                              "a rehome too big for one guest-exec this way)")
     rehome.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET, help="the running agent's socket")
+
+    prove = sub.add_parser("prove", help="the drivers' binding proofs for a host (qemu-guest-agent guest-exec)",
+                           description="Ask every driver of this guest that holds one of the named sessions "
+                                       "(all of them, a page at a time, when the document names none) for its "
+                                       "proof that binds the session to this guest's domain on the asking "
+                                       "host, from a JSON document {host, challenges, sids?, after?} "
+                                       "(accelmig.wire.attestation); for VMs that only have qemu-guest-agent.  "
+                                       "Prints {proofs, refused, next} as JSON.  Root only.")
+    prove.add_argument("--stdin", action="store_true", required=True, help="read the document from stdin")
+    prove.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET, help="the running agent's socket")
 
     status = sub.add_parser("status", help="what the running agent knows")
     status.add_argument("--socket", default=ch.DEFAULT_AGENT_SOCKET)
@@ -242,6 +253,20 @@ def main(argv=None) -> int:
         if not answer.get("ok"):
             return 1
         return 0 if answer["result"].get("ok") else 1
+    if args.command == "prove":
+        raw = sys.stdin.read(MAX_DOCUMENT + 1)
+        try:
+            request = json.loads(raw) if len(raw) <= MAX_DOCUMENT else None
+            parse_prove(request)
+        except ValueError as exc:
+            print(f"accelmig-agent: the prove document is not JSON: {exc}", file=sys.stderr)
+            return 2
+        except AccelmigError as exc:
+            print(f"accelmig-agent: bad prove document: {exc}", file=sys.stderr)
+            return 2
+        answer = _ask_agent(args.socket, "prove_local", request=request)
+        print(json.dumps(answer.get("result") if answer.get("ok") else answer))
+        return 0 if answer.get("ok") else 1
     if args.command == "status":
         answer = _ask_agent(args.socket, "status")
         print(json.dumps(answer.get("result"), indent=2))

@@ -2,7 +2,10 @@
 each registered with the guest agent, and answers the bench on stdin/stdout
 (JSON lines).  Not a benchmark of its own: ``bench/storm.py`` starts a few.
 
-    python -m bench.guest ENDPOINT TOKEN AGENT_SOCKET COUNT STATE_BYTES FIRST_TAG
+    python -m bench.guest ENDPOINT TOKEN AGENT_SOCKET COUNT STATE_BYTES FIRST_TAG DOMAIN
+
+(DOMAIN: the UUID its drivers say this guest is, as a VM's SMBIOS would
+tell them: they prove their sessions for it and no other.)
 
 It says ``{"ready": true}`` once started (its first connect made); then
 commands (one per line on stdin), each answered with one JSON line:
@@ -27,6 +30,7 @@ def state_of(tag: int, size: int) -> bytes:
 def main(argv: list[str]) -> int:
     endpoint, token, agent, count, size, first_tag = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4]), \
         int(argv[5])
+    domain = argv[6]
     os.environ.setdefault("ACCELMIG_INSECURE", "1")
     from accelmig.agent.driver import connect
     devs, bufs = [], []
@@ -37,7 +41,7 @@ def main(argv: list[str]) -> int:
 
     # one session opened and closed first: the process's first connect pays
     # for imports and caches, not for the pool's population
-    connect(endpoint, token, agent=agent, timeout=120, connect_timeout=30).close()
+    connect(endpoint, token, agent=agent, timeout=120, connect_timeout=30, domain=domain).close()
     say({"ready": True})
     for line in sys.stdin:
         command = line.strip()
@@ -45,7 +49,7 @@ def main(argv: list[str]) -> int:
             opened = []
             for k in range(count):
                 started = time.perf_counter()
-                dev = connect(endpoint, token, agent=agent, timeout=120, connect_timeout=30)
+                dev = connect(endpoint, token, agent=agent, timeout=120, connect_timeout=30, domain=domain)
                 opened.append(time.perf_counter() - started)
                 devs.append(dev)
             # (the state after every open: an open is measured on its own)

@@ -184,7 +184,7 @@ def measure(pool: TwoHostPool, weights, n: int, args, expected: list[bytes], log
         work.upload(weights)
         work.compute(args.iterations)
         out["setup_s"] = time.perf_counter() - start
-        a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+        a.bind([dev], domain)
         # the compute floor: the same first result with no move at all (not
         # advancing the state: a scratch copy of the workload's step)
         for k in range(12):

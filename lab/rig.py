@@ -158,6 +158,11 @@ class Lab:
     """
 
     HOSTS = ("hostA", "hostB")
+    #: the hosts the pool knows (its hosts file, a client certificate each):
+    #: the two above, and hostC, which runs no libvirt of the lab's — a third
+    #: hypervisor host with a valid certificate and secret, for the tests of
+    #: what one host may do to another's VMs (it calls from a host's namespace)
+    CONTROL_HOSTS = ("hostA", "hostB", "hostC")
 
     def __init__(self, name: str = "lab", *, base_dir: Path | str = DEFAULT_BASE,
                  cache: Path | str = DEFAULT_CACHE, virt_type: str | None = None,
@@ -470,19 +475,22 @@ class Lab:
         pdir.mkdir(parents=True, exist_ok=True)
         tokens = pdir / "tokens.toml"
         hosts = pdir / "hosts.toml"
-        secrets_by_host = self.state.setdefault("host_secrets", {
-            h: secrets.token_hex(16) for h in self.HOSTS})
+        secrets_by_host = self.state.setdefault("host_secrets", {})
+        for h in self.CONTROL_HOSTS:
+            secrets_by_host.setdefault(h, secrets.token_hex(16))
         tokens.write_text("".join(f'[tenants.{name}]\ntoken = "{token}"\nquota = "{quota}"\n\n'
                                   for name, (token, quota) in self.tenants.items()))
 
         def addresses(h: str) -> str:
+            if h not in self.HOSTS:
+                return ""                    # (no guests: no networks)
             plan = self.topology.host(h)
             # a host's own connections reach each node from its end of that node's link
             ends = [plan.uplink_address, *(node.host_end(h) for name, node in self.topology.pool_plans.items()
                                            if name != "pool")]
             return ", ".join(f'"{a}"' for a in [plan.guest_subnet, *(f"{e}/32" for e in ends)])
         hosts.write_text("".join(f'[hosts.{h}]\nsecret = "{secrets_by_host[h]}"\naddresses = [{addresses(h)}]\n\n'
-                                 for h in self.HOSTS))
+                                 for h in self.CONTROL_HOSTS))
         return tokens, hosts
 
     def start_pool_node(self, node: str = "pool") -> dict:
@@ -667,7 +675,7 @@ class Lab:
         its directory: a CA, the pool's certificate (IP SAN: the pool's
         address) and a client certificate per host; paths, as strings."""
         saved = self.state.get("pki")
-        if saved and "etcd_client" in saved and all(
+        if saved and "etcd_client" in saved and set(saved.get("hosts", {})) >= set(self.CONTROL_HOSTS) and all(
                 Path(p).exists() for p in (saved["ca"], saved["pool"]["cert"], saved["pool"]["key"],
                                            saved["etcd"]["cert"], saved["etcd_client"]["cert"])):
             return saved
@@ -677,7 +685,7 @@ class Lab:
         # every pool node's address: the nodes share one certificate, and a
         # driver redirected to pool2 checks that it names pool2's address
         made = certs.make_pki(self.dir / "pki", pool_addresses=(*self.topology.pool_addresses(), "127.0.0.1"),
-                              pool_dns=(), hosts=self.HOSTS)
+                              pool_dns=(), hosts=self.CONTROL_HOSTS)
         # etcd's own (it dials its gRPC server with it too) and the pool
         # nodes' client certificate for it: the lab's etcd is etcds://, as deployed
         etcd = certs.issue(made.ca.parent, made.ca, made.ca_key, "etcd", addresses=(ETCD_ADDRESS,),

@@ -180,8 +180,10 @@ def _run(domain: str, operation: str, sub: str, xml: bytes, started: float, stdo
         _log(f"{operation} of {domain}: the XML was not adapted to this host: {exc}")
     remaining = max(0.1, budget - (time.monotonic() - started))
     try:
+        # the migration token the domain's host wrote into it: it came with the
+        # migration, to this destination only, and vouches for it at the pool
         client.call("hook", timeout=remaining, op=operation, sub=sub, uuid=model.uuid, name=model.name,
-                    changes=[str(c) for c in changes], budget=remaining * 0.8)
+                    changes=[str(c) for c in changes], budget=remaining * 0.8, token=model.migration_token())
     except AccelmigError as exc:
         if config.hostd.strict:
             _log(f"refusing {operation} of {domain} to host {config.host_id}: {exc} "

@@ -566,6 +566,26 @@ def agent_status(domain, *, command=DEFAULT_COMMAND, timeout: float = 15.0,
     return answer
 
 
+def agent_prove(domain, request: dict, *, command=DEFAULT_COMMAND, timeout: float = 15.0,
+                socket: str | None = None) -> dict:
+    """``accelmig-agent prove --stdin`` through guest-exec: the guest's
+    drivers' binding proofs for this host (``accelmig.wire.attestation``:
+    ``request`` is ``{host, challenges, sids?, after?}``), as
+    ``{proofs, refused, next}``.  Only the guest this domain runs holds the
+    sessions' secrets: a host gets proofs of its own guests' sessions only.
+    Blocking."""
+    label = _domain_label(domain)
+    argv = (*command, "prove", "--stdin", *(("--socket", socket) if socket else ()))
+    _pid, status = guest_exec(domain, argv, input_data=json.dumps(request, separators=(",", ":")).encode(),
+                              timeout=timeout, label=label)
+    answer = _agent_answer(status, domain=label, command="accelmig-agent prove --stdin", ok_codes=(EXIT_OK,))
+    if not isinstance(answer.get("proofs"), dict) or not isinstance(answer.get("refused", {}), dict):
+        raise GuestCommandFailed(domain=label, command="accelmig-agent prove --stdin",
+                                 reason=f"an answer without proofs: {json.dumps(answer)[:200]}",
+                                 details={"domain": label, "exit_code": status.exit_code})
+    return answer
+
+
 # ---------------------------------------------------------------- the domain XML
 
 def has_guest_agent(domain_xml_text: str) -> bool:

@@ -18,6 +18,7 @@ from accelmig.pool.config import parse_networks
 from accelmig.pool.paging import page_limit, take
 from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, STEP_NAMES, PausePolicy,
                                    RecordStateName, Side, Timeline)
+from accelmig.wire import attestation as att
 from accelmig.wire import control as wc
 from accelmig.wire import tls
 from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
@@ -243,7 +244,7 @@ class ControlServer:
             self._check_caller(host, admin, method)
             handler = getattr(self, f"wait_{method.removeprefix('wait_')}")
             check_args(method, handler, args)
-            result = await handler(**args)
+            result = await handler(host.name if host is not None else wc.ADMIN_HOST, **args)
             body = {"ok": True, "result": result}
         except TypeError as exc:
             body = {"ok": False, "error": BadRequest(reason=f"{method}: {exc}").to_wire()}
@@ -306,7 +307,20 @@ class ControlServer:
         except TypeError as exc:
             raise BadRequest(reason=f"{method}: {exc}") from None
         try:
-            record, steps = self._plan(caller, method, args)
+            try:
+                record, steps = self._plan(caller, method, args)
+            except Forbidden:
+                # (a node that missed the source's switchover follows etcd's record
+                # first: the vouching is there)
+                domain, mid = args.get("domain_uuid"), args.get("migration_id")
+                local = self.pool.records.get(f"{domain}/{mid}")
+                if method not in ("complete", "commit") or local is None or local.vouched:
+                    raise
+                stored = await loop.run_in_executor(None, ledger.read, domain, mid)
+                if stored is None or not stored.vouched:
+                    raise
+                self.pool.follow_record(local, stored)
+                record, steps = self._plan(caller, method, args)
         except NoSuchRecord:
             # a record this node never opened (the open did not reach it): etcd's, if it has it
             domain, mid = args.get("domain_uuid"), args.get("migration_id")
@@ -353,20 +367,24 @@ class ControlServer:
         if method == "switchover":
             postcopy = args.get("postcopy", False)
             states = set(ABORTABLE) | ({RecordStateName.COMMITTED, RecordStateName.COMPLETED} if postcopy else set())
-            record = find(domain, mid, states=states)
+            record = self._switchover_target(caller, domain, mid, states)
             self._require_source(record, caller, "switch over")
-            steps = [("switchover", {"source_host": record.source_host or caller})] \
+            vouches = {"vouched": True} if self._source_vouches(record, caller) else {}
+            steps = [("switchover", {"source_host": record.source_host or caller, **vouches})] \
                 if record.state in ABORTABLE else []
-            return record, steps + ([("commit", {"postcopy": True})] if postcopy else [])
+            return record, steps + ([("commit", {"postcopy": True, **vouches})] if postcopy else [])
         if method == "commit":
             record = find(domain, mid, dest=caller, states=IN_FLIGHT)
             self._require_dest(record, caller, "commit")
+            self._require_vouched(record, caller, "commit")
             return record, [("commit", {})]
         if method == "complete":
             if args.get("cursor") is not None:
                 return find(domain, mid), []          # a next page: no step
             record = find(domain, mid, dest=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
             self._require_dest(record, caller, "complete")
+            if record.state is not RecordStateName.COMPLETED:
+                self._require_vouched(record, caller, "complete")
             return record, [("complete", {})]
         if method == "close":
             record = find(domain, mid, source=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
@@ -503,13 +521,73 @@ class ControlServer:
         raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it goes from host "
                                                    f"{source or '?'} to host {record.dest_host}")
 
+    def _is_party(self, record, caller) -> bool:
+        """``caller`` takes part in ``record``: its destination or its source."""
+        return caller in (record.dest_host, record.source_host, self._source_of(record))
+
+    def _source_vouches(self, record, caller) -> bool:
+        """Whether the switchover ``caller`` takes of ``record`` vouches for
+        its destination: ``caller`` is the host the domain's sessions are
+        bound to (its word that its domain really is migrating; where the
+        pool knows no such host, the domain has nothing to take yet and the
+        sessions bound later must be that host's: ``_require_vouched``),
+        nobody vouched for another migration of the domain, this is the only
+        one under way, and the domain's token is not waiting unused for the
+        real destination's open (then a record without it is not that one)."""
+        if record.vouched or self._source_of(record) not in (None, caller):
+            return False
+        if self.pool.domain_tokens.unspent(record.domain_uuid):
+            return False
+        others = [r for r in self.pool.open_records() if r.domain_uuid == record.domain_uuid
+                  and r is not record and r.state in IN_FLIGHT]
+        return not others
+
+    def _require_vouched(self, record, caller, action: str) -> None:
+        """A record nobody vouched for (no token of the domain's, no intent
+        naming its destination, no switchover by its source) takes nothing
+        of the domain's sessions: it completes or commits only while the
+        domain has none; nor does one vouched for by a source whose domain's
+        sessions are bound to another host."""
+        sessions = self.pool.domain_sessions(record.domain_uuid)
+        if not sessions:
+            return
+        if not record.vouched:
+            raise Forbidden(who=f"host {caller}", what=(
+                f"{action} {record.key}: nobody vouched for it (it opened without the domain's migration "
+                f"token or an intent naming {record.dest_host}, and its source has not switched it over)"))
+        elsewhere = {s.bound_host for s in sessions} - {None, record.dest_host, record.source_host}
+        if record.source_host is not None and elsewhere:
+            raise Forbidden(who=f"host {caller}", what=(
+                f"{action} {record.key}: the domain's sessions are bound to {', '.join(sorted(elsewhere))}, "
+                f"not to its source {record.source_host}"))
+
+    def _switchover_target(self, caller, domain_uuid, migration_id, states):
+        """The record a source's switchover (which names no migration: its
+        host does not know the destination) is about: the one vouched for,
+        else the only one under way; several that nobody vouched for are a
+        ``Conflict`` (a host opened a migration it has no part in)."""
+        if migration_id:
+            return self.pool.find_record(domain_uuid, migration_id, states=states)
+        candidates = [r for r in self.pool.records.values() if r.domain_uuid == domain_uuid and r.state in states]
+        vouched = [r for r in candidates if r.vouched]
+        if vouched:
+            return max(vouched, key=lambda r: r.times["opened"])
+        if not candidates:
+            raise NoSuchRecord(record=f"{domain_uuid}/* (no matching record)")
+        others = [r for r in candidates if r.dest_host != caller] if len(candidates) > 1 else candidates
+        if len(others) > 1:
+            raise Conflict(reason=f"{len(others)} migrations of domain {domain_uuid} are open and nobody "
+                                  f"vouched for any of them (to {', '.join(sorted(r.dest_host for r in others))}): "
+                                  f"the source cannot tell which is its own")
+        return (others or candidates)[0]
+
     def _check_arrival(self, caller, session, domain_uuid) -> None:
         """``caller`` attests ``session``, bound to another host, for
         ``domain_uuid``: only as the destination of that domain's migration
         from the session's host (a VM without the accelmig channel reports
         its sessions through guest-exec only there), or of the session's own
-        move.  Attesting changes no binding: a ticket still needs the
-        session's own secret."""
+        move, and only of a migration its source vouched for.  Attesting
+        changes no binding: a ticket still needs the session's own secret."""
         sid, bound = session.sid, session.bound_host
         if session.pending_move is not None:
             moving = self.pool.records.get("/".join(session.pending_move))
@@ -519,9 +597,9 @@ class ControlServer:
             if record.domain_uuid != domain_uuid or record.dest_host != caller:
                 continue
             source = self._source_of(record)
-            if source == bound or session.domain_uuid == domain_uuid:
+            if record.vouched and (source == bound or session.domain_uuid == domain_uuid):
                 return
-            if source is None and session.domain_uuid is None:
+            if not record.vouched and (source in (None, bound) or session.domain_uuid == domain_uuid):
                 # Nobody vouched for this destination yet: the session's
                 # host does when it switches the migration over.
                 raise RecordState(record=record.key, state=record.state.value,
@@ -530,10 +608,83 @@ class ControlServer:
         raise Conflict(reason=f"session {sid} is bound to host {bound}, not {caller}")
 
     # -- attestation -----------------------------------------------------------------
-    def do_bind_session(self, caller, sid, domain_uuid, domain_name=None):
-        session = self._session(sid)
-        # Bindings are the session's host's to make: a guest's hostd relays
-        # session ids the guest chose, and a guest may name a neighbour's.
+    def do_bind_challenge(self, caller, domain_uuid=None):
+        """A fresh challenge for the caller's binding proofs
+        (``wire.attestation``); with ``domain_uuid``, how many sessions
+        claiming that domain wait to be attested (the destination of a
+        migration asks its guest for proofs only when some do)."""
+        now = time.time()
+        out = {"challenge": self.pool.bind_challenges.issue(caller, now), "instance": self.pool.instance,
+               "ttl": self.pool.bind_challenges.ttl}
+        if domain_uuid is not None:
+            out["unattested"] = sum(1 for s in list(self.pool.sessions.values())
+                                    if s.live and s.domain_uuid is None and s.claimed_domain == domain_uuid)
+        return out
+
+    def _attested_here(self, session, caller, domain_uuid) -> bool:
+        """Bound to ``caller`` in ``domain_uuid`` already (or moving there
+        with a ticket): acknowledged without a new proof."""
+        if session.domain_uuid != domain_uuid:
+            return False
+        if session.bound_host == caller and session.pending_move is None:
+            return True
+        moving = self.pool.records.get("/".join(session.pending_move)) if session.pending_move else None
+        return moving is not None and moving.dest_host == caller
+
+    def do_bind_sessions(self, caller, domain_uuid, sessions, challenge=None, domain_name=None):
+        """Bind sessions to ``domain_uuid`` on the caller, each with its
+        proof (``wire.attestation``: the session's own HMAC over a challenge
+        the pool issued to the caller, the caller's name and the domain).
+        ``sessions``: ``{sid: proof}``; a ``null`` proof only asks whether the
+        session is bound here already.  ``bound``: the sessions bound to the
+        caller in that domain now; ``prove``: those that need a proof;
+        ``refused``: the others, each with its error."""
+        if not isinstance(sessions, dict) or not 0 < len(sessions) <= att.MAX_BIND:
+            raise BadRequest(reason=f"bind_sessions: sessions must be an object of 1 to {att.MAX_BIND} "
+                                    f"{{sid: proof or null}}, not {_short(sessions)}")
+        for sid, proof in sessions.items():
+            if not 0 < len(sid) <= MAX_NAME or not (proof is None or isinstance(proof, str) and
+                                                    len(proof) <= att.MAX_TOKEN):
+                raise BadRequest(reason=f"bind_sessions: {_short(sid)}: a session id of 1 to {MAX_NAME} "
+                                        f"characters and a proof (a hex string) or null")
+        now = time.time()
+        challenges = self.pool.bind_challenges
+        if any(proof is not None for proof in sessions.values()) and not challenges.valid(caller, challenge, now):
+            raise Forbidden(who=f"host {caller}", what=f"bind sessions under challenge {_short(challenge)}: the "
+                                                       f"pool did not issue it to this host, or it expired "
+                                                       f"(ask bind_challenge again)")
+        bound, prove, refused = [], [], {}
+        for sid, proof in sessions.items():
+            session = self.pool.sessions.get(sid)
+            if session is None or not session.live:
+                refused[sid] = _brief(NoSuchRecord(record=f"session {sid}"))
+            elif self._attested_here(session, caller, domain_uuid):
+                bound.append(sid)             # (nothing to change: a proof or none)
+            elif proof is None:
+                prove.append(sid)
+            elif challenges.used(caller, challenge, sid) or not att.check_bind_proof(
+                    session.secret, proof, challenge=challenge, instance=self.pool.instance, host=caller,
+                    domain=domain_uuid, sid=sid):
+                refused[sid] = _brief(Forbidden(who=f"host {caller}", what=(
+                    f"bind session {sid} to domain {domain_uuid}: its proof does not verify (not made with "
+                    f"the session's secret for this challenge, host and domain, or used already)")))
+            else:
+                try:
+                    self._bind(caller, session, domain_uuid, now)
+                except AccelmigError as exc:
+                    refused[sid] = _brief(exc)
+                    continue
+                challenges.use(caller, challenge, sid)
+                bound.append(sid)
+        if refused:
+            LOG.warning("host %s: %d of %d session(s) not bound to domain %s (%s)", caller, len(refused),
+                        len(sessions), domain_uuid, next(iter(refused.values()))["message"][:200],
+                        extra={"host": caller, "domain": domain_uuid})
+        return {"domain_uuid": domain_uuid, "bound": bound, "prove": prove, "refused": refused}
+
+    def _bind(self, caller, session, domain_uuid, now: float) -> None:
+        """``session`` (whose proof verified) in ``domain_uuid`` on ``caller``."""
+        sid = session.sid
         if session.bound_host not in (None, caller):
             self._check_arrival(caller, session, domain_uuid)
         if session.domain_uuid not in (None, domain_uuid):
@@ -546,20 +697,40 @@ class ControlServer:
         if not incoming:
             self.pool.domain_hosts.setdefault(domain_uuid, caller)
         # a session opened while its domain migrates joins the migration
-        now = time.time()
         for record in self.pool.open_records():
             if record.domain_uuid == domain_uuid:
                 self.pool.hold_if_paused(record, [session], now)
-        return {"sid": sid, "domain_uuid": domain_uuid, "bound_host": session.bound_host}
 
-    def do_unbind_session(self, caller, sid):
+    def do_unbind_session(self, caller, sid, domain_uuid):
+        """The guest of ``domain_uuid`` says the session closed: it leaves
+        that domain (and no other: a guest names whatever ids it likes)."""
         session = self.pool.sessions.get(sid)
         if session is not None:
             if session.bound_host not in (None, caller):
                 raise Forbidden(who=f"host {caller}", what=f"unbind session {sid}: it is bound "
                                                            f"to host {session.bound_host}")
+            if session.domain_uuid not in (None, domain_uuid):
+                raise Forbidden(who=f"host {caller}", what=f"unbind session {sid} from domain {domain_uuid}: "
+                                                           f"it is not in that domain")
             session.domain_uuid = None
         return {"sid": sid}
+
+    def do_register_token(self, caller, domain_uuid, digest):
+        """The domain's host says which migration token (its SHA-256) the
+        running domain carries (``wire.attestation``).  ``state``: ``fresh``
+        (it vouches for the next destination), ``in_use`` (a migration opened
+        with it; only that destination may open again with it), ``spent``
+        (write a new one).  Where no session of the domain is bound here
+        (a node of a pool that holds none of them) nothing is registered."""
+        att.check_hex(digest, "register_token: digest")
+        home = self._domain_host(domain_uuid)
+        if home is None:
+            return {"domain_uuid": domain_uuid, "registered": False, "state": None}
+        if home != caller:
+            raise Forbidden(who=f"host {caller}", what=f"register the migration token of domain {domain_uuid}: "
+                                                       f"it runs on host {home}")
+        state = self.pool.domain_tokens.register(domain_uuid, digest, caller, self.pool.records)
+        return {"domain_uuid": domain_uuid, "registered": True, "state": state}
 
     # -- migrations --------------------------------------------------------------------
     def do_register_intent(self, caller, domain_uuid, policy="none", dest_host=None,
@@ -584,45 +755,65 @@ class ControlServer:
         return intent
 
     def do_open_migration(self, caller, domain_uuid, migration_id=None, domain_name=None,
-                          policy=None, postcopy=False):
+                          policy=None, postcopy=False, token=None):
+        """The caller, a migration's destination, opens its record.  It is
+        vouched for when ``token`` is the migration token the domain's host
+        wrote into the domain (its XML reached this destination with the
+        migration) or a fresh intent of the domain's host names the caller;
+        else anyone may open it, and it takes nothing (``open_record``)
+        until its source vouches for it at switchover.  Once a destination
+        was named or vouched for, nobody else may open the domain's
+        migration, nor supersede the one under way."""
         if policy is not None:
             PausePolicy.parse(policy)
-        # Once the domain's host named where it goes, nobody else may open
-        # its migration, nor supersede the one under way.  Where nobody named
-        # one (a plain virsh migrate, Nova) the pool cannot tell who is
-        # expected: any host may, as ever.
+        digest = att.token_digest(att.check_hex(token, "open_migration: token")) if token is not None else None
         named = self._named_destinations(domain_uuid, time.time())
         home = self._domain_host(domain_uuid)
         if named and caller not in named and caller != home:
             raise Forbidden(who=f"host {caller}", what=(
                 f"open a migration of domain {domain_uuid}: it goes to host {', '.join(sorted(named))}"
                 f" (named by {'its host ' + home if home else 'the admin socket'})"))
-        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy, postcopy)
-        if caller in named:
-            record.vouched = True
+        tokens = self.pool.domain_tokens
+        by_token = tokens.vouches(domain_uuid, digest, caller, self.pool.records)
+        if token is not None and not by_token:
+            LOG.warning("host %s opens a migration of domain %s with a token that is not the domain's "
+                        "(or vouched for another destination already): not vouched for", caller, domain_uuid,
+                        extra={"host": caller, "domain": domain_uuid})
+        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy, postcopy,
+                                       vouched=by_token or caller in named)
+        if by_token:
+            tokens.spend(domain_uuid, record.key)
         return record.describe()
 
     def do_switchover(self, caller, domain_uuid, migration_id=None, postcopy=False):
-        """The source paused the guest for the last copy.  With ``postcopy``
-        the source handed the guest over for good (libvirt's
-        SUSPENDED_POSTCOPY on the source): the record is committed, whatever
-        the destination's own event says (libvirt may report RESUMED_MIGRATED
-        there for a post-copy migration)."""
+        """The source paused the guest for the last copy (its job really is
+        an outgoing migration): the record vouched for, else the only one
+        under way, whose destination the source's word then vouches for
+        (``_source_vouches``).  With ``postcopy`` the source handed the guest
+        over for good (libvirt's SUSPENDED_POSTCOPY on the source): the
+        record is committed, whatever the destination's own event says
+        (libvirt may report RESUMED_MIGRATED there for a post-copy migration)."""
         states = set(ABORTABLE)
         if postcopy:
             states |= {RecordStateName.COMMITTED, RecordStateName.COMPLETED}
-        record = self.pool.find_record(domain_uuid, migration_id, states=states)
+        record = self._switchover_target(caller, domain_uuid, migration_id, states)
         self._require_source(record, caller, "switch over")
+        now = time.time()
+        if self._source_vouches(record, caller):
+            LOG.info("record %s: its source %s vouches for %s", record.key, caller, record.dest_host,
+                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
+            self.pool.vouch_record(record, now)
         if record.state in ABORTABLE:
             self.pool.switchover_record(record, caller)
         if postcopy:
             record.postcopy = True
-            record.commit(time.time())
+            record.commit(now)
         return record.describe()
 
     def do_commit(self, caller, domain_uuid, migration_id=None):
         record = self.pool.find_record(domain_uuid, migration_id, dest=caller, states=IN_FLIGHT)
         self._require_dest(record, caller, "commit")
+        self._require_vouched(record, caller, "commit")
         record.commit(time.time())
         return record.describe()
 
@@ -644,6 +835,7 @@ class ControlServer:
                                            states=IN_FLIGHT | {RecordStateName.COMPLETED})
             self._require_dest(record, caller, "complete")
             if record.state is not RecordStateName.COMPLETED:
+                self._require_vouched(record, caller, "complete")
                 self.pool.complete_record(record)
             start = 0
         items = ((index, (sid, ticket)) for index, sid, ticket in self.pool.record_tickets(record, start))
@@ -756,38 +948,70 @@ class ControlServer:
             unparked.append(session.sid)
         return _listed("unparked", unparked)
 
+    def _visible(self, session, caller) -> bool:
+        """A host sees the sessions bound to it and those moving to it with a
+        ticket; the admin socket sees every one."""
+        if caller == wc.ADMIN_HOST:
+            return True
+        if session.pending_move is not None:
+            moving = self.pool.records.get("/".join(session.pending_move))
+            if moving is not None and moving.dest_host == caller:
+                return True
+        return session.bound_host == caller
+
     def do_list_sessions(self, caller, domain_uuid=None, cursor=None, limit=None):
-        """A page of the pool's sessions (a domain's), in the order they opened."""
+        """A page of the pool's sessions (a domain's), in the order they
+        opened: for a host, only its own (``_visible``) and, of a domain,
+        those its migrations from here moved; of a domain, also how many of
+        its sessions are bound elsewhere (``elsewhere``: a host finding a
+        domain here that arrived while its hostd was away)."""
         limit = page_limit("list_sessions", limit)
         scope = "*" if domain_uuid is None else f"domain {domain_uuid}"
         start = self.pool.pager.position("list_sessions", scope, caller, cursor)
-        items = ((s.serial, s.describe()) for s in list(self.pool.sessions.values())
-                 if s.serial >= start and (domain_uuid is None or s.domain_uuid == domain_uuid))
+        chosen = [s for s in list(self.pool.sessions.values())
+                  if s.serial >= start and (domain_uuid is None or s.domain_uuid == domain_uuid)]
+        # (the source of a domain's migration still reads what it moved: ``accelmig migrate``
+        # counts what its sessions sent meanwhile)
+        moved = {sid for r in list(self.pool.records.values()) if r.domain_uuid == domain_uuid
+                 and r.source_host == caller for sid in r.sessions} if domain_uuid is not None else set()
+        items = ((s.serial, s.describe()) for s in chosen if self._visible(s, caller) or s.sid in moved)
         page, following = take(items, limit)
-        return {"instance": self.pool.instance, "sessions": page,
-                "next": None if following is None else
-                self.pool.pager.cursor("list_sessions", scope, caller, following)}
+        out = {"instance": self.pool.instance, "sessions": page,
+               "next": None if following is None else
+               self.pool.pager.cursor("list_sessions", scope, caller, following)}
+        if domain_uuid is not None and cursor is None:
+            out["elsewhere"] = sum(1 for s in chosen if not self._visible(s, caller))
+        return out
 
     def do_list_records(self, caller, open_only=False, domain_uuid=None, cursor=None, limit=None):
         """A page of the records (each one bounded: ``RecordView``), newest
         first: a caller after the latest (most are) finds it on the first
-        page, even one that does not follow pages."""
+        page, even one that does not follow pages.  A host lists only the
+        records it takes part in."""
         limit = page_limit("list_records", limit)
         scope = f"{bool(open_only)} {domain_uuid}"
         start = self.pool.pager.position("list_records", scope, caller, cursor)
         records = self.pool.open_records() if open_only else list(self.pool.records.values())
+        mine = caller == wc.ADMIN_HOST or None
         # (a position grows as serials fall: the next page starts one past the last given)
         items = ((_NEWEST - r.serial, r.describe()) for r in sorted(records, key=lambda r: -r.serial)
-                 if _NEWEST - r.serial >= start and (domain_uuid is None or r.domain_uuid == domain_uuid))
+                 if _NEWEST - r.serial >= start and (domain_uuid is None or r.domain_uuid == domain_uuid)
+                 and (mine or self._is_party(r, caller)))
         page, following = take(items, limit)
         return {"records": page, "next": None if following is None else
                 self.pool.pager.cursor("list_records", scope, caller, following)}
 
+    def _require_party(self, record, caller, action: str) -> None:
+        if caller != wc.ADMIN_HOST and not self._is_party(record, caller):
+            raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it takes no part in it")
+
     def do_record_sessions(self, caller, domain_uuid, migration_id, cursor=None, limit=None):
         """A page of a record's frozen sessions and their blackouts (None:
-        not resumed yet): what a record view lists inline only while short."""
+        not resumed yet): what a record view lists inline only while short.
+        For its parties (and the admin socket) only."""
         limit = page_limit("record_sessions", limit)
         record = self.pool.find_record(domain_uuid, migration_id)
+        self._require_party(record, caller, "list the sessions of")
         start = self.pool.pager.position("record_sessions", record.key, caller, cursor)
         items = ((index, {"sid": sid, "blackout": record.resumed.get(sid)})
                  for index, sid in enumerate(record.sessions) if index >= start)
@@ -796,12 +1020,13 @@ class ControlServer:
                 "next": None if following is None else
                 self.pool.pager.cursor("record_sessions", record.key, caller, following)}
 
-    async def wait_record(self, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
+    async def wait_record(self, caller, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
         """The record once it is rehomed (``until="rehomed"``: completed or
         closed, with every session resumed; or aborted), rehomed with the
         destination's steps in its timeline (``until="timeline"``: its hostd
         noted them after the agent answered) or final (``until="final"``),
-        or as it is after ``timeout`` seconds."""
+        or as it is after ``timeout`` seconds; for a party of the record (or
+        the admin socket) only."""
         if until not in ("rehomed", "timeline", "final"):
             raise BadRequest(reason=f"wait_record: until {until!r} (rehomed, timeline or final)")
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 600:
@@ -819,30 +1044,29 @@ class ControlServer:
         record = await self.pool.wait_record(domain_uuid, migration_id, reached, float(timeout))
         if record is None:
             return {"record": None, "reached": False}
+        self._require_party(record, caller, "wait for")
         return {"record": record.describe(), "reached": reached(record)}
 
     def do_accel_domains(self, caller, since=None, cursor=None, limit=None):
         """Which domains hold sessions, marked or not (hosts cache it so their
-        hook can be strict for a Nova instance while hostd is down), and
-        their sids (what each host attests for the domains running on it).
-        ``since``: the version the caller has; an unchanged set answers in a
-        few bytes, however many sessions there are.  Paged by session (a
-        domain's sids may span pages): each page says the version as it is
-        now, and a caller keeps the first page's (whatever changed while it
-        paged shows as a new version at its next look)."""
+        hook can be strict for a Nova instance while hostd is down), each
+        with how many of its sessions wait to be attested (the host running
+        it then asks its guest to prove them) — never the sessions' ids: a
+        host learns those from its own guests.  ``since``: the version the
+        caller has; an unchanged set answers in a few bytes, however many
+        sessions there are.  Paged by domain: each page says the version as
+        it is now, and a caller keeps the first page's (whatever changed
+        while it paged shows as a new version at its next look)."""
         limit = page_limit("accel_domains", limit)
         domains = self.pool.accel_domains()
-        version = hashlib.sha256(wc.canonical({k: sorted(v) for k, v in domains.items()})).hexdigest()[:32]
+        version = hashlib.sha256(wc.canonical(domains)).hexdigest()[:32]
         if cursor is None and since == version:
             return {"version": version, "unchanged": True}
         start = self.pool.pager.position("accel_domains", "*", caller, cursor)
-        items = ((s.serial, (s.domain_uuid or s.claimed_domain, s.sid)) for s in list(self.pool.sessions.values())
-                 if s.serial >= start and s.live and (s.domain_uuid or s.claimed_domain) is not None)
-        page, following = take(items, limit, size=lambda item: len(item[0]) + len(item[1]) + 8)
-        out: dict[str, list[str]] = {}
-        for domain, sid in page:
-            out.setdefault(domain, []).append(sid)
-        return {"version": version, "domains": out, "next": None if following is None else
+        items = ((index, (domain, domains[domain])) for index, domain in enumerate(sorted(domains))
+                 if index >= start)
+        page, following = take(items, limit, size=lambda item: len(item[0]) + 12)
+        return {"version": version, "domains": dict(page), "next": None if following is None else
                 self.pool.pager.cursor("accel_domains", "*", caller, following)}
 
     def do_list_hosts(self, caller):
@@ -902,6 +1126,13 @@ def _listed(key: str, sids: list[str]) -> dict:
     if len(sids) <= RECORD_INLINE_SESSIONS:
         return {key: sids}
     return {key: sids[:RECORD_INLINE_SESSIONS], "more": len(sids) - RECORD_INLINE_SESSIONS}
+
+
+def _brief(exc: AccelmigError) -> dict:
+    """An error as one entry of an answer that lists many (``bind_sessions``'
+    refusals): its code and the start of its message; the answer stays
+    within a page's bound however many sessions its call named."""
+    return {"code": exc.code.value, "message": exc.message[:240]}
 
 
 def _short(value) -> str:

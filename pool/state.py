@@ -17,6 +17,7 @@ import secrets
 import time
 import uuid
 
+from accelmig.pool.attestation import BindChallenges, DomainTokens
 from accelmig.pool.buffers import PayloadBuffers
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
 from accelmig.pool.devices.inventory import DeviceSet
@@ -60,6 +61,10 @@ class Pool:
         self.pager = Pager()                           # cursors of the control plane's pages
         self.intents: dict[str, dict] = {}
         self.domain_hosts: dict[str, str] = {}
+        # what hosts show before they bind a session or are vouched for as a
+        # migration's destination (pool.attestation)
+        self.bind_challenges = BindChallenges()
+        self.domain_tokens = DomainTokens()
         self.tickets = TicketAuthority(config.ticket_ttl)
         self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
         # sid -> the record whose timeline its next reply stamps (``first_command``);
@@ -139,6 +144,9 @@ class Pool:
                 record.close(now)
         for device in self.devices:
             device.backend.trim_idle(self.config.upload_arena_keep)
+        if len(self.domain_tokens):
+            self.domain_tokens.keep({s.domain_uuid for s in list(self.sessions.values())
+                                     if s.live and s.domain_uuid is not None})
         # forget final records after a while (bounded memory)
         for key, record in list(self.records.items()):
             if record.final and now - max(record.times.values()) > 3600:
@@ -407,16 +415,19 @@ class Pool:
     def domain_sessions(self, domain_uuid: str) -> list[Session]:
         return [s for s in self.sessions.values() if s.live and s.domain_uuid == domain_uuid]
 
-    def accel_domains(self) -> dict[str, list[str]]:
+    def accel_domains(self) -> dict[str, int]:
         """Every domain that holds live sessions, by its attested UUID or,
-        not attested yet, the UUID its guest claimed: domain -> its sids.
+        not attested yet, the UUID its guest claimed: domain -> how many of
+        its sessions wait to be attested (claimed, bound to no domain yet).
         Hosts learn from it which of their domains are accelerator VMs,
-        marked or not (a Nova instance carries nothing of accelmig)."""
-        out: dict[str, list[str]] = {}
-        for session in self.sessions.values():
+        marked or not (a Nova instance carries nothing of accelmig), and
+        which of those their guests should prove sessions of; never the
+        sessions' ids (a host learns those from its own guests)."""
+        out: dict[str, int] = {}
+        for session in list(self.sessions.values()):
             domain = session.domain_uuid or session.claimed_domain
             if session.live and domain is not None:
-                out.setdefault(domain, []).append(session.sid)
+                out[domain] = out.get(domain, 0) + (session.domain_uuid is None)
         return out
 
     def find_record(self, domain_uuid: str, migration_id: str | None = None, *,
@@ -437,12 +448,18 @@ class Pool:
 
     def open_record(self, dest: str, domain_uuid: str, migration_id: str | None,
                     domain_name: str | None, policy: str | None, postcopy: bool,
-                    now: float | None = None) -> MigrationRecord:
+                    now: float | None = None, vouched: bool = False) -> MigrationRecord:
+        """``vouched``: the domain's host (its token, its intent) vouched for
+        ``dest``.  A record nobody vouched for supersedes nothing and pauses
+        nothing (the control plane lets it complete or commit nothing of the
+        domain's sessions either) until its source vouches at switchover."""
         now = time.time() if now is None else now
         for record in self.records.values():
             if record.domain_uuid == domain_uuid and record.dest_host == dest and \
                     record.state is RecordStateName.OPEN and migration_id in (None, record.migration_id):
                 record.renew(now)
+                if vouched and not record.vouched:
+                    self.vouch_record(record, now)
                 return record  # the hook notes twice (migrate, prepare): one record
         intent = self.intents.get(domain_uuid)
         if intent is not None and intent.get("dest_host") not in (None, dest):
@@ -455,24 +472,35 @@ class Pool:
             bound = {s.bound_host for s in self.domain_sessions(domain_uuid)} - {None}
             source = bound.pop() if len(bound) == 1 else None
         policy = PausePolicy.parse(policy or (intent or {}).get("policy") or "none")
-        for record in self.records.values():
+        for record in list(self.records.values()) if vouched else ():
             if record.domain_uuid == domain_uuid and record.state in (
                     RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
-                # A domain migrates once at a time: an older unfinished record is stale.
+                # A domain migrates once at a time: an older unfinished record
+                # is stale (only a vouched migration says so: anyone may open one)
                 self._abort_record(record, now, f"superseded by migration {mid}")
         if f"{domain_uuid}/{mid}" in self.records:
             raise Conflict(reason=f"migration id {mid} was used for this domain already")
         self._record_serial += 1
         record = MigrationRecord(domain_uuid, mid, source, dest, policy, self.config.lease_ttl, now,
                                  domain_name=domain_name, postcopy=postcopy, serial=self._record_serial)
+        record.vouched = vouched
         record.on_change = self.record_changed
         self.records[record.key] = record
         self._open[record.key] = record
         self.record_changed(record)
         self.hold_if_paused(record, self.domain_sessions(domain_uuid), now)
-        LOG.info("record %s opened: %s -> %s, policy %s", record.key, source, dest, policy.value,
+        LOG.info("record %s opened: %s -> %s, policy %s%s", record.key, source, dest, policy.value,
+                 "" if vouched else " (nobody vouched for it yet)",
                  extra={"domain": domain_uuid, "migration": mid})
         return record
+
+    def vouch_record(self, record: MigrationRecord, now: float | None = None) -> None:
+        """The domain's host vouched for ``record``'s destination: from now
+        on its policy pauses the domain's sessions."""
+        if record.vouched:
+            return
+        record.vouched = True
+        self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), time.time() if now is None else now)
 
     def switchover_record(self, record: MigrationRecord, source: str,
                           now: float | None = None) -> None:
@@ -486,8 +514,9 @@ class Pool:
     @staticmethod
     def hold_if_paused(record: MigrationRecord, sessions, now: float) -> None:
         """Pause ``sessions`` if the record's policy says so in its state (the
-        rule itself: ``accelmig.wire.records.pauses``)."""
-        if pauses(record.policy, record.state):
+        rule itself: ``accelmig.wire.records.pauses``) and the domain's host
+        vouched for it: anyone may open a record, not pause a domain."""
+        if record.vouched and pauses(record.policy, record.state):
             for session in sessions:
                 session.pause(record.key, now)
 
@@ -618,6 +647,7 @@ class Pool:
         record = MigrationRecord(stored.domain_uuid, stored.migration_id, stored.source_host, stored.dest_host,
                                  stored.policy, self.config.lease_ttl, now, postcopy=stored.postcopy,
                                  serial=self._record_serial)
+        record.vouched = stored.vouched         # (the node that vouched for it authorised it)
         record.on_change = self.record_changed
         self.records[record.key] = record
         self._open[record.key] = record
@@ -647,6 +677,8 @@ class Pool:
             return
         if record.source_host is None and stored.source_host is not None:
             record.source_host = stored.source_host
+        if stored.vouched and not record.vouched:
+            self.vouch_record(record, now)
         if record.state is S.OPEN and stored.state is not S.OPEN:
             self.switchover_record(record, record.source_host, now)
         if stored.state is S.COMMITTED or stored.postcopy:

@@ -14,7 +14,8 @@ Everything the host reads before that answer is stale and dropped.
 host -> guest: ``sync``, ``identity`` (where the pool is from this host),
 ``tickets`` (a piece of a rehome's tickets, staged), ``rehome`` (identity +
 a ticket per session + migration id; idempotent per migration id),
-``status``, ``ping``.  Each is answered by a ``result`` with the request's
+``prove`` (each registered driver's binding proof for the pool's
+challenges: ``accelmig.wire.attestation``), ``status``, ``ping``.  Each is answered by a ``result`` with the request's
 ``id``.  guest -> host, unsolicited: ``hello`` (versions, guest identity,
 registered sessions), ``session_opened``, ``session_closed``.
 
@@ -31,8 +32,10 @@ what fits in half a line, and the rest follow one ``session_opened`` each.
 
 **Local socket** (``/run/accelmig/agent.sock``), the same line format:
 drivers send ``register``/``unregister``/``where``; the agent sends
-``resume`` (endpoint, ticket, migration id) and the driver answers with a
-``result``.
+``resume`` (endpoint, ticket, migration id) and ``prove`` (host,
+challenges: ``wire.attestation``) and the driver answers each with a
+``result``.  Root's ``accelmig-agent`` sends ``rehome_local``,
+``tickets`` and ``prove_local`` (what qemu-guest-agent's guest-exec relays).
 
 **hostd's local API** (``/run/accelmig/hostd.sock``: the hook, the CLI):
 the same line format, one request per connection.
@@ -81,9 +84,10 @@ ANSWER_BUDGET = MAX_LINE // 2
 #: the most tickets one rehome may announce (the agent keeps at most 4096 sessions)
 MAX_REHOME_TICKETS = 65536
 
-HOST_TYPES = frozenset({"sync", "identity", "tickets", "rehome", "status", "ping"})
+HOST_TYPES = frozenset({"sync", "identity", "tickets", "rehome", "status", "ping", "prove"})
 GUEST_EVENTS = frozenset({"hello", "session_opened", "session_closed"})
-DRIVER_TYPES = frozenset({"register", "unregister", "where", "result", "tickets", "rehome_local", "status"})
+DRIVER_TYPES = frozenset({"register", "unregister", "where", "result", "tickets", "rehome_local", "status",
+                          "prove_local"})
 
 
 def encode(message: dict) -> bytes:

@@ -44,13 +44,16 @@ ADMIN_HOST = "admin"
 
 #: Every method of the control plane, and who may call it.
 METHODS = {
-    # host identity and attestation
+    # host identity and attestation (the proofs and tokens: ``wire.attestation``)
     "register_host": "host",      # args: addresses [cidr], identity {...}
-    "bind_session": "host",       # args: sid, domain_uuid, domain_name?
-    "unbind_session": "host",     # args: sid
+    "bind_challenge": "host",     # args: domain_uuid? -> challenge, instance, ttl, unattested?
+    "bind_sessions": "host",      # args: domain_uuid, sessions {sid: proof|null}, challenge?, domain_name?
+                                  #   -> bound [sid], prove [sid], refused {sid: error}
+    "unbind_session": "host",     # args: sid, domain_uuid
+    "register_token": "host",     # args: domain_uuid, digest -> registered, state (fresh, in_use, spent)
     # migrations
     "register_intent": "host",    # args: domain_uuid, policy, dest_host?, migration_id?
-    "open_migration": "host",     # args: domain_uuid, migration_id?, domain_name?, policy?
+    "open_migration": "host",     # args: domain_uuid, migration_id?, domain_name?, policy?, token?
     "switchover": "host",         # args: domain_uuid, migration_id?
     "commit": "host",             # args: domain_uuid, migration_id
     "complete": "host",           # args: domain_uuid, migration_id, cursor?, limit? -> record, tickets (a page), next, now
@@ -62,12 +65,13 @@ METHODS = {
     "park": "host",               # args: domain_uuid, retention?
     "unpark": "host",             # args: domain_uuid
     # reading
-    "list_sessions": "any",       # args: domain_uuid?, cursor?, limit? -> sessions (a page), next
+    # (a host reads only its own: the sessions bound or moving to it, the records it takes part in)
+    "list_sessions": "any",       # args: domain_uuid?, cursor?, limit? -> sessions (a page), next, elsewhere?
     "list_records": "any",        # args: open_only?, domain_uuid?, cursor?, limit? -> records (a page), next
     "record_sessions": "any",     # args: domain_uuid, migration_id, cursor?, limit? -> sessions (a page), next
     "list_hosts": "any",
     "list_devices": "any",        # -> instance, devices [{id, type, name, vendor, memory, in use}]
-    "accel_domains": "host",      # args: since?, cursor?, limit? -> version, domains {uuid: [sid]} (a page), next
+    "accel_domains": "host",      # args: since?, cursor?, limit? -> version, domains {uuid: unattested} (a page), next
     "wait_record": "any",         # args: domain_uuid, migration_id?, until, timeout -> record, reached
     "metrics": "any",             # -> {"text": prometheus exposition}
     "ping": "any",

@@ -113,6 +113,9 @@ class RecordView:
     session_count: int = 0
     resumed_count: int = 0
     blackout_max: float | None = None
+    #: the domain's host vouched for the destination (its migration token, its
+    #: intent, or its switchover): only then does the record take its sessions
+    vouched: bool = False
     inline: bool = True
 
     @property
@@ -183,6 +186,7 @@ class RecordView:
             session_count=session_count,
             resumed_count=resumed_count,
             blackout_max=_field(data, "blackout_max", (int, float, type(None)), what, None),
+            vouched=bool(data.get("vouched", False)),
             inline=inline or session_count == 0,
         )
 

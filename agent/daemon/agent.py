@@ -38,6 +38,7 @@ from accelmig.agent import dmi
 from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.ports import PortClosed, open_port
+from accelmig.wire import attestation as att
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import (AccelmigError, BadRequest, Forbidden, InternalError, LimitExceeded, Timeout,
                                   UnknownOp)
@@ -284,6 +285,12 @@ class Agent:
     MAX_SESSIONS = 4096
     #: drivers a rehome asks to resume at once (see ``_do_rehome``)
     RESUME_WINDOW = 16
+    #: ``prove`` requests answered at once (each waits for its drivers), and how
+    #: long one waits for them
+    MAX_PROVING = 2
+    PROVE_TIMEOUT = 10.0
+    #: the longest reason a refused proof is given with (an answer stays within a line)
+    PROVE_REASON = 120
 
     def __init__(self, port_path: str, socket_path: str = ch.DEFAULT_AGENT_SOCKET, *,
                  state_dir: str = "/run/accelmig", identity: HostIdentity | None = None,
@@ -317,6 +324,7 @@ class Agent:
         self.static_identity = identity is not None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
+        self._proving = threading.BoundedSemaphore(self.MAX_PROVING)
         self._port_lock = threading.Lock()
         self._stop = threading.Event()
         self._reload = threading.Event()
@@ -595,6 +603,10 @@ class Agent:
             elif kind == "rehome":
                 threading.Thread(target=self._rehome_and_answer, args=(message, time.time()),
                                  name=f"rehome-{request_id}", daemon=True).start()
+            elif kind == "prove":
+                att.parse_prove(message, MAX_SID)          # a bad request is answered at once
+                threading.Thread(target=self._answer_on, args=(self.send_host, request_id, self.prove, message),
+                                 name=f"prove-{request_id}", daemon=True).start()
             else:
                 raise UnknownOp(op=kind)
         except AccelmigError as exc:
@@ -633,6 +645,83 @@ class Agent:
             outcome = ch.result(message.get("id"), ok=False,
                                 error=InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire())
         self.send_host(outcome)
+
+    # -- binding proofs ------------------------------------------------------------------
+    @staticmethod
+    def _answer_on(send, request_id, work, request) -> None:
+        """``work(request)``'s outcome as the answer to ``request_id``, sent
+        with ``send`` (the channel's, or a local client's): never no answer."""
+        try:
+            answer = ch.result(request_id, result=work(request))
+        except AccelmigError as exc:
+            answer = ch.result(request_id, ok=False, error=exc.to_wire())
+        except Exception as exc:
+            LOG.exception("%s failed", getattr(work, "__name__", "a request"))
+            answer = ch.result(request_id, ok=False,
+                               error=InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire())
+        try:
+            send(answer)
+        except OSError:
+            pass
+
+    def prove(self, request: dict) -> dict:
+        """Each driver's binding proof of the sessions ``request`` names (every
+        session, a page at a time, when it names none) for the pool's
+        challenges (``wire.attestation``): ``{"proofs": {sid: proof},
+        "refused": {sid: reason}, "next": the last sid listed when more
+        follow}``.  The drivers are asked all at once; one that does not
+        answer within PROVE_TIMEOUT is refused.  The agent proves nothing
+        itself: only the driver holds a session's secret."""
+        host, challenges, sids, after = att.parse_prove(request, MAX_SID)
+        if not self._proving.acquire(timeout=self.PROVE_TIMEOUT):
+            raise Timeout(what=f"a prove for host {host} (others still waiting for their drivers)",
+                          timeout=self.PROVE_TIMEOUT)
+        try:
+            with self._lock:
+                held = dict(self._holders)
+            following = None
+            if sids is None:
+                order = sorted(sid for sid in held if after is None or sid > after)
+                if len(order) > att.MAX_PROVE:
+                    order, following = order[:att.MAX_PROVE], order[att.MAX_PROVE - 1]
+                sids = order
+            refused: dict[str, str] = {}
+            asked = []
+            for sid in dict.fromkeys(sids):
+                link = held.get(sid)
+                if link is None:
+                    refused[sid] = "no driver in this guest holds that session"
+                    continue
+                request_id = next(self._ids)
+                slot = {"event": threading.Event(), "reply": None}
+                link.pending[request_id] = slot
+                try:
+                    link.send({"type": "prove", "id": request_id, "sid": sid, "host": host,
+                               "challenges": challenges})
+                except OSError as exc:
+                    link.pending.pop(request_id, None)
+                    refused[sid] = f"its driver is unreachable: {exc}"[:self.PROVE_REASON]
+                    continue
+                asked.append((sid, slot))
+            deadline = time.monotonic() + self.PROVE_TIMEOUT
+            proofs: dict[str, str] = {}
+            for sid, slot in asked:
+                if not slot["event"].wait(max(0.0, deadline - time.monotonic())):
+                    refused[sid] = f"its driver did not answer within {self.PROVE_TIMEOUT:.0f} s"
+                    continue
+                reply = slot["reply"] or {}
+                result = reply.get("result") if reply.get("ok") else None
+                proof = result.get("proof") if isinstance(result, dict) else None
+                if isinstance(proof, str) and 0 < len(proof) <= att.MAX_TOKEN:
+                    proofs[sid] = proof
+                else:
+                    error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+                    refused[sid] = str(error.get("message") or "its driver answered no proof")[:self.PROVE_REASON]
+            self.stats["proofs"] += len(proofs)
+            LOG.info("prove for host %s: %d proof(s), %d refused", host, len(proofs), len(refused))
+            return {"host": host, "proofs": proofs, "refused": refused, "next": following}
+        finally:
+            self._proving.release()
 
     # -- rehome ------------------------------------------------------------------------
     def stage_tickets(self, message: dict) -> dict:
@@ -992,6 +1081,15 @@ class Agent:
         elif kind == "status":
             link.send(ch.result(request_id, result=self.status(
                 link.peer_uid if link.peer_uid is not None else -1, after=message.get("after"))))
+        elif kind == "prove_local":
+            # accelmig-agent prove --stdin, relayed from qemu-guest-agent's guest-exec:
+            # the sessions' proofs go to the host that asked, as the channel's prove's
+            if not link.privileged:
+                raise Forbidden(who=link.who, what="ask this guest's drivers to prove their sessions (root only)")
+            request = message.get("request")
+            att.parse_prove(request, MAX_SID)
+            threading.Thread(target=self._answer_on, args=(link.send, request_id, self.prove, request),
+                             name=f"prove-{request_id}", daemon=True).start()
         else:
             raise UnknownOp(op=kind)
 

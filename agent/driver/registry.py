@@ -17,9 +17,10 @@ import os
 import threading
 
 from accelmig.agent import dmi
+from accelmig.wire import attestation as att
 from accelmig.wire import channel as ch
 from accelmig.wire.dataplane import domain_claim
-from accelmig.wire.errors import AccelmigError
+from accelmig.wire.errors import AccelmigError, BadRequest, Conflict
 
 LOG = logging.getLogger(__name__)
 DEFAULT_AGENT_SOCKET = ch.DEFAULT_AGENT_SOCKET
@@ -144,6 +145,8 @@ class AgentRegistration:
                         continue
                     if message.get("type") == "resume":
                         self._resume(conn, message)
+                    elif message.get("type") == "prove":
+                        conn.send(self._prove(message))
             except (OSError, AccelmigError):
                 pass                  # the agent went away: register again below
             finally:
@@ -162,6 +165,31 @@ class AgentRegistration:
         except AccelmigError as exc:
             answer = ch.result(message.get("id"), ok=False, error=exc.to_wire())
         conn.send(answer)
+
+    def _prove(self, message: dict) -> dict:
+        """The agent asks, for a host, the proof that binds this session to
+        this guest's domain (``wire.attestation``): made with the session's
+        secret, for the domain this driver itself reads (SMBIOS, or what the
+        application said at open) and no other."""
+        try:
+            host = message.get("host")
+            if not isinstance(host, str) or not 0 < len(host) <= 256:
+                raise BadRequest(reason="prove: host must be the asking host's name")
+            challenges = att.parse_challenges(message.get("challenges"))
+            session = self.session
+            domain = session.domain or domain_of_this_guest(self.path)
+            if domain is None:
+                raise Conflict(reason=f"session {session.sid}: this guest has no SMBIOS system UUID, so the "
+                                      f"driver cannot say which domain it proves the session for")
+            challenge = challenges.get(session.pool_instance or "")
+            if challenge is None:
+                raise Conflict(reason=f"session {session.sid}: no challenge of its pool instance "
+                                      f"{session.pool_instance} (a node it does not live on asked)")
+            proof = att.bind_proof(session.secret, challenge=challenge, instance=session.pool_instance,
+                                   host=host, domain=domain, sid=session.sid)
+            return ch.result(message.get("id"), result={"sid": session.sid, "domain": domain, "proof": proof})
+        except AccelmigError as exc:
+            return ch.result(message.get("id"), ok=False, error=exc.to_wire())
 
     def stop(self) -> None:
         self._stop.set()

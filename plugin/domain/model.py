@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from accelmig.plugin.domain import (ACCELMIG_NS, ACCELMIG_NS_PREFIX, AGENT_CHANNEL_NAME,
                                     QEMU_GA_CHANNEL_NAME)
+from accelmig.wire.attestation import MIGRATION_NS, TOKEN_ELEMENT, check_hex
 from accelmig.wire.errors import BadRequest, InternalError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -448,6 +449,18 @@ class DomainXML:
         tenant_node = node.find(_qname("tenant"))
         tenant = tenant_node.get("name") if tenant_node is not None else None
         return AccelmigMetadata(fabric_mac=mac, interfaces_owner=owner, tenant=tenant or None)
+
+    def migration_token(self) -> str | None:
+        """The migration token the domain's host wrote into the running
+        domain (``wire.attestation``: ``<accelmig-migration:token value=…/>``
+        in its own namespace, which marks nothing: a Nova instance carries
+        one too); None where there is none or it is not one."""
+        node = self.root.find(f"metadata/{{{MIGRATION_NS}}}{TOKEN_ELEMENT}")
+        value = node.get("value") if node is not None else None
+        try:
+            return check_hex(value, "migration token") if value is not None else None
+        except BadRequest:
+            return None
 
     def is_accelmig(self) -> bool:
         """An accelmig domain has accelmig's metadata or the agent channel."""

@@ -17,6 +17,7 @@ import time
 from accelmig.plugin.hostd.watch import Phase, Trigger
 from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
+from accelmig.wire.attestation import check_hex
 from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
 from accelmig.wire.errors import (AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable,
                                   UnknownOp)
@@ -168,8 +169,14 @@ class LocalApi:
         if (op, sub) == ("restore", "begin"):
             await self._within(budget, "ping")   # strict mode: the pool must be there to unpark
             return {"restoring": uuid}
-        # migrate begin: no libvirt call here (libvirt is waiting for this hook)
-        opening = asyncio.ensure_future(d.pool_call("open_migration", domain_uuid=uuid, domain_name=name))
+        # migrate begin: no libvirt call here (libvirt is waiting for this hook).  The
+        # domain's migration token, read by the hook from the XML that came with the
+        # migration, vouches for this host as its destination
+        token = message.get("token")
+        if token is not None:
+            token = check_hex(token, "hook: token")
+        opening = asyncio.ensure_future(d.pool_call("open_migration", domain_uuid=uuid, domain_name=name,
+                                                    **({"token": token} if token else {})))
         try:
             record = RecordView.from_wire(await asyncio.wait_for(asyncio.shield(opening), budget))
         except asyncio.TimeoutError:
@@ -184,8 +191,11 @@ class LocalApi:
         # Not under the watch's lock: the hook must not wait behind an event.
         watch.record = record
         watch.fire(Trigger.HOOK_INCOMING)
-        LOG.info("domain %s incoming: record %s opened (policy %s)", name, record.migration_id,
-                 record.policy.value, extra={"domain": name, "migration": record.migration_id})
+        (LOG.info if record.vouched else LOG.warning)(
+            "domain %s incoming: record %s opened (policy %s)%s", name, record.migration_id, record.policy.value,
+            "" if record.vouched else "; nobody vouched for this host as its destination yet (no valid "
+                                      "migration token in its XML): its source does at switchover",
+            extra={"domain": name, "migration": record.migration_id})
         return {"record": record.to_wire()}
 
     async def _abort_late(self, opening: asyncio.Future, label: str) -> None:

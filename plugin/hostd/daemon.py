@@ -31,6 +31,7 @@ import libvirt
 from accelmig.plugin.config import HostConfig
 from accelmig.plugin.domain.model import DomainXML
 from accelmig.plugin.hostd.api import LocalApi
+from accelmig.plugin.hostd.attestation import Attestation
 from accelmig.plugin.hostd.delivery import ChannelDelivery, GuestExecDelivery, NoDelivery
 from accelmig.plugin.hostd.events import DomainEvent, EventKind
 from accelmig.plugin.hostd.libvirt import LibvirtSession
@@ -79,11 +80,15 @@ class HostDaemon:
             self.allocator = GuestAddressAllocator.for_config(config)
         self.watches = WatchTable()
         # Domains that hold sessions at the pool, marked or not (Nova's are
-        # not): uuid -> sids, as the pool last said (accel_domains).
-        self.accel_domains: dict[str, frozenset[str]] = {}
+        # not): uuid -> how many of its sessions wait to be attested, as the
+        # pool last said (accel_domains)
+        self.accel_domains: dict[str, int] = {}
         self._accel_version: str | None = None
         self._absent: set[str] = set()       # of those, the ones not defined here (looked up once)
-        self._refused: set[str] = set()      # sids the pool would not bind for us
+        # domain -> the accel_domains version at which its guest was last asked to prove
+        # its sessions (asked again when the picture changes)
+        self._proven_at: dict[str, str | None] = {}
+        self.attestation = Attestation(self)
         # one domain's events, in libvirt's order: handled one after another
         # by a single task per domain (concurrent handlers would reorder them,
         # and each would read a foreign domain's XML before any marked it)
@@ -219,6 +224,10 @@ class HostDaemon:
     async def pool_call_all(self, method: str, **args):
         """A paged method with all its pages (``wire.control.PAGED``)."""
         return await self._pool(self.nodes.call_all, method, args)
+
+    async def node_call(self, client, method: str, **args):
+        """One call to one node of the pool (``nodes.every``, ``nodes.node_for_sid``)."""
+        return await self._pool(client.call, method, args)
 
     async def _pool(self, call, method: str, args: dict):
         """One call to the pool, counted; its outcome says whether the pool is reachable."""
@@ -405,6 +414,8 @@ class HostDaemon:
         except AccelmigError as exc:
             LOG.error("domain %s: %s (%s) failed: %s", watch.name, step.value, trigger.value, exc,
                       extra={"domain": watch.name, "step": step.value})
+        # what the guest reported while its domain was not running here (arriving)
+        self.attestation.kick(watch)
 
     async def watch_of(self, dom) -> DomainWatch | None:
         """The domain's watch; made (one ``XMLDesc``) the first time an
@@ -449,6 +460,9 @@ class HostDaemon:
                                                    command=self.config.hostd.guest_exec_command)
             else:
                 watch.delivery = NoDelivery()
+        token = model.migration_token()
+        if token != watch.token:            # (written here, or another host's: it came with the domain)
+            watch.token, watch.token_registered = token, False
         watch.marked = model.is_accelmig()
         nic = model.fabric_interface() if watch.marked else None
         watch.fabric_mac = nic.mac if nic is not None else None
@@ -465,34 +479,24 @@ class HostDaemon:
 
     # -- the guest's sessions ------------------------------------------------------------
     def _on_guest_event(self, watch: DomainWatch, message: dict) -> None:
+        """The agent's reports on the channel: whatever it names is attested
+        only with its drivers' proofs (``hostd.attestation``)."""
         kind = message.get("type")
         if kind == "hello":
-            for session in message.get("sessions") or []:
-                self.spawn(self.bind(watch, session.get("sid")), "bind")
+            sessions = message.get("sessions")
+            self.attestation.report(watch, [s.get("sid") for s in sessions if isinstance(s, dict)]
+                                    if isinstance(sessions, list) else [], new=False)
         elif kind == "session_opened":
-            self.spawn(self.bind(watch, message.get("sid")), "bind")
+            self.attestation.report(watch, [message.get("sid")], new=True)
         elif kind == "session_closed":
-            watch.sessions.discard(message.get("sid"))
-            self.spawn(self._unbind(message.get("sid")), "unbind")
+            sid = message.get("sid")
+            watch.sessions.discard(sid)
+            watch.unattested.pop(sid, None)
+            self.spawn(self._unbind(watch, sid), "unbind")
 
-    async def bind(self, watch: DomainWatch, sid) -> None:
-        """Attest to the pool that session ``sid`` belongs to this domain on
-        this host; a refusal is logged."""
+    async def _unbind(self, watch: DomainWatch, sid) -> None:
         try:
-            await self.attest(watch, sid)
-        except AccelmigError as exc:
-            LOG.warning("domain %s: session %s not attested: %s", watch.name, sid, exc)
-
-    async def attest(self, watch: DomainWatch, sid) -> None:
-        """``bind``, but a refusal raises."""
-        if not isinstance(sid, str) or watch.phase is Phase.OUTGOING:
-            return
-        await self.pool_call("bind_session", sid=sid, domain_uuid=watch.uuid, domain_name=watch.name)
-        watch.sessions.add(sid)
-
-    async def _unbind(self, sid) -> None:
-        try:
-            await self.pool_call("unbind_session", sid=sid)
+            await self.pool_call("unbind_session", sid=sid, domain_uuid=watch.uuid)
         except AccelmigError:
             pass
 
@@ -534,24 +538,25 @@ class HostDaemon:
     async def follow_accel_domains(self) -> None:
         """Which domains hold sessions, from the pool: kept for the hook
         (``accel-domains.json``, so it is strict for them even without
-        hostd), and each one running here attested with its sessions.  A
-        Nova instance carries nothing of accelmig in its XML; its guest's
+        hostd), and each one running here whose sessions wait to be
+        attested has its guest prove them (once per picture of the pool's).
+        A Nova instance carries nothing of accelmig in its XML; its guest's
         driver told the pool its SMBIOS UUID, and this is how its hosts learn
         it.  Domains without sessions are never looked at."""
         answer = await self.pool_call_all("accel_domains", since=self._accel_version)
         if not answer.get("unchanged"):
             domains = answer.get("domains") or {}
-            fresh = {u: frozenset(s for s in sids if isinstance(s, str))
-                     for u, sids in domains.items() if isinstance(u, str) and isinstance(sids, list)}
+            fresh = {u: n for u, n in domains.items() if isinstance(u, str) and isinstance(n, int)
+                     and not isinstance(n, bool)}
             if fresh.keys() != self.accel_domains.keys():
                 await asyncio.get_running_loop().run_in_executor(None, self._write_accel_cache, sorted(fresh))
             for uuid in fresh.keys() - self.accel_domains.keys():
                 self.watches.forget_foreign(uuid)   # looked at before it held sessions: look again
             self._absent &= fresh.keys()
-            self._refused.clear()                   # a new picture: worth one more try each
+            self._proven_at = {u: v for u, v in self._proven_at.items() if u in fresh}
             self.accel_domains = fresh
             self._accel_version = answer.get("version")
-        for uuid, sids in self.accel_domains.items():
+        for uuid, unattested in self.accel_domains.items():
             watch = self.watches.get(uuid)
             if watch is None:
                 if uuid in self._absent or self.libvirt.conn is None:
@@ -569,14 +574,20 @@ class HostDaemon:
                 if state == libvirt.VIR_DOMAIN_RUNNING:
                     async with watch.lock:
                         await self.take(dom, watch, Trigger.FOUND_RUNNING)
-            if watch.phase is Phase.RUNNING:
-                for sid in sorted(sids - watch.sessions - self._refused):
-                    try:
-                        await self.attest(watch, sid)
-                    except AccelmigError as exc:
-                        self._refused.add(sid)      # said once; tried again when the picture changes
-                        LOG.warning("domain %s: session %s (the guest says it is this domain's) not "
-                                    "attested: %s", watch.name, sid, exc, extra={"domain": watch.name})
+            if watch.phase is not Phase.RUNNING:
+                continue
+            if unattested and self._proven_at.get(uuid, "") != self._accel_version:
+                self._proven_at[uuid] = self._accel_version
+                self.spawn(self._prove_all(watch), f"prove:{watch.name}")
+            elif watch.sessions and not watch.token_registered:
+                self.spawn(self.attestation.ensure_token(watch), f"token:{watch.name}")
+
+    async def _prove_all(self, watch: DomainWatch) -> None:
+        try:
+            await self.attestation.attest(None, watch, None)
+        except AccelmigError as exc:
+            LOG.warning("domain %s: its guest's sessions not attested: %s", watch.name, exc,
+                        extra={"domain": watch.name})
 
     def _write_accel_cache(self, uuids: list[str]) -> None:
         """Atomically, readable by the hook (root) and ``accelmig doctor``."""

@@ -5,12 +5,14 @@
   hostd opens (a QEMU chardev serves one client).  It can connect before the
   guest runs (the destination's early connection), it tells the guest where
   the pool is at first contact, and the agent reports its sessions on it
-  (``hello``, ``session_opened``) — hostd attests them to the pool as they come.
+  (``hello``, ``session_opened``) — hostd has them proven on the same
+  channel and attests them to the pool as they come (``hostd.attestation``).
 - ``GuestExecDelivery``: a VM with only qemu-guest-agent (a Nova-built VM):
   ``accelmig-agent rehome --stdin`` and ``accelmig-agent status`` run in the
   guest through ``guest-exec`` (libvirt marks the domain tainted: logged).
-  The agent cannot report its sessions by itself here, so they are read at
-  migration time.  These calls block for up to seconds each: they run on a
+  The agent cannot report its sessions by itself here: its drivers prove
+  them through ``accelmig-agent prove --stdin`` when the pool says the
+  domain has sessions waiting to be attested.  These calls block for up to seconds each: they run on a
   bounded executor of their own, so a few such VMs in an evacuation never
   stall hostd's event handling.
 """
@@ -33,7 +35,8 @@ LOG = logging.getLogger("accelmig.hostd")
 class GuestDelivery(abc.ABC):
     #: shown in ``accelmig status``
     name: str
-    #: the guest's sessions must be read (and attested) when a migration completes
+    #: the guest's sessions must be proven (and attested) when a migration
+    #: completes, where some claim the domain unattested: its guest reports nothing by itself
     attests_at_migration = False
     #: when (hostd's clock) the last rehome left for the guest: the start of
     #: the round trip that carries the guest's clock (the timeline)
@@ -45,9 +48,11 @@ class GuestDelivery(abc.ABC):
     async def first_contact(self, dom, watch, identity) -> None:
         """A domain found running here: tell its agent where the pool is."""
 
-    async def sessions(self, dom, watch) -> list[str]:
-        """The sessions the guest's drivers hold (for ``attests_at_migration``)."""
-        return []
+    async def prove(self, dom, watch, request: dict) -> dict:
+        """The guest's drivers' binding proofs (``wire.attestation``'s
+        ``prove``): ``{proofs, refused, next}``."""
+        raise Unavailable(what=f"the guest of {watch.name}",
+                          reason="it has neither the accelmig channel nor qemu-guest-agent")
 
     @abc.abstractmethod
     async def rehome(self, dom, watch, document: dict) -> dict:
@@ -102,6 +107,16 @@ class ChannelDelivery(GuestDelivery):
         raise Timeout(what=f"the rehome of {watch.name} over its channel ({last_error})",
                       timeout=self.timeout)
 
+    async def prove(self, dom, watch, request: dict) -> dict:
+        # the channel the guest's report came on (reconnected only where the domain is known)
+        if self.channel is not None and self.channel.hello is not None:
+            channel = self.channel
+        elif dom is not None:
+            channel = await self._synced(dom, watch, 15.0)
+        else:
+            raise Unavailable(what=f"the accelmig channel of {watch.name}", reason="not connected")
+        return await channel.request("prove", timeout=20.0, **request)
+
     async def close(self, watch) -> None:
         channel, self.channel = self.channel, None
         if channel is not None:
@@ -147,10 +162,9 @@ class GuestExecDelivery(GuestDelivery):
         self.timeout = timeout
         self.command = tuple(command)
 
-    async def sessions(self, dom, watch) -> list[str]:
+    async def prove(self, dom, watch, request: dict) -> dict:
         from accelmig.plugin import qga
-        status = await self._qga(lambda: qga.agent_status(dom, command=self.command, timeout=15.0))
-        return [s.get("sid") for s in status.get("sessions") or [] if isinstance(s.get("sid"), str)]
+        return await self._qga(lambda: qga.agent_prove(dom, request, command=self.command, timeout=15.0))
 
     async def rehome(self, dom, watch, document: dict) -> dict:
         from accelmig.plugin import qga

@@ -36,10 +36,6 @@ LOG = logging.getLogger("accelmig.hostd")
 #: the steps of a rehome that the guest stamps (its claims)
 GUEST_STEPS = ("agent_received", "nic_readdressed", "driver_connected")
 
-#: s a destination waits, within one rehome attempt, for the source to
-#: switch over before it attests the source's sessions (it normally has:
-#: the source pauses the guest before it runs here)
-ATTEST_WAIT = 1.0
 
 
 class MigrationSteps:
@@ -150,9 +146,15 @@ class MigrationSteps:
             return None
         if summary["ok"]:
             await self.daemon.take(dom, watch, Trigger.REHOMED)
+            self._after_arrival(watch)
         else:
             self._retry_later(watch, summary["why"])
         return summary
+
+    def _after_arrival(self, watch: DomainWatch) -> None:
+        """Every session resumed here: the domain is this host's now, and the
+        token in its XML its former host's: off the blackout's path, a new one."""
+        self.daemon.spawn(self.daemon.attestation.ensure_token(watch), f"token:{watch.name}")
 
     async def _rehome_once(self, dom, watch: DomainWatch, *, postcopy: bool = False,
                            seen: float | None = None) -> dict:
@@ -164,7 +166,7 @@ class MigrationSteps:
             record = await self._find_or_open(watch)
         mid = record.migration_id
         if watch.delivery.attests_at_migration:
-            waiting = await self._attest_arrived(dom, watch)
+            waiting = await self.daemon.attestation.arrived(dom, watch)
             if waiting:       # completing now would leave those sessions behind for good
                 return {"migration_id": mid, "postcopy": postcopy, "ok": False, "why": waiting}
         if postcopy:
@@ -214,37 +216,6 @@ class MigrationSteps:
         except AccelmigError as exc:
             LOG.info("domain %s: the timeline of %s misses this host's steps: %s", watch.name, mid, exc)
 
-    async def _attest_arrived(self, dom, watch: DomainWatch) -> str | None:
-        """The guest cannot report its sessions itself: read them, and attest
-        them as this migration's destination before the record freezes them.
-        The pool takes a session of another host only once that host
-        switched the migration over (RECORD_STATE until then, when the pool
-        did not know the domain): wait a moment for it.  What still waits,
-        for the next attempt, or None."""
-        try:
-            sids = await watch.delivery.sessions(dom, watch)
-        except AccelmigError as exc:
-            LOG.warning("domain %s: its sessions could not be read through qemu-guest-agent: %s",
-                        watch.name, exc)
-            return None
-        waiting = []
-        for sid in sids:
-            delay, deadline = 0.05, time.monotonic() + ATTEST_WAIT
-            while True:
-                try:
-                    await self.daemon.attest(watch, sid)
-                    break
-                except RecordState as exc:
-                    if time.monotonic() + delay > deadline:
-                        waiting.append(f"session {sid}: {exc}")
-                        break
-                    await asyncio.sleep(delay)
-                    delay *= 2
-                except AccelmigError as exc:
-                    LOG.warning("domain %s: session %s not attested: %s", watch.name, sid, exc)
-                    break
-        return "; ".join(waiting) or None
-
     async def _find_or_open(self, watch: DomainWatch) -> RecordView:
         """The record of this incoming migration; opened now if the hook's note
         never reached us (hostd was down, lenient mode) or was lost."""
@@ -255,8 +226,10 @@ class MigrationSteps:
         if mine is not None:
             return mine
         LOG.warning("domain %s runs here without a migration record: opening one now", watch.name)
+        # the token that came with the domain (its live XML) vouches for this host
         return RecordView.from_wire(await self.pool("open_migration", domain_uuid=watch.uuid,
-                                                    domain_name=watch.name))
+                                                    domain_name=watch.name,
+                                                    **({"token": watch.token} if watch.token else {})))
 
     def _retry_later(self, watch: DomainWatch, why: str) -> None:
         """One background retry loop per domain (backoff, capped, jittered)."""
@@ -305,6 +278,7 @@ class MigrationSteps:
                     LOG.info("domain %s: rehome %s succeeded on attempt %d", watch.name,
                              summary["migration_id"], retry["attempts"], extra={"domain": watch.name})
                     await self.daemon.take(dom, watch, Trigger.REHOMED)
+                    self._after_arrival(watch)
                     return
                 retry["why"] = summary["why"]
 

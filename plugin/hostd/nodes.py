@@ -7,8 +7,10 @@ pool of several nodes (etcd) lists the live nodes; hostd then keeps a
 control client per node (the same host secret and TLS settings: every node
 of a pool is given the same hosts file) and routes:
 
-- a session's own calls (``bind_session``, ``unbind_session``) to the node
-  whose instance made the session (its id says which: ``s-<instance>-...``);
+- a session's own calls (``unbind_session``; the binding proofs of
+  ``plugin.hostd.attestation``, which asks each node for its own challenge
+  and binds each session at its node: ``every``, ``node_for_sid``) to the
+  node whose instance made the session (its id says which: ``s-<instance>-...``);
 - a migration's steps (open, switchover, commit, close, abort) to the
   coordinator first — its answer names the migration — then to every other
   node, which follows the record etcd holds (``pool.cluster.records``);
@@ -54,7 +56,7 @@ EVERY_NODE = frozenset({"renew", "register_host", "park", "unpark"})
 #: listings of a domain's sessions: every node's, one after the other
 UNION = {"list_sessions": "sessions"}
 #: calls of one session, to the node that made it
-PER_SESSION = frozenset({"bind_session", "unbind_session"})
+PER_SESSION = frozenset({"unbind_session"})
 _SID = re.compile(r"^s-([0-9a-f]{4,32})-")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
 _INSTANCE = re.compile(r"^[0-9a-f]{4,32}$")
@@ -133,6 +135,23 @@ class PoolNodes:
                 return self.client_of(name)
         return None
 
+    def every(self) -> list:
+        """Every node's client, the coordinator's first."""
+        return [self.coordinator] + [self.client_of(name) for name in sorted(self.nodes)] if self.clustered \
+            else [self.coordinator]
+
+    async def node_for_sid(self, sid):
+        """``for_sid``, listing the nodes again (at most every RELIST_INTERVAL:
+        a guest's made-up session ids cost no listing each) when ``sid``
+        names an instance not listed yet (a node that came back); the
+        coordinator for what names no node."""
+        client = self.for_sid(sid)
+        if client is None and self.clustered and self.clock() - self._listed_at >= RELIST_INTERVAL:
+            self._listed_at = self.clock()
+            await self.refresh()
+            client = self.for_sid(sid)
+        return client or self.coordinator
+
     def instances(self) -> tuple:
         """The other nodes' instances (a new one: hostd registers there too)."""
         return tuple(sorted(instance for instance, _ in self.nodes.values()))
@@ -151,15 +170,8 @@ class PoolNodes:
         if not self.clustered:
             return await self.coordinator.call(method, **args)
         if method in PER_SESSION:
-            client = self.for_sid(args.get("sid"))
-            if client is None and self.clock() - self._listed_at >= RELIST_INTERVAL:
-                # a node restarted since the last listing: list again, once (at most every
-                # RELIST_INTERVAL: a guest's made-up session ids cost no listing each)
-                self._listed_at = self.clock()
-                await self.refresh()
-                client = self.for_sid(args.get("sid"))
-            client = client or self.coordinator
-            return await client.call(method, **args)
+            # a node restarted since the last listing: listed again, once
+            return await (await self.node_for_sid(args.get("sid"))).call(method, **args)
         if method in STEPS or method in EVERY_NODE:
             answer = await self.coordinator.call(method, **args)
             if method in STEPS and isinstance(answer, dict) and answer.get("migration_id"):
@@ -174,9 +186,12 @@ class PoolNodes:
         if self.clustered and method in UNION and args.get("domain_uuid") is not None:
             answer = await self.coordinator.call_all(method, **args)
             items = list(answer.get(UNION[method]) or [])
+            elsewhere = answer.get("elsewhere") if isinstance(answer.get("elsewhere"), int) else 0
             for _name, other in await self._others(method, args, required=True, all_pages=True):
                 items.extend((other or {}).get(UNION[method]) or [])
-            return dict(answer, **{UNION[method]: items})
+                theirs = (other or {}).get("elsewhere")
+                elsewhere += theirs if isinstance(theirs, int) and not isinstance(theirs, bool) else 0
+            return dict(answer, **{UNION[method]: items, "elsewhere": elsewhere})
         if not self.clustered or method != "complete":
             return await self.coordinator.call_all(method, **args)
         # every node mints the tickets of its own sessions: the union, each for its node
@@ -253,11 +268,11 @@ class PoolNodes:
         version = hashlib.sha256(repr(sorted((n, str(v)) for n, (v, _) in views.items())).encode()).hexdigest()[:32]
         if since == version:
             return {"version": version, "unchanged": True}
-        union: dict[str, list] = {}
+        union: dict[str, int] = {}
         for _, domains in views.values():
-            for uuid, sids in domains.items():
-                if isinstance(uuid, str) and isinstance(sids, list):
-                    union.setdefault(uuid, []).extend(sids)
+            for uuid, unattested in domains.items():
+                if isinstance(uuid, str) and isinstance(unattested, int) and not isinstance(unattested, bool):
+                    union[uuid] = union.get(uuid, 0) + max(0, unattested)
         return {"version": version, "domains": union}
 
     async def _others(self, method: str, args: dict, *, required: bool, all_pages: bool = False) -> list:

@@ -91,11 +91,13 @@ class Reconciler:
             if state != libvirt.VIR_DOMAIN_RUNNING or uuid in explained:
                 continue
             try:
-                sessions = [SessionView.from_wire(s) for s in
-                            (await daemon.pool_call_all("list_sessions", domain_uuid=uuid))["sessions"]]
+                # (the pool shows this host only its own sessions, and how many are bound elsewhere)
+                listed = await daemon.pool_call_all("list_sessions", domain_uuid=uuid)
+                sessions = [SessionView.from_wire(s) for s in listed["sessions"]]
+                elsewhere = listed.get("elsewhere") or 0
             except AccelmigError:
-                sessions = []
-            if any(s.bound_host not in (None, self.host) for s in sessions):
+                sessions, elsewhere = [], 0
+            if elsewhere or any(s.bound_host not in (None, self.host) for s in sessions):
                 actions.append(("rehome-missed", watch.name))
                 await self._under_lock(dom, watch, Trigger.FOUND_ARRIVED)
             else:

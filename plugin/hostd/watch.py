@@ -149,7 +149,16 @@ class DomainWatch:
         self.record = None                       # the RecordView this host takes part in
         self.delivery = NoDelivery()             # how rehomes reach the guest: set from the live XML
         self.channel_path: str | None = None
-        self.sessions: set[str] = set()
+        self.sessions: set[str] = set()          # attested here
+        # what the guest reported and is not attested yet: sid -> new (needs a proof)
+        self.unattested: dict[str, bool] = {}
+        self.attest_dropped = False               # (said once: reports past MAX_PENDING dropped)
+        self.attesting: asyncio.Task | None = None
+        # the migration token in the live XML, and whether the pool has it as this host's
+        self.token: str | None = None
+        self.token_registered = False
+        self.token_busy = False
+        self.token_retry_at = 0.0                 # (monotonic) not tried again before
         self.fabric_mac: str | None = None
         # False for a domain nobody marked (a Nova instance, found by its
         # sessions): its NICs are another system's, never re-addressed
@@ -195,6 +204,8 @@ class DomainWatch:
                 "channel": {"path": self.channel_path, "connected": channel is not None,
                             "synced": bool(channel is not None and channel.hello)},
                 "sessions": sessions[:self.STATUS_SESSIONS], "session_count": len(sessions),
+                # the migration token in the running domain, and whether the pool has it as this host's
+                "migration_token": {"present": self.token is not None, "registered": self.token_registered},
                 "record": self.record.to_wire(inline=False) if self.record is not None else None,
                 "last_rehome": last, "rehome_retry": self.rehome_retry,
                 "history": [{"at": at, "trigger": t, "from": a, "to": b} for at, t, a, b in self.history]}

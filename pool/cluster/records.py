@@ -112,6 +112,7 @@ class StoredRecord:
     policy: PausePolicy
     postcopy: bool
     source_stopped: bool
+    vouched: bool          # the domain's host vouched for the destination (at the node that took it)
     nodes: dict            # name -> instance: every node that took part when it opened
     lost: tuple            # names of those whose part is gone (their node died): their sessions are lost
     abort_reason: str | None
@@ -135,9 +136,9 @@ class StoredRecord:
         lost = value.get("lost", [])
         if not isinstance(lost, list) or not all(isinstance(n, str) and n in nodes for n in lost):
             raise ValueError("lost is not a list of the record's nodes")
-        flags = {name: value.get(name, False) for name in ("postcopy", "source_stopped")}
+        flags = {name: value.get(name, False) for name in ("postcopy", "source_stopped", "vouched")}
         if not all(isinstance(flag, bool) for flag in flags.values()):
-            raise ValueError("postcopy and source_stopped are booleans")
+            raise ValueError("postcopy, source_stopped and vouched are booleans")
         kept = {}
         for part_key_, part_value, part_meta in parts:
             try:
@@ -150,7 +151,8 @@ class StoredRecord:
         return cls(domain, mid, RecordStateName(value.get("state")), _text(value.get("source_host"),
                    "source_host", optional=True), _text(value.get("dest_host"), "dest_host"),
                    PausePolicy.parse(value.get("policy")), flags["postcopy"], flags["source_stopped"],
-                   dict(nodes), tuple(lost), _text(value.get("abort_reason"), "abort_reason", optional=True),
+                   flags["vouched"], dict(nodes), tuple(lost),
+                   _text(value.get("abort_reason"), "abort_reason", optional=True),
                    meta["mod_revision"], meta["lease"], kept)
 
     @property
@@ -160,7 +162,8 @@ class StoredRecord:
     def to_value(self, **changes) -> dict:
         out = {"domain_uuid": self.domain_uuid, "migration_id": self.migration_id, "state": self.state.value,
                "source_host": self.source_host, "dest_host": self.dest_host, "policy": self.policy.value,
-               "postcopy": self.postcopy, "source_stopped": self.source_stopped, "nodes": dict(self.nodes),
+               "postcopy": self.postcopy, "source_stopped": self.source_stopped, "vouched": self.vouched,
+               "nodes": dict(self.nodes),
                "lost": list(self.lost), "abort_reason": self.abort_reason}
         out.update(changes)
         return out
@@ -218,7 +221,8 @@ class RecordLedger:
         value = {"domain_uuid": record.domain_uuid, "migration_id": record.migration_id,
                  "state": RecordStateName.OPEN.value, "source_host": record.source_host,
                  "dest_host": record.dest_host, "policy": record.policy.value, "postcopy": record.postcopy,
-                 "source_stopped": False, "nodes": {n: v.instance for n, v in taking.items()}, "lost": [],
+                 "source_stopped": False, "vouched": record.vouched,
+                 "nodes": {n: v.instance for n, v in taking.items()}, "lost": [],
                  "abort_reason": None, "opened": round(time.time(), 3), "opened_by": self.node}
         parts = {name: {"node": name, "instance": view.instance, "state": "open"} for name, view in taking.items()}
         puts = [self.store.op_put(key, value, lease)]
@@ -313,7 +317,7 @@ class RecordLedger:
 
 
 #: the record's fields a step may change (``advance``'s ``changes``)
-_FIELDS = {"source_host", "postcopy", "source_stopped", "abort_reason"}
+_FIELDS = {"source_host", "postcopy", "source_stopped", "abort_reason", "vouched"}
 
 
 def _answer_revision(answer: dict) -> int:

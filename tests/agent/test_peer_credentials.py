@@ -7,7 +7,9 @@ process running as ``nobody``, its identity told by the kernel
   moves the default route and hands out tickets);
 - a session registered by one process cannot be registered by another, so
   its tickets never go elsewhere;
-- a user's ``status`` shows only that user's sessions.
+- a user's ``status`` shows only that user's sessions;
+- only root may have the drivers prove their sessions (``prove_local``:
+  what qemu-guest-agent's guest-exec relays for the host).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ with LineClient(sys.argv[1], timeout=10, what="the agent") as agent:
     attempt("take_roots_session", "register", sid="s-root-1", endpoint="10.9.9.9:7070")
     attempt("rehome", "rehome_local", document={"migration_id": "m-evil", "identity": {},
                                                 "tickets": {}})
+    attempt("prove", "prove_local", request={"host": "hostA", "challenges": {"abcd1234": "ab" * 16}})
     attempt("register_own", "register", sid="s-nobody-1", endpoint="10.0.0.1:7070")
     attempt("status_after", "status")
 print(json.dumps(out))
@@ -103,6 +106,8 @@ def test_the_agent_authorises_each_call_by_the_callers_uid(shared_dir):
             # nor rehome the guest
             assert seen["rehome"]["code"] == "FORBIDDEN"
             assert "root only" in seen["rehome"]["message"]
+            # nor have the guest's drivers prove their sessions for a host
+            assert seen["prove"]["code"] == "FORBIDDEN" and "root only" in seen["prove"]["message"]
             # its own session it may register, and see, with the kernel's uid
             assert seen["register_own"] == {"ok": True, "result": {"registered": "s-nobody-1"}}
             mine = seen["status_after"]["result"]["sessions"]

@@ -15,6 +15,7 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.plugin.channel import GuestChannel
 from tests.conftest import ALICE, run_cli
+from tests.support.attest import bind
 from tests.support.twohosts import TwoHosts, make_pool
 from tests.support.wait import wait_for
 
@@ -76,7 +77,7 @@ def _migrate_two_sessions(hosts, agent, domain):
     devs = [connect(hosts.a.endpoint, ALICE, agent=agent.socket_path, timeout=15) for _ in range(2)]
     wait_for(lambda: len(agent.sessions()) == 2)
     for dev in devs:
-        hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+        bind(hosts.a, dev, domain)
     done = hosts.migrate(domain, hosts.a, hosts.b)
     return devs, done
 

@@ -17,6 +17,7 @@ from accelmig.plugin.channel import GuestChannel
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from tests.conftest import ALICE, TENANTS
+from tests.support.attest import bind
 from tests.support.twohosts import SECRETS
 from tests.support.topology import GATEWAYS, GUEST_ADDRESSES, GUEST_MAC, POOL_ADDRESS, SUBNETS, MovingGuest
 from tests.support.wait import wait_for
@@ -49,7 +50,7 @@ def test_rehome_two_sessions_into_another_namespace(netns_factory, tmp_path, met
         wait_for(lambda: len(agent.sessions()) >= 2, 5, "the agent to register both sessions", interval=0.02)
         for dev in devs:
             assert pool.session(dev.sid)["bound_host"] == "hostA"
-            clients["hostA"].call("bind_session", sid=dev.sid, domain_uuid="dom-agent")
+            bind(clients["hostA"], dev, "dom-agent")
         record = clients["hostB"].call("open_migration", domain_uuid="dom-agent")
         clients["hostA"].call("switchover", domain_uuid="dom-agent")
         done = clients["hostB"].call("complete", domain_uuid="dom-agent", migration_id=record["migration_id"])

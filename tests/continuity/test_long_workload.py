@@ -19,6 +19,7 @@ from accelmig.agent.driver import connect
 from accelmig.pool.testing import CutProxy
 from accelmig.wire.errors import AccelmigError
 from tests.conftest import ALICE
+from tests.support.attest import bind
 from tests.support.twohosts import TwoHosts, make_pool
 from tests.support.wait import wait_for
 from tests.support.workload import PROGRAMS, WEIGHT_BYTES, Workload
@@ -98,7 +99,7 @@ def test_long_dependent_workload_survives_cuts_and_moves():
         threads = []
         try:
             dev = connect(proxies["hostA"].endpoint, ALICE, agent=False, timeout=60)
-            hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+            bind(hosts.a, dev, domain)
             mover = Mover(hosts, proxies, dev, domain)
 
             def on_step(step):

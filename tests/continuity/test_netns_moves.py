@@ -22,6 +22,7 @@ from accelmig.agent.driver import connect
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.errors import TicketInvalid, WrongHost
 from tests.conftest import ALICE, TENANTS
+from tests.support.attest import bind
 from tests.support.topology import POOL_ADDRESS, SUBNETS, MovingGuest
 from tests.support.twohosts import SECRETS
 from tests.support.workload import PROGRAMS, WEIGHT_BYTES, Workload
@@ -66,7 +67,7 @@ def test_ten_moves_between_namespaced_hosts_bit_identical(world):
         reference = Workload(connect(endpoint, ALICE, agent=False)).run(LAUNCHES)
         dev = connect(endpoint, ALICE, agent=False, timeout=60)   # its threads stay in the guest
     assert pool.session(dev.sid)["bound_host"] == "hostA"
-    clients["hostA"].call("bind_session", sid=dev.sid, domain_uuid=domain)
+    bind(clients["hostA"], dev, domain)
     workload = Workload(dev)
     moves = []
     rng = random.Random(20261202)
@@ -134,7 +135,7 @@ def test_the_old_hosts_address_cannot_resume_a_moved_session(world):
     a, b = control(pool, net, "hostA"), control(pool, net, "hostB")
     with net.guest.entered():
         dev = connect(endpoint, ALICE, agent=False, timeout=10, auto_reconnect=False)
-    a.call("bind_session", sid=dev.sid, domain_uuid="dom-2")
+    bind(a, dev, "dom-2")
     rec = b.call("open_migration", domain_uuid="dom-2")
     a.call("switchover", domain_uuid="dom-2")
     ticket = b.call("complete", domain_uuid="dom-2", migration_id=rec["migration_id"])["tickets"][dev.sid]

@@ -26,6 +26,7 @@ from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.records import RecordView
+from tests.support.attest import bind
 from tests.support.twohosts import SECRETS, Raw, make_pool
 from tests.support.wait import wait_for
 
@@ -127,8 +128,8 @@ def test_a_domain_of_a_thousand_sessions_migrates_and_each_resumes_once_with_its
                 secret = os.urandom(32)
                 secrets_by_sid[raw.open(secret)["sid"]] = secret
                 raw.close()
-            for sid in secrets_by_sid:                # hostd attests each one the agent reports
-                assert a.call("bind_session", sid=sid, domain_uuid=domain)["bound_host"] == "hostA"
+            # hostd attests the sessions the agent reports, with their proofs
+            assert sorted(bind(a, secrets_by_sid, domain)["bound"]) == sorted(secrets_by_sid)
             drivers = FakeDrivers(str(tmp_path / "agent.sock"), secrets_by_sid)
             wait_for(lambda: len(agent.sessions()) == SESSIONS, what="every session registered with the agent")
 
@@ -173,7 +174,11 @@ def test_a_domain_of_a_thousand_sessions_migrates_and_each_resumes_once_with_its
             record = RecordView.from_wire(final["record"])
             assert final["reached"] and record.rehomed
             assert record.session_count == record.resumed_count == SESSIONS and not record.inline
-            sessions = {s["sid"]: s for s in a.call_all("list_sessions", domain_uuid=domain)["sessions"]}
+            # (they are hostB's now: hostA, the migration's source, still reads them, bound elsewhere)
+            moved = a.call_all("list_sessions", domain_uuid=domain)
+            assert len(moved["sessions"]) == moved["elsewhere"] == SESSIONS
+            with ControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode()) as b:
+                sessions = {s["sid"]: s for s in b.call_all("list_sessions", domain_uuid=domain)["sessions"]}
             assert len(sessions) == SESSIONS
             assert {(s["bound_host"], s["epoch"], s["counters"]["resumes"]) for s in sessions.values()} == \
                 {("hostB", 2, 1)}

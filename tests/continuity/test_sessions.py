@@ -16,6 +16,7 @@ from accelmig.agent.driver import LinkState, connect, u32
 from accelmig.pool.testing import CutProxy, PoolThread
 from accelmig.wire.errors import Disconnected, SessionExpired, SessionLost, WindowFull
 from tests.conftest import ALICE, TENANTS
+from tests.support.attest import bind
 from tests.support.kernels import COUNTER
 from tests.support.twohosts import HOSTS, Raw, TwoHosts
 from tests.support.wait import wait_for
@@ -253,7 +254,7 @@ def test_parked_sessions_outlive_the_grace_period():
         hosts = TwoHosts(pool)
         dev = connect(hosts.a.endpoint, ALICE, agent=False, timeout=3, auto_reconnect=False)
         buf = dev.upload(b"kept while saved")
-        hosts.a.call("bind_session", sid=dev.sid, domain_uuid="dom-saved")
+        bind(hosts.a, dev, "dom-saved")
         parked = hosts.a.call("park", domain_uuid="dom-saved", retention=30)
         assert parked["parked"] == [dev.sid]
         # a witness, not parked, whose connection dies at the same moment: once
@@ -320,8 +321,8 @@ def test_a_full_window_blocks_the_caller(hosts, domain):
     prog = dev.build(COUNTER)     # the first build waits for the tenant's device process
     buf = dev.upload(np.zeros(4, dtype=np.uint32))
     dev.timeout = 0.5
-    hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
-    hosts.a.call("register_intent", domain_uuid=domain, policy="start")
+    bind(hosts.a, dev, domain)
+    hosts.a.call("register_intent", domain_uuid=domain, policy="start", dest_host="hostB")
     record = hosts.b.call("open_migration", domain_uuid=domain)     # pauses execution
     with pytest.raises(WindowFull, match="command window stayed full"):
         for _ in range(20):

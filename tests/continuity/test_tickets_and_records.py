@@ -15,6 +15,7 @@ from accelmig.wire.errors import (AuthFailed, Conflict, NoSuchRecord, RecordStat
                                   TicketRequired, WrongHost)
 from accelmig.wire.frames import FrameReader, encode_frame
 from tests.conftest import ALICE, BOB
+from tests.support.attest import bind
 from tests.support.kernels import COUNTER
 from tests.support.twohosts import SECRETS, Raw, TwoHosts, make_pool
 from tests.support.wait import wait_for
@@ -26,7 +27,7 @@ def on_host(hosts, host, token=ALICE, **kw):
 
 
 def attest(host, dev, domain):
-    return host.call("bind_session", sid=dev.sid, domain_uuid=domain)
+    return bind(host, dev, domain)
 
 
 def pool_session(hosts, sid):
@@ -240,6 +241,7 @@ def test_abort_leaves_the_source_running_with_nothing_lost(hosts, domain):
 def test_abort_is_refused_once_the_guest_ran_on_the_destination(hosts, domain):
     with on_host(hosts, hosts.a) as dev:
         attest(hosts.a, dev, domain)
+        hosts.a.call("register_intent", domain_uuid=domain, dest_host="hostB")     # (vouched for)
         record = hosts.b.call("open_migration", domain_uuid=domain, postcopy=True)
         hosts.b.call("commit", domain_uuid=domain, migration_id=record["migration_id"])
         with pytest.raises(RecordState, match="is committed: cannot abort"):
@@ -353,15 +355,18 @@ def test_only_the_parties_of_a_record_act_on_it(hosts, domain):
     with on_host(hosts, hosts.a) as dev:
         attest(hosts.a, dev, domain)
         with pytest.raises(Conflict, match="bound to host hostA"):
-            hosts.b.call("bind_session", sid=dev.sid, domain_uuid=domain)
+            bind(hosts.b, dev, domain)
+        hosts.a.call("register_intent", domain_uuid=domain, dest_host="hostB")
         record = hosts.b.call("open_migration", domain_uuid=domain)
-        # the destination of an in-flight migration of this domain may attest
-        # (a VM with only qemu-guest-agent reports its sessions there)
-        assert hosts.b.call("bind_session", sid=dev.sid, domain_uuid=domain)["bound_host"] == "hostA"
+        # the destination of an in-flight migration of this domain, its host
+        # vouched for, may attest (a VM with only qemu-guest-agent reports its
+        # sessions there)
+        assert bind(hosts.b, dev, domain)["bound"] == [dev.sid]
+        assert pool_session(hosts, dev.sid)["bound_host"] == "hostA"
         with pytest.raises(Conflict, match="bound to host hostA"):    # B migrates no other domain
-            hosts.b.call("bind_session", sid=dev.sid, domain_uuid="another-domain")
+            bind(hosts.b, dev, "another-domain")
         with pytest.raises(Conflict, match="belongs to domain"):
-            hosts.a.call("bind_session", sid=dev.sid, domain_uuid="another-domain")
+            bind(hosts.a, dev, "another-domain")
         with pytest.raises(Conflict, match="is the destination"):
             hosts.b.call("switchover", domain_uuid=domain)
         with pytest.raises(Conflict, match="goes to hostB, not hostA"):

@@ -23,6 +23,7 @@ from accelmig.pool.testing import CutProxy
 from accelmig.pool.sequencing import REPLY_BYTES
 from accelmig.pool.session import BUFFER_CHARGE
 from accelmig.wire.errors import FrameTooLarge, NoSuchObject, OutOfRange, QuotaExceeded
+from tests.support.attest import bind
 from tests.support.tenants import ALICE, BOB, TENANTS
 from tests.support.twohosts import TwoHosts, make_pool
 from tests.support.wait import wait_for
@@ -240,7 +241,7 @@ def test_a_cut_or_rehome_mid_transfer_resends_only_what_the_pool_lacks(small, ho
     dev = None
     try:
         dev = connect(relay.endpoint, ALICE, agent=False, timeout=30, auto_reconnect=False)
-        hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+        bind(hosts.a, dev, domain)
         buf = dev.upload(data) if direction == "read" else dev.alloc(size)
         dev.finish()
         before = counters(small, dev)

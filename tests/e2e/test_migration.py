@@ -297,6 +297,74 @@ def test_postcopy_rehomes_when_the_guest_runs_on_b(accel, vms, image, reference)
     assert accel.demo_done("vm-post")["sha256"] == reference["sha256"]
 
 
+def test_a_third_host_changes_nothing_of_a_real_migration_and_the_token_vouches_for_its_destination(
+        accel, vms, image, reference):
+    """hostA's hostd, once its guest's session is its own, writes a migration
+    token into the running domain; the real ``virsh migrate`` carries it to
+    hostB, whose hook opens the record with it (vouched).  Meanwhile hostC —
+    a host the pool knows, with its own certificate and secret — opens the
+    same domain's migration with the pause policy ``start`` and tries every
+    step of the real one: nothing of it takes.  hostB then writes a token of
+    its own."""
+    from accelmig.lab.netns import entered
+    from accelmig.lab.rig import POOL_CONTROL_PORT
+    from accelmig.lab.topology import POOL_ADDRESS
+    from accelmig.plugin.domain.model import DomainXML
+    from accelmig.wire.control import ControlClient
+    from accelmig.wire.errors import AccelmigError, Forbidden
+    boot(accel, vms, "vm-third", image)
+    uuid = uuid_of(accel, "vm-third")
+    seen = hostd_domain(accel, "hostA", uuid, lambda d: d["migration_token"]["registered"],
+                        what="hostA's token written and registered")
+    dom_a = accel.lab.connect("hostA").lookupByName("vm-third")
+    token_a = DomainXML.parse(dom_a.XMLDesc(0)).migration_token()
+    assert token_a and seen["session_count"] >= 1
+    lab = accel.lab
+    c = ControlClient(f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}", "hostC", lab.state["host_secrets"]["hostC"].encode(),
+                      tls=lab.control_tls("hostC"))
+    try:
+        with entered(lab.topology.host_ns["hostB"]):       # (hostC calls from a host's network)
+            c.call("ping")
+        slow(accel, "hostA", "vm-third", 4)
+        migration = start_migration(accel, "vm-third", "hostA", "hostB")
+        record = record_of(accel, uuid, lambda r: r["state"] == "open" and r["dest_host"] == "hostB",
+                           what="record opened by B's hook")
+        assert record["vouched"], record
+        wait_transferring(accel, "hostA", "vm-third")
+        refused = []
+        for method, args in (("open_migration", {"policy": "start"}),
+                             ("complete", {"migration_id": record["migration_id"]}),
+                             ("switchover", {"migration_id": record["migration_id"]}),
+                             ("abort", {"migration_id": record["migration_id"], "reason": "hostC"}),
+                             ("park", {"retention": 3600})):
+            try:
+                c.call(method, domain_uuid=uuid, **args)
+            except Forbidden as exc:
+                refused.append((method, str(exc)))
+            except AccelmigError as exc:
+                raise AssertionError(f"hostC's {method}: {exc}") from None
+            else:
+                raise AssertionError(f"hostC's {method} was taken\n{diagnosis(accel, 'vm-third')}")
+        assert [m for m, _ in refused] == ["open_migration", "complete", "switchover", "abort", "park"], refused
+        assert not any(s["paused"] for s in accel.sessions(uuid)), accel.sessions(uuid)
+        slow(accel, "hostA", "vm-third", 8192)       # done: the rest at full speed, the solver still runs
+        out, err = migration.communicate(timeout=120)
+        assert migration.returncode == 0, err
+        done = record_by_id(accel, uuid, record["migration_id"],
+                            lambda r: r["state"] in ("completed", "closed") and r["resumed_count"] >= 1,
+                            timeout=60, what="the real migration rehomed")
+        assert [r["migration_id"] for r in accel.records(uuid)] == [record["migration_id"]], accel.records(uuid)
+        assert done["session_count"] == done["resumed_count"]
+        # the domain is hostB's now: a token of its own, not the one that came with it
+        hostd_domain(accel, "hostB", uuid, lambda d: d["migration_token"]["registered"],
+                     what="hostB's token written and registered")
+        token_b = DomainXML.parse(accel.lab.connect("hostB").lookupByName("vm-third").XMLDesc(0)).migration_token()
+        assert token_b and token_b != token_a
+        assert accel.demo_done("vm-third")["sha256"] == reference["sha256"]
+    finally:
+        c.close()
+
+
 def test_an_aborted_precopy_leaves_the_vm_running_at_the_source(accel, vms, image, reference):
     uuid, migration = begin_slow_migration(accel, vms, image, "vm-abort")
     # B's hook opened the record and QEMU's stream flows: a migration in pre-copy for real

@@ -343,9 +343,10 @@ def test_no_qemu_ga_in_the_guest_and_no_channel(side_vms, nova_lab, image):
 
 @pytest.mark.timeout(150)
 def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
-    """hostd's part by hand: attest the session (read through guest-exec: the
-    agent has no channel to report it), open the record on B, migrate, switch
-    over on A, complete on B for the tickets, rehome through guest-exec on B."""
+    """hostd's part by hand: attest the session (its driver's proof, asked
+    through guest-exec: the agent has no channel to report it), open the
+    record on B, migrate, switch over on A (which vouches for B), complete on
+    B for the tickets, rehome through guest-exec on B."""
     lab, vm, sid = nova_lab
     dom_a = lab.connect("hostA").lookupByName(vm)
     domain_uuid = dom_a.UUIDString()
@@ -353,8 +354,16 @@ def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
     try:
         sessions = [s["sid"] for s in qga.agent_status(dom_a)["sessions"]]
         assert sessions == [sid]
-        for s in sessions:
-            ctl_a.call("bind_session", sid=s, domain_uuid=domain_uuid, domain_name=vm)
+        challenge = ctl_a.call("bind_challenge")
+        proven = qga.agent_prove(dom_a, {"host": "hostA", "challenges": {challenge["instance"]: challenge["challenge"]}})
+        assert set(proven["proofs"]) == {sid} and proven["refused"] == {}, proven
+        # a proof made for hostA proves nothing for another host
+        other = ctl_b.call("bind_challenge")["challenge"]
+        assert set(ctl_b.call("bind_sessions", domain_uuid=domain_uuid, challenge=other,
+                              sessions=proven["proofs"])["refused"]) == {sid}
+        bound = ctl_a.call("bind_sessions", domain_uuid=domain_uuid, domain_name=vm,
+                           challenge=challenge["challenge"], sessions=proven["proofs"])
+        assert bound["bound"] == [sid], bound
         record = ctl_b.call("open_migration", domain_uuid=domain_uuid, domain_name=vm)
         before = session_state(dom_a)
         moved = lab.migrate(vm, "hostA", "hostB")

@@ -44,6 +44,7 @@ from accelmig.wire.frames import PREFIX_SIZE, decode_header, encode_frame, parse
 from tests.fuzz.peers import HOST_SECRETS, FrameConn, problems, start_pool
 from tests.fuzz.strategies import (frame_prefixes, fuzz_settings, integers, json_values, objects,
                                    odd_header_bytes, raw_header_frame, text)
+from tests.support.attest import bind
 from tests.support.tenants import ALICE, BOB
 
 SECRET_A = HOST_SECRETS["hostA"].encode()
@@ -76,7 +77,7 @@ class Targets:
                         for h in ("hostA", "hostB")}
         for host, dev in self.devs.items():
             domain = "dom-a" if host == "hostA" else "dom-b"
-            assert self.clients[host].call("bind_session", sid=dev.sid, domain_uuid=domain)["bound_host"] == host
+            assert bind(self.clients[host], dev, domain)["bound"] == [dev.sid]
         self.sids = {"@sid-a": self.devs["hostA"].sid, "@sid-b": self.devs["hostB"].sid}
 
     def resolve(self, value):
@@ -86,7 +87,7 @@ class Targets:
         if isinstance(value, list):
             return [self.resolve(v) for v in value]
         if isinstance(value, dict):
-            return {k: self.resolve(v) for k, v in value.items()}
+            return {self.resolve(k): self.resolve(v) for k, v in value.items()}
         return value
 
     def check_b_untouched(self):
@@ -122,7 +123,7 @@ def still_serving(pool) -> None:
         with connect(endpoint_of(pool, "hostA"), BOB, agent=False, timeout=30) as dev:
             data = np.arange(1024, dtype=np.uint32)
             buf = dev.upload(data)
-            assert a.call("bind_session", sid=dev.sid, domain_uuid=domain)["bound_host"] == "hostA"
+            assert bind(a, dev, domain)["bound"] == [dev.sid]
             record = b.call("open_migration", domain_uuid=domain)
             a.call("switchover", domain_uuid=domain)
             done = b.call("complete", domain_uuid=domain, migration_id=record["migration_id"])
@@ -235,6 +236,13 @@ ARG_FIELDS = {
                                     text), max_size=3),
     "identity": st.one_of(st.dictionaries(text, json_values, max_size=3), st.sampled_from([[["k", "v"]], ["kv"]])),
     "open_only": st.booleans(), "until": st.sampled_from(["rehomed", "final", "x", ""]),
+    # a binding's proofs (made up: hostA holds no session's secret), challenges, tokens
+    "sessions": st.one_of(st.dictionaries(sids.filter(lambda v: isinstance(v, str)),
+                                          st.one_of(st.none(), st.sampled_from(["ab" * 32, "00" * 8, ""]), text),
+                                          max_size=3), json_values),
+    "challenge": st.one_of(st.sampled_from(["ab" * 16, "", None]), json_values),
+    "token": st.one_of(st.sampled_from(["cd" * 32, "xyz", None]), json_values),
+    "digest": st.one_of(st.sampled_from(["ef" * 32, "ab", None]), json_values),
 }
 #: a wait_record must not wait: the timeout is one that is refused, or short
 WAIT_TIMEOUTS = st.sampled_from([0, 0.02, -1, 601, 1e300, "0", None, True, [0]])
@@ -282,8 +290,9 @@ def host_calls(draw):
 
 #: a migration's calls, in order, each one's arguments mostly right: the
 #: deeper states (switched over, completed, tickets, parked) get reached
-flow_steps = ["register_intent", "open_migration", "bind_session", "switchover", "commit", "complete",
-              "renew", "park", "unpark", "close", "abort", "list_records", "wait_record"]
+flow_steps = ["register_intent", "open_migration", "bind_challenge", "bind_sessions", "register_token",
+              "switchover", "commit", "complete", "renew", "park", "unpark", "close", "abort", "list_records",
+              "wait_record"]
 
 
 @st.composite
@@ -293,8 +302,11 @@ def flows(draw):
     calls = []
     for method in draw(st.lists(st.sampled_from(flow_steps), min_size=2, max_size=8)):
         args = {"domain_uuid": domain, **({"migration_id": mid} if mid else {})}
-        if method == "bind_session":
-            args["sid"] = draw(st.sampled_from(["@sid-a", "@sid-b"]))
+        if method == "bind_sessions":
+            args["sessions"] = {draw(st.sampled_from(["@sid-a", "@sid-b"])): draw(st.sampled_from([None, "ab" * 32]))}
+            args["challenge"] = draw(st.sampled_from([None, "ab" * 16]))
+        if method == "register_token":
+            args["digest"] = draw(st.sampled_from(["ef" * 32, "0" * 64]))
         if method == "renew":
             args = {"records": [[domain, mid or "m1"]]}
         if method == "wait_record":
@@ -307,6 +319,8 @@ def flows(draw):
             args["dest_host"] = draw(st.sampled_from(["hostA", "hostB"]))
         if method == "open_migration":
             args.pop("dest_host")
+            if draw(st.booleans()):
+                args["token"] = "cd" * 32
         if method == "switchover":
             args["postcopy"] = draw(st.booleans())
         args = {k: v for k, v in args.items() if k in parameters(method)}

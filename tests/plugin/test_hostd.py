@@ -13,11 +13,13 @@ import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.wire import attestation as att
 from accelmig.wire.localapi import LocalClient
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
 from tests.conftest import ALICE, TENANTS, run_cli
+from tests.support.attest import bind
 from tests.support.hostd import SECRET, HostdThread, write_config
 from tests.support.wait import wait_for
 
@@ -25,15 +27,18 @@ GOLDEN = Path(__file__).parent / "golden" / "rewrite"
 SECRET_B = "hostB-secret-9876543210"
 
 
-def accel_domain_xml(name: str, uuid: str, channel: str | None = None) -> str:
+def accel_domain_xml(name: str, uuid: str, channel: str | None = None, token: str | None = None) -> str:
     """A test-driver domain carrying accelmig's metadata (test:///default runs
-    no QEMU: a ``channel`` path is a unix socket the test's own agent serves)."""
+    no QEMU: a ``channel`` path is a unix socket the test's own agent serves)
+    and, with ``token``, the migration token its former host wrote into it."""
     devices = (f"<devices><channel type='unix'><source mode='bind' path='{channel}'/>"
                f"<target type='virtio' name='org.accelmig.agent.0'/></channel></devices>") if channel else ""
+    vouch = (f'<accelmig-migration:token xmlns:accelmig-migration="{att.MIGRATION_NS}" value="{token}"/>'
+             if token else "")
     return f"""<domain type='test'>
   <name>{name}</name><uuid>{uuid}</uuid><memory>65536</memory><vcpu>1</vcpu>
   <metadata><accelmig:domain xmlns:accelmig="http://accelmig.dev/xmlns/domain/1">
-    <accelmig:interfaces owner="accelmig"/></accelmig:domain></metadata>
+    <accelmig:interfaces owner="accelmig"/></accelmig:domain>{vouch}</metadata>
   <os><type arch='x86_64'>hvm</type></os>
   {devices}
 </domain>"""
@@ -79,7 +84,7 @@ def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
                  "hostd to watch libvirt's events")
         dev = connect(pool.endpoint, ALICE, agent=False, timeout=5, auto_reconnect=False)
         with control(pool) as a:
-            a.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+            bind(a, dev, uuid)
         image = str(tmp_path / "accel-save.img")
         dom.save(image)
         wait_for(lambda: pool.session(dev.sid)["parked"], what="the session parked")
@@ -161,11 +166,15 @@ def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resume
     agent = None
     try:
         buf = dev.upload(b"kept on the pool" * 4)
+        token = att.new_token()
         with control(pool, "hostB") as b:
-            b.call("bind_session", sid=dev.sid, domain_uuid=uuid)
+            bind(b, dev, uuid)
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
         with control(pool, "hostA") as a:
-            record = a.call("open_migration", domain_uuid=uuid)        # the domain comes to hostA
-        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel)))
+            # the domain comes to hostA with the token hostB wrote into it (as its hook opens)
+            record = a.call("open_migration", domain_uuid=uuid, token=token)
+            assert record["vouched"]
+        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel), token=token))
         created.append(dom)
         dom.create()
         hostd = HostdThread(config, rehome_timeout=1.0, retry_first=0.2, retry_max=0.5).start()
@@ -354,3 +363,73 @@ def test_a_refused_hook_leaves_no_open_record_behind(world, tmp_path):
     finally:
         hostd.stop()
         relay.close()
+
+
+def test_the_hook_opens_the_record_with_the_token_that_came_with_the_domain(world, tmp_path):
+    """hostB (the domain's host) wrote and registered a migration token; its
+    domain's XML reaches this host's hook with it, and hostd opens the
+    record vouched for.  A made-up token vouches for nothing."""
+    from tests.plugin.test_hook import run_hook
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    port = pool.endpoint.rsplit(":", 1)[1]
+    hostd = HostdThread(config).start()
+    try:
+        with connect(f"[::1]:{port}", ALICE, agent=False, timeout=10) as dev, control(pool, "hostB") as b, \
+                control(pool) as a:
+            bind(b, dev, uuid)
+            token = att.new_token()
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+            for given, vouched in ((att.new_token(), False), (token, True)):
+                code, out, err, _ = run_hook(config, "accel-incoming", "migrate", "begin", "-",
+                                             xml=accel_domain_xml("accel-incoming", uuid, token=given).encode())
+                assert code == 0, err
+                records = a.call("list_records", domain_uuid=uuid)["records"]
+                latest = max(records, key=lambda r: r["times"]["opened"])
+                assert (latest["dest_host"], latest["vouched"]) == ("hostA", vouched), records
+    finally:
+        hostd.stop()
+
+
+def test_a_domain_that_arrived_while_hostd_was_away_is_rehomed_with_the_token_it_carries(world, tmp_path):
+    """No record (the destination's hostd was down at the hook, lenient
+    mode): at its start hostd finds the domain running here with its
+    sessions bound elsewhere, opens the record with the token in its live
+    XML (vouched: no source needs to switch over), rehomes the session and
+    writes a token of its own into the domain."""
+    import threading
+
+    from accelmig.agent.daemon import Agent
+    from accelmig.plugin.domain.model import DomainXML
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    channel, agent_socket = tmp_path / "channel.sock", tmp_path / "agent.sock"
+    port = pool.endpoint.rsplit(":", 1)[1]
+    agent = Agent(str(channel), str(agent_socket), state_dir=str(tmp_path / "agent-state"), rehome_timeout=5)
+    agent.open()
+    threading.Thread(target=agent.run, daemon=True).start()
+    dev = connect(f"[::1]:{port}", ALICE, agent=str(agent_socket), timeout=20, domain=uuid)   # on hostB
+    hostd = None
+    try:
+        buf = dev.upload(b"kept on the pool" * 4)
+        token = att.new_token()
+        with control(pool, "hostB") as b:
+            bind(b, dev, uuid)
+            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+        dom = conn.defineXML(accel_domain_xml("accel-away", uuid, channel=str(channel), token=token))
+        created.append(dom)
+        dom.create()
+        hostd = HostdThread(config, rehome_timeout=5.0).start()
+        wait_for(lambda: pool.session(dev.sid)["bound_host"] == "hostA", 30, "the session rehomed on hostA")
+        assert dev.read(buf) == b"kept on the pool" * 4
+        with control(pool) as a:
+            record = a.call("list_records", domain_uuid=uuid)["records"][0]
+        assert record["vouched"] and record["dest_host"] == "hostA" and "switchover" not in record["times"]
+        watch = hostd.daemon.watches.get(uuid)
+        wait_for(lambda: watch.token_registered and watch.token != token, 20, "hostA's own token")
+        assert DomainXML.parse(dom.XMLDesc(0)).migration_token() == watch.token
+    finally:
+        if hostd is not None:
+            hostd.stop()
+        dev.close()
+        agent.stop()

@@ -60,8 +60,8 @@ def test_a_pool_from_before_clusters_or_a_single_node_is_one_node():
     for listing in (UnknownOp(op="list_nodes"), {"cluster": False, "nodes": []}, "garbage"):
         nodes, made = routing(listing)
         assert asyncio.run(nodes.refresh()) is False and not nodes.clustered
-        asyncio.run(nodes.call("bind_session", sid="s-abcd1234-1-000000", domain_uuid="d"))
-        assert nodes.coordinator.calls == [("bind_session", {"sid": "s-abcd1234-1-000000", "domain_uuid": "d"})]
+        asyncio.run(nodes.call("unbind_session", sid="s-abcd1234-1-000000", domain_uuid="d"))
+        assert nodes.coordinator.calls == [("unbind_session", {"sid": "s-abcd1234-1-000000", "domain_uuid": "d"})]
         assert made == {}
 
 
@@ -88,16 +88,16 @@ def test_a_sessions_calls_go_to_the_node_that_made_it_and_steps_to_every_node():
 
     async def scenario():
         await nodes.refresh()
-        await nodes.call("bind_session", sid="s-bbbb0002-7-abcdef", domain_uuid="d")
-        await nodes.call("unbind_session", sid="s-aaaa0001-3-abcdef")
-        await nodes.call("bind_session", sid="s-99999999-1-abcdef", domain_uuid="d")   # no such node: the coordinator
+        await nodes.call("unbind_session", sid="s-bbbb0002-7-abcdef", domain_uuid="d")
+        await nodes.call("unbind_session", sid="s-aaaa0001-3-abcdef", domain_uuid="d")
+        await nodes.call("unbind_session", sid="s-99999999-1-abcdef", domain_uuid="d")   # no such node: the coordinator
         await nodes.call("open_migration", domain_uuid="d")
         await nodes.call("note_timeline", domain_uuid="d", migration_id="m-1", steps={})
     asyncio.run(scenario())
     n2 = made["10.0.0.2:7071"]
-    assert n2.calls == [("bind_session", {"sid": "s-bbbb0002-7-abcdef", "domain_uuid": "d"}),
+    assert n2.calls == [("unbind_session", {"sid": "s-bbbb0002-7-abcdef", "domain_uuid": "d"}),
                         ("open_migration", {"domain_uuid": "d", "migration_id": "m-1"})]   # the coordinator's id
-    assert [m for m, _ in nodes.coordinator.calls] == ["unbind_session", "bind_session", "open_migration",
+    assert [m for m, _ in nodes.coordinator.calls] == ["unbind_session", "unbind_session", "open_migration",
                                                        "note_timeline"]
 
 
@@ -120,14 +120,14 @@ def test_a_session_of_a_node_that_came_back_is_routed_there_after_one_listing_mo
         await nodes.refresh()
         nodes.coordinator.listing = {"cluster": True, "node": "n1", "nodes": [
             node("n1", "aaaa0001", "10.0.0.1:7071"), node("n2", "cccc0003", "10.0.0.2:7071")]}
-        await nodes.call("bind_session", sid="s-cccc0003-1-abcdef", domain_uuid="d")
+        await nodes.call("unbind_session", sid="s-cccc0003-1-abcdef", domain_uuid="d")
         for n in range(50):                    # made-up instances: no listing each, the coordinator refuses
-            await nodes.call("bind_session", sid=f"s-{n:08x}-1-abcdef", domain_uuid="d")
+            await nodes.call("unbind_session", sid=f"s-{n:08x}-1-abcdef", domain_uuid="d")
         now[0] += 1.0
-        await nodes.call("bind_session", sid="s-dddd0004-1-abcdef", domain_uuid="d")
+        await nodes.call("unbind_session", sid="s-dddd0004-1-abcdef", domain_uuid="d")
     asyncio.run(scenario())
     assert nodes.nodes == {"n2": ("cccc0003", "10.0.0.2:7071")}
-    assert made["10.0.0.2:7071"].calls == [("bind_session", {"sid": "s-cccc0003-1-abcdef", "domain_uuid": "d"})]
+    assert made["10.0.0.2:7071"].calls == [("unbind_session", {"sid": "s-cccc0003-1-abcdef", "domain_uuid": "d"})]
     assert listings == [100.0, 100.0, 101.0]       # the first listing, then one per RELIST_INTERVAL
     assert len(nodes.coordinator.calls) == 51
 
@@ -139,14 +139,15 @@ def test_a_node_that_does_not_answer_keeps_its_last_picture_of_the_domains_holdi
 
     async def scenario():
         await nodes.refresh()
-        nodes.coordinator.pictures = ("c1", {"dom-a": ["s-aaaa0001-1-00"]})
-        nodes.client_of("n2").pictures = ("x1", {"dom-b": ["s-bbbb0002-1-00"], "dom-a": ["s-bbbb0002-2-00"]})
+        nodes.coordinator.pictures = ("c1", {"dom-a": 1})
+        nodes.client_of("n2").pictures = ("x1", {"dom-b": 0, "dom-a": 2, "dom-x": True, "dom-y": "3"})
         first = await nodes.call_all("accel_domains")
         nodes.client_of("n2").pictures = Unavailable(what="n2", reason="down")
         while_down = await nodes.call_all("accel_domains", since=first["version"])
         return first, while_down
     first, while_down = asyncio.run(scenario())
-    assert first["domains"] == {"dom-a": ["s-aaaa0001-1-00", "s-bbbb0002-2-00"], "dom-b": ["s-bbbb0002-1-00"]}
+    # each domain's sessions waiting to be attested, on every node (what is no count is dropped)
+    assert first["domains"] == {"dom-a": 3, "dom-b": 0}
     assert while_down == {"version": first["version"], "unchanged": True}    # n2's domains still counted
     n2 = made["10.0.0.2:7071"]
     assert n2.calls == [("accel_domains", {"since": None})]     # asked with the version it last gave

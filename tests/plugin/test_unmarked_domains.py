@@ -10,18 +10,22 @@ the hook as libvirt runs it (a process)."""
 from __future__ import annotations
 
 import json
+import sys
 import uuid as uuid_module
 
 import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.plugin.domain.model import DomainXML
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.dataplane import domain_claim
 from accelmig.wire.errors import BadRequest, TicketRequired, WrongHost
 from tests.conftest import ALICE, TENANTS
 from tests.plugin.test_hook import run_hook
+from tests.plugin.test_qga import fake_qga, local_agent  # noqa: F401  (fixtures)
+from tests.support.attest import bind
 from tests.support.hostd import SECRET, HostdThread, write_config
 from tests.support.wait import wait_for
 
@@ -70,7 +74,8 @@ def test_a_session_tells_the_pool_which_domain_it_is_and_the_pool_lists_it(neutr
     assert accel_domains(neutron_pool)["domains"] == {}
     with connect(neutron_pool.endpoint, ALICE, agent=False, domain=domain.upper()) as dev:
         answer = accel_domains(neutron_pool)
-        assert answer["domains"] == {domain: [dev.sid]}           # canonical: lower case
+        # canonical (lower case); one session waiting to be attested, never its id
+        assert answer["domains"] == {domain: 1} and dev.sid not in str(answer)
         assert accel_domains(neutron_pool, since=answer["version"]) == {"version": answer["version"],
                                                                        "unchanged": True}
         described = neutron_pool.session(dev.sid)
@@ -90,34 +95,52 @@ def test_a_domain_that_is_no_uuid_is_refused(neutron_pool, bad):
         connect(neutron_pool.endpoint, ALICE, agent=False, domain=bad)
 
 
+def guest_exec_through(config: str, agent_socket: str) -> str:
+    """hostd's guest-exec runs the agent command of this machine's Python
+    against ``agent_socket`` (what qemu-ga runs in a Nova guest)."""
+    with open(config, "a") as handle:
+        handle.write(f'guest_exec_command = ["/bin/sh", "-c", '
+                     f'"exec {sys.executable} -m accelmig.agent \\"$@\\" --socket {agent_socket}", "sh"]\n')
+    return config
+
+
 def test_hostd_attests_the_sessions_of_a_domain_nobody_marked_and_caches_it_for_the_hook(
-        neutron_pool, tmp_path):
+        neutron_pool, tmp_path, local_agent, fake_qga):
+    """The pool says which domains hold sessions waiting to be attested —
+    never their ids; hostd asks the guest of the one running here, through
+    guest-exec (``accelmig-agent prove --stdin``: a real agent and the
+    session's real driver prove it), binds it with that proof, and writes
+    the domain's migration token into it."""
     conn = libvirt.open("test:///default")
     domain = str(uuid_module.uuid4())
     dom = conn.defineXML(NOVA_XML.format(name="instance-0000002a", uuid=domain))
     dom.create()
     # a host-bound fabric here: its addresses are for accelmig's own NICs, never Neutron's
     fabric = '[fabric]\nmode = "bridge"\nbridge = "fab0"\nguest_subnet = "10.89.1.0/24"\n'
-    config = with_interval(write_config(tmp_path, neutron_pool, fabric=fabric), 0.1)
+    config = guest_exec_through(with_interval(write_config(tmp_path, neutron_pool, fabric=fabric), 0.1),
+                                local_agent)
     hostd = HostdThread(config).start()
     try:
         daemon = hostd.daemon
         wait_for(lambda: daemon.watches.is_foreign(domain), what="the instance seen, foreign (no sessions)")
-        with connect(neutron_pool.endpoint, ALICE, agent=False, domain=domain) as dev:
+        with connect(neutron_pool.endpoint, ALICE, agent=local_agent, domain=domain) as dev:
             wait_for(lambda: neutron_pool.session(dev.sid)["domain_uuid"] == domain, what="the session attested")
             assert neutron_pool.session(dev.sid)["bound_host"] == "hostA"
+            assert "guest-exec" in fake_qga.calls          # proven by the guest, not taken from the pool
             watch = daemon.watches.get(domain)
             assert watch is not None and watch.delivery.name == "guest-exec"
             assert dev.sid in watch.sessions
             cache = json.loads((tmp_path / "state" / "accel-domains.json").read_text())
             assert cache["domains"] == [domain] and cache["host"] == "hostA"
             assert (tmp_path / "state" / "accel-domains.json").stat().st_mode & 0o777 == 0o644
-            # the guest-exec command comes from host.toml
-            assert watch.delivery.command == ("/usr/bin/python3", "-m", "accelmig.agent")
             # what a rehome tells its guest: where the pool is, no NIC to re-address
             assert watch.marked is False and watch.fabric_mac is None
             identity = hostd.call(lambda: daemon.identity_for(watch))
             assert identity.guest_nic is None and identity.pool_endpoint
+            # the domain's sessions are this host's: a migration token in the running domain, registered
+            wait_for(lambda: watch.token_registered, what="the domain's migration token registered")
+            assert DomainXML.parse(dom.XMLDesc(0)).migration_token() == watch.token
+            assert not DomainXML.parse(dom.XMLDesc(0)).is_accelmig()       # it marks nothing
     finally:
         hostd.stop()
         dom.destroy()
@@ -240,7 +263,7 @@ def test_a_session_on_a_tenant_network_moves_by_attestation_and_ticket_not_by_ad
         a = ControlClient(pool.control_endpoint, "hostA", SECRETS["hostA"].encode())
         b = ControlClient(pool.control_endpoint, "hostB", SECRETS["hostB"].encode())
         with a, b, connect(tenant_net, ALICE, agent=False, domain=domain, timeout=10) as dev:
-            a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+            bind(a, dev, domain)
             assert pool.session(dev.sid)["bound_host"] == "hostA"
             dev.resume(tenant_net)                        # a blip: same address, no move, no ticket
             record = b.call("open_migration", domain_uuid=domain)

@@ -18,9 +18,11 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.pool.control import INTENT_TTL, MAX_WAITS
 from accelmig.pool.testing import PoolThread
+from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
 from accelmig.wire.records import RecordView
+from tests.support.attest import bind, register_token
 from tests.support.tenants import ALICE, BOB, TENANTS
 
 SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001",
@@ -50,24 +52,24 @@ def test_a_session_is_bound_to_the_host_its_connection_comes_from(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
         assert pool.session(dev.sid)["bound_host"] == "hostA"
         with pytest.raises(Conflict, match="bound to host hostA, not hostB"):
-            hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostB"], dev, DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] is None
 
 
 def test_only_the_bound_host_unbinds(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="bound to host hostA"):
-            hosts["hostB"].call("unbind_session", sid=dev.sid)
+            hosts["hostB"].call("unbind_session", sid=dev.sid, domain_uuid=DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
-        hosts["hostA"].call("unbind_session", sid=dev.sid)
+        hosts["hostA"].call("unbind_session", sid=dev.sid, domain_uuid=DOMAIN)
         assert pool.session(dev.sid)["domain_uuid"] is None
 
 
 @pytest.mark.parametrize("retention", [0.001, -5, 1e300, "60", True])
 def test_a_retention_out_of_range_is_refused(pool, hosts, retention):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(BadRequest, match="retention must be seconds from 1 to"):
             hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=retention)
         assert pool.session(dev.sid)["state"] == "attached"
@@ -75,7 +77,7 @@ def test_a_retention_out_of_range_is_refused(pool, hosts, retention):
 
 def test_only_the_host_of_a_domain_parks_it(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="bound to hostA"):
             hosts["hostB"].call("park", domain_uuid=DOMAIN, retention=60)
         assert pool.session(dev.sid)["state"] == "attached"
@@ -89,7 +91,8 @@ def test_a_host_cannot_register_a_network_inside_another_hosts(pool, hosts):
     assert "127.0.0.0/8" not in answer["networks"] and "10.99.1.0/24" in answer["networks"]
     # hostA's guests are still hostA's
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        assert hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+        assert bind(hosts["hostA"], dev, DOMAIN)["bound"] == [dev.sid]
+        assert pool.session(dev.sid)["bound_host"] == "hostA"
 
 
 @pytest.fixture
@@ -101,7 +104,7 @@ def admin(pool):
 # -- who opens a migration -----------------------------------------------------------
 def test_only_the_destination_the_domains_host_named_opens_its_migration(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
         with pytest.raises(Forbidden, match="host hostC may not open a migration of domain .*: it goes "
                                             "to host hostB .named by its host hostA"):
@@ -120,7 +123,7 @@ def test_only_the_destination_the_domains_host_named_opens_its_migration(pool, h
 
 def test_a_host_names_the_destination_only_of_its_own_domains(pool, hosts, admin):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         with pytest.raises(Forbidden, match="host hostB may not register an intent for domain .*: "
                                             "it runs on host hostA"):
             hosts["hostB"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
@@ -134,7 +137,7 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
     """``accelmig migrate`` that failed before the destination's hook ran
     leaves its intent behind: after INTENT_TTL it keeps nobody out."""
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB", policy="start")
         pool.call(lambda: pool.pool.intents[DOMAIN].update(registered=time.time() - INTENT_TTL - 1))
         record = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
@@ -145,7 +148,7 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
 @pytest.mark.parametrize("method", ["switchover", "close", "commit", "complete", "abort"])
 def test_a_host_that_takes_no_part_in_a_migration_cannot_act_on_it(pool, hosts, method):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         with pytest.raises(Forbidden, match=f"host hostC may not .* {DOMAIN}/{record['migration_id']}"):
             hosts["hostC"].call(method, domain_uuid=DOMAIN, migration_id=record["migration_id"])
@@ -159,7 +162,7 @@ def test_a_record_opened_before_the_pool_knew_the_domain_is_its_sessions_hosts(p
     assert record["source_host"] is None
     mid = record["migration_id"]
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)     # during pre-copy
+        bind(hosts["hostA"], dev, DOMAIN)     # during pre-copy
         with pytest.raises(Forbidden, match="may not switch over .*: it comes from host hostA"):
             hosts["hostC"].call("switchover", domain_uuid=DOMAIN, migration_id=mid)
         with pytest.raises(Forbidden, match="may not close .*: it comes from host hostA"):
@@ -174,7 +177,7 @@ def test_a_record_opened_before_the_pool_knew_the_domain_is_its_sessions_hosts(p
 
 def test_only_the_host_of_a_domain_unparks_it(pool, hosts, admin):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("park", domain_uuid=DOMAIN, retention=3600)
         with pytest.raises(Forbidden, match="host hostB may not unpark domain .*: its sessions are "
                                             "bound to hostA"):
@@ -197,17 +200,18 @@ def test_a_destination_attests_another_hosts_session_only_once_that_host_switche
         # hostA's unattested sessions
         invented = hosts["hostC"].call("open_migration", domain_uuid=OTHER)
         with pytest.raises(RecordState, match="cannot attest session .* before its source switched"):
-            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=OTHER)
+            bind(hosts["hostC"], neighbour, OTHER)
         assert pool.session(neighbour.sid)["domain_uuid"] is None
         hosts["hostC"].call("abort", domain_uuid=OTHER, migration_id=invented["migration_id"])
         # the real migration of the guest-exec VM from hostA to hostB
         record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         with pytest.raises(RecordState, match="before its source switched"):
-            hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostB"], dev, DOMAIN)
         hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
-        assert hosts["hostB"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)["bound_host"] == "hostA"
+        assert bind(hosts["hostB"], dev, DOMAIN)["bound"] == [dev.sid]
+        assert pool.session(dev.sid)["bound_host"] == "hostA"
         with pytest.raises(Conflict, match="bound to host hostA, not hostC"):
-            hosts["hostC"].call("bind_session", sid=neighbour.sid, domain_uuid=DOMAIN)
+            bind(hosts["hostC"], neighbour, DOMAIN)
         done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
         assert set(done["tickets"]) == {dev.sid}
         assert pool.session(neighbour.sid)["domain_uuid"] is None
@@ -217,11 +221,11 @@ def test_a_session_is_moved_to_another_domain_by_nobody(pool, hosts):
     """Rebinding is refused even to the session's own host: it unbinds first
     (the session then belongs to no domain, and no migration takes it)."""
     with connect(pool.endpoint, ALICE, agent=False) as dev:
-        hosts["hostA"].call("bind_session", sid=dev.sid, domain_uuid=DOMAIN)
+        bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
         for host in ("hostA", "hostB"):
             with pytest.raises(Conflict):
-                hosts[host].call("bind_session", sid=dev.sid, domain_uuid=OTHER)
+                bind(hosts[host], dev, OTHER)
         assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
 
 
@@ -232,7 +236,13 @@ def test_a_session_is_moved_to_another_domain_by_nobody(pool, hosts):
     ("open_migration", {"domain_uuid": DOMAIN, "migration_id": "m" * 300}, "of 1 to 256 characters"),
     ("open_migration", {"domain_uuid": DOMAIN, "postcopy": "no"}, "postcopy must be true or false"),
     ("register_intent", {"domain_uuid": None}, "domain_uuid must be a string"),
-    ("bind_session", {"sid": 7, "domain_uuid": DOMAIN}, "sid must be a string"),
+    ("bind_sessions", {"sessions": {"s": None}, "domain_uuid": 7}, "domain_uuid must be a string"),
+    ("bind_sessions", {"sessions": ["s"], "domain_uuid": DOMAIN}, "sessions must be an object of 1 to 1024"),
+    ("bind_sessions", {"sessions": {}, "domain_uuid": DOMAIN}, "sessions must be an object of 1 to 1024"),
+    ("bind_sessions", {"sessions": {"s": 7}, "domain_uuid": DOMAIN}, "a proof .a hex string. or null"),
+    ("unbind_session", {"sid": "s"}, "missing 1 required positional argument: 'domain_uuid'"),
+    ("register_token", {"domain_uuid": DOMAIN, "digest": "xyz"}, "digest must be 16 to 128 lower-case hex"),
+    ("open_migration", {"domain_uuid": DOMAIN, "token": 5}, "token must be 16 to 128 lower-case hex"),
     ("abort", {"domain_uuid": DOMAIN, "reason": {"why": 1}}, "reason must be a string"),
     ("list_records", {"open_only": 1}, "open_only must be true or false"),
     ("renew", {"records": [[DOMAIN, 5]]}, "records are .domain_uuid, migration_id. pairs"),
@@ -275,3 +285,127 @@ def test_a_connection_holds_only_so_many_waits_and_finished_ones_do_not_count(po
         finally:
             await client.close()
     asyncio.run(run())
+
+
+# -- migration tokens (issue 28, item 2) --------------------------------------------------------
+def test_only_the_domains_host_registers_its_token_and_a_token_vouches_for_one_destination(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        digest = att.token_digest(att.new_token())
+        # a domain with no session here: nothing to vouch for, nothing registered
+        assert hosts["hostC"].call("register_token", domain_uuid=OTHER, digest=digest)["registered"] is False
+        bind(hosts["hostA"], dev, DOMAIN)
+        with pytest.raises(Forbidden, match="host hostB may not register the migration token of domain .*: "
+                                            "it runs on host hostA"):
+            hosts["hostB"].call("register_token", domain_uuid=DOMAIN, digest=digest)
+        token = register_token(hosts["hostA"], DOMAIN)
+        # the same token again from its host: unchanged
+        assert hosts["hostA"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "fresh"
+        first = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert first["vouched"]
+        assert hosts["hostA"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "in_use"
+        hosts["hostB"].call("abort", domain_uuid=DOMAIN, migration_id=first["migration_id"])
+        # the retry of an aborted migration to the same destination: the same token vouches
+        retry = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert retry["vouched"] and retry["migration_id"] != first["migration_id"]
+        hosts["hostB"].call("abort", domain_uuid=DOMAIN, migration_id=retry["migration_id"])
+        # another host that saw it (or made it up) is vouched for by nobody
+        elsewhere = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        assert not elsewhere["vouched"]
+        with pytest.raises(Forbidden, match="nobody vouched for it"):
+            hosts["hostC"].call("complete", domain_uuid=DOMAIN, migration_id=elsewhere["migration_id"])
+
+
+def test_a_token_that_moved_its_domain_is_spent(pool, hosts):
+    """The domain's XML still carries its former host's token when it
+    arrives: its new host registers it and is told to write its own."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        token = register_token(hosts["hostA"], DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert hosts["hostB"].call("register_token", domain_uuid=DOMAIN,
+                                   digest=att.token_digest(token))["state"] == "spent"
+        # hostA, no longer its host, may not register one
+        with pytest.raises(Forbidden, match="it runs on host hostB"):
+            hosts["hostA"].call("register_token", domain_uuid=DOMAIN, digest=att.token_digest(token))
+        assert register_token(hosts["hostB"], DOMAIN)
+
+
+def test_a_challenge_is_its_hosts_and_expires(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        issued = hosts["hostA"].call("bind_challenge")
+        proof = att.bind_proof(dev._session.secret, challenge=issued["challenge"], instance=issued["instance"],
+                               host="hostB", domain=DOMAIN, sid=dev.sid)
+        with pytest.raises(Forbidden, match="the pool did not issue it to this host, or it expired"):
+            hosts["hostB"].call("bind_sessions", domain_uuid=DOMAIN, challenge=issued["challenge"],
+                                sessions={dev.sid: proof})
+        pool.call(lambda: setattr(pool.pool.bind_challenges, "ttl", 0.0))
+        expired = hosts["hostA"].call("bind_challenge")
+        proof = att.bind_proof(dev._session.secret, challenge=expired["challenge"], instance=expired["instance"],
+                               host="hostA", domain=DOMAIN, sid=dev.sid)
+        with pytest.raises(Forbidden, match="or it expired"):
+            hosts["hostA"].call("bind_sessions", domain_uuid=DOMAIN, challenge=expired["challenge"],
+                                sessions={dev.sid: proof})
+        assert pool.session(dev.sid)["domain_uuid"] is None
+
+
+# -- what a host reads (issue 28, item 3) --------------------------------------------------------
+def test_a_host_reads_only_its_own_sessions_and_the_records_it_takes_part_in(pool, hosts, admin):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        mid = record["migration_id"]
+        assert [s["sid"] for s in hosts["hostA"].call("list_sessions")["sessions"]] == [dev.sid]
+        for host in ("hostB", "hostC"):
+            listed = hosts[host].call("list_sessions", domain_uuid=DOMAIN)
+            assert listed["sessions"] == [] and listed["elsewhere"] == 1
+        assert [s["sid"] for s in admin.call("list_sessions")["sessions"]] == [dev.sid]
+        assert hosts["hostC"].call("list_records")["records"] == []
+        for host in ("hostA", "hostB"):
+            assert [r["migration_id"] for r in hosts[host].call("list_records")["records"]] == [mid]
+        with pytest.raises(Forbidden, match="host hostC may not list the sessions of .*: it takes no part"):
+            hosts["hostC"].call("record_sessions", domain_uuid=DOMAIN, migration_id=mid)
+        with pytest.raises(Forbidden, match="host hostC may not wait for .*: it takes no part"):
+            hosts["hostC"].call("wait_record", domain_uuid=DOMAIN, migration_id=mid, timeout=0)
+        assert hosts["hostB"].call("wait_record", domain_uuid=DOMAIN, migration_id=mid, timeout=0)["record"]
+        # which domains hold sessions, and how many wait to be attested: never an id
+        assert hosts["hostC"].call("accel_domains")["domains"] == {DOMAIN: 0}
+
+
+def test_a_host_unbinds_a_session_only_from_the_domain_it_is_in(pool, hosts):
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        with pytest.raises(Forbidden, match=f"unbind session {dev.sid} from domain {OTHER}: it is not in"):
+            hosts["hostA"].call("unbind_session", sid=dev.sid, domain_uuid=OTHER)
+        assert pool.session(dev.sid)["domain_uuid"] == DOMAIN
+
+
+def test_the_source_of_a_migration_still_reads_the_sessions_it_moved(pool, hosts):
+    """``accelmig migrate`` on the source counts what the domain's sessions
+    sent meanwhile, after they are the destination's."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB")
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN)
+        hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        moved = hosts["hostA"].call("list_sessions", domain_uuid=DOMAIN)["sessions"]
+        assert [(s["sid"], s["pending_move"]) for s in moved] == [(dev.sid, [DOMAIN, record["migration_id"]])]
+        assert hosts["hostC"].call("list_sessions", domain_uuid=DOMAIN)["sessions"] == []
+
+
+def test_a_post_copy_switchover_by_the_source_vouches_for_the_destination_and_commits(pool, hosts):
+    """No token reached the destination (none registered): its own commit
+    waits, the source's SUSPENDED_POSTCOPY switchover vouches and commits."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        bind(hosts["hostA"], dev, DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, postcopy=True)
+        with pytest.raises(Forbidden, match="nobody vouched for it"):
+            hosts["hostB"].call("commit", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        switched = hosts["hostA"].call("switchover", domain_uuid=DOMAIN, postcopy=True)
+        assert (switched["vouched"], switched["state"]) == (True, "committed")
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert set(done["tickets"]) == {dev.sid}

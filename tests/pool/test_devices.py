@@ -27,6 +27,7 @@ from accelmig.wire.errors import (BadRequest, BuildFailed, ConfigInvalid, ErrorC
                                   NoSuchDevice, NoSuchObject, QuotaExceeded)
 from tests.fuzz.peers import FrameConn, problems
 from tests.fuzz.strategies import fuzz_settings
+from tests.support.attest import bind
 from tests.support.processes import PoolProcess
 from tests.support.tenants import run_cli
 from tests.support.twohosts import HOSTS, TwoHosts
@@ -413,8 +414,7 @@ def test_a_session_stays_on_its_device_across_migrations_between_hosts(node):
                 opened(node, device=devices["pthread"]["id"], endpoint=hosts.a.endpoint) as beside:
             program = dev.build(SOURCE)
             data = dev.upload(bytes(16))
-            for sid in (dev.sid, beside.sid):
-                hosts.a.call("bind_session", sid=sid, domain_uuid="dom-devices")
+            bind(hosts.a, [dev, beside], "dom-devices")
             here = hosts.a
             for round_ in range(1, 5):                  # A -> B -> A -> B -> A
                 there = hosts.other(here)

@@ -399,7 +399,7 @@ class PoolModel(RuleBasedStateMachine):
         self.migrations += 1
         mid = f"m{self.migrations}"
         pending = self.session.pending_move
-        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False)
+        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False, vouched=True)
         if then_abort:
             self.pool.abort_record(record, "the model aborted it")
             assert self.session.pending_move == pending

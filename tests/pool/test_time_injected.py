@@ -133,7 +133,7 @@ class Rig:
         return replay
 
     def migrate(self, now, dest="hostB", mid="m1"):
-        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False, now=now)
+        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False, now=now, vouched=True)
         return record, self.pool.complete_record(record, now=now)
 
     def close(self):
@@ -264,7 +264,7 @@ def test_an_expired_lease_aborts_the_record(make_rig):
     """Replaces tests/continuity/test_tickets_and_records.py::test_an_expired_lease_aborts_the_record
     (which sleeps 0.8 s of renewals and 1 s unrenewed)."""
     rig = make_rig(lease_ttl=30.0)
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, "start", False, now=T0)
+    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, "start", False, now=T0, vouched=True)
     assert rig.session.paused                       # policy "start": paused while it is open
     for step in range(1, 5):                        # a host that renews keeps it alive
         now = T0 + step * 20.0
@@ -284,7 +284,7 @@ def test_an_expired_lease_aborts_the_record(make_rig):
 
 def test_a_lease_expiring_after_commit_completes_the_record_and_mints_tickets(make_rig):
     rig = make_rig(lease_ttl=30.0)
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, True, now=T0)
+    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, True, now=T0, vouched=True)
     record.commit(T0 + 5)
     rig.pool.sweep(T0 + 30.0)                       # expired after commit: no way back
     assert record.state is RecordStateName.CLOSED
@@ -297,7 +297,7 @@ def test_a_lease_expiring_after_commit_completes_the_record_and_mints_tickets(ma
 
 
 def test_final_records_are_forgotten_an_hour_after_their_last_event(rig):
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, False, now=T0)
+    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, False, now=T0, vouched=True)
     rig.pool.abort_record(record, "test", now=T0 + 1)
     rig.pool.sweep(T0 + 1 + 3600.0)
     assert record.key in rig.pool.records

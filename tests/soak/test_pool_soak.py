@@ -47,6 +47,7 @@ from accelmig.wire.control import ControlClient, ControlSession
 from accelmig.wire.errors import AccelmigError
 from accelmig.wire.frames import MAGIC, PREFIX, encode_frame
 from tests.fuzz.peers import HOST_SECRETS, FrameConn, descendants, dial, problems, proc_status, start_pool
+from tests.support.attest import bind
 from tests.support.tenants import ALICE, BOB
 from tests.support.wait import wait_for
 from tests.support.workload import Workload
@@ -79,6 +80,10 @@ class Hosts:
 
     def call(self, host, method, **args):
         return self.clients[host].call(method, **args)
+
+    def bind(self, host, dev, domain):
+        """What hostd does with the proof of a session its guest reports."""
+        return bind(self.clients[host], dev, domain)
 
     def close(self):
         for client in self.clients.values():
@@ -140,7 +145,7 @@ class Tenant:
         movers = []
         dev = connect(self.proxies[self.at].endpoint, self.token, agent=False, timeout=60, connect_timeout=30)
         try:
-            self.hosts.call(self.at, "bind_session", sid=dev.sid, domain_uuid=self.domain)
+            self.hosts.bind(self.at, dev, self.domain)
 
             def on_step(step):
                 if step % CUT_EVERY == 0:

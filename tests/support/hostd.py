@@ -23,20 +23,25 @@ SECRET = "hostA-secret-0123456789"
 
 
 def write_config(tmp_path, pool: PoolThread, *, strict: bool = True, libvirt_uri: str = "test:///default",
-                 fabric: str = "", control: str | None = None) -> str:
-    secret = tmp_path / "host.secret"
-    secret.write_text(SECRET)
-    os.chmod(secret, 0o600)
+                 fabric: str = "", control: str | None = None, host: str = "hostA", secret: str = SECRET,
+                 tls=None) -> str:
+    """``tls``: ``(ca, cert, key)`` paths (the pool's CA, this host's client
+    certificate and key); None: plain TCP (``insecure``)."""
+    secret_file = tmp_path / "host.secret"
+    secret_file.write_text(secret)
+    os.chmod(secret_file, 0o600)
     port = pool.endpoint.rsplit(":", 1)[1]
     config = tmp_path / "host.toml"
+    transport = "insecure = true" if tls is None else \
+        f'ca_file = "{tls[0]}"\ncert_file = "{tls[1]}"\nkey_file = "{tls[2]}"'
     config.write_text(f"""
 [host]
-id = "hostA"
+id = "{host}"
 [pool]
 endpoint = "127.0.0.1:{port}"
 control = "{control or pool.control_endpoint}"
-secret_file = "{secret}"
-insecure = true
+secret_file = "{secret_file}"
+{transport}
 {fabric}
 [hostd]
 socket = "{tmp_path}/hostd.sock"

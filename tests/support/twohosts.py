@@ -14,6 +14,7 @@ import socket
 from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.frames import FrameReader, encode_frame
+from tests.support.attest import bind
 from tests.support.tenants import ALICE, TENANTS
 from tests.support.wait import wait_for
 
@@ -75,7 +76,7 @@ def drivers_bound_at_host_a(agent, domain: str, count: int = 2):
         try:
             wait_for(lambda: len(agent.sessions()) == count, what=f"{count} driver(s) registered with the agent")
             for dev in devs:
-                hosts.a.call("bind_session", sid=dev.sid, domain_uuid=domain)
+                bind(hosts.a, dev, domain)
             yield pool, hosts, devs, [dev.upload(b"state-%d" % i) for i, dev in enumerate(devs)]
         finally:
             for dev in devs:
