@@ -504,8 +504,14 @@ def test_save_restore_and_a_second_restore_refused_as_diverged(accel, vms, refer
 
 
 def test_two_vms_migrated_at_once(accel, vms, image, reference):
-    boot(accel, vms, "vm-e1", image)
-    boot(accel, vms, "vm-e2", image)
+    # both booted before either is waited for: booted one after the other on
+    # a loaded machine, the first solver (~15-20 s) once ended before the move
+    for name in ("vm-e1", "vm-e2"):
+        vms.append(name)
+        accel.boot(name, image, "hostA")
+    for name in ("vm-e1", "vm-e2"):
+        accel.wait_demo(name, lambda ls: [l for l in ls if "step" in l], timeout=120,
+                        what=f"{name}'s solver to start")
     results = {}
 
     def move(name):
