@@ -58,9 +58,9 @@ import dataclasses
 import ipaddress
 import os
 import re
-import tomllib
 from pathlib import Path
 
+from accelmig.runtime.files import load_toml
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
 
@@ -162,16 +162,7 @@ class Inventory:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Inventory":
         path = os.path.abspath(os.fspath(path))
-        try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigInvalid(source=path, reason="inventory file not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigInvalid(source=path, reason=f"cannot read it: {exc.strerror or exc}") from None
-        return _Reader(path).inventory(data)
+        return _Reader(path).inventory(load_toml(path, "inventory file"))
 
 
 class _Reader:

@@ -59,11 +59,11 @@ import os
 import re
 import shlex
 import stat
-import tomllib
 
+from accelmig.runtime.files import load_toml
+from accelmig.runtime.logs import level_number
 from accelmig.wire.dataplane import MIN_PAYLOAD_LIMIT, parse_endpoint, parse_listen_list
 from accelmig.wire.errors import BadRequest, ConfigInvalid
-from accelmig.wire.logs import level_number
 
 LOG = logging.getLogger("accelmig.pool")
 
@@ -323,7 +323,7 @@ class PoolConfig:
     def load(cls, path: str | None, overrides: dict | None = None) -> "PoolConfig":
         values: dict = {}
         if path:
-            data = _read_toml(path)
+            data = load_toml(path)
             section = data.get("pool", {})
             if not isinstance(section, dict):
                 raise ConfigInvalid(source=path, reason="[pool] must be a table")
@@ -487,20 +487,8 @@ class PoolConfig:
             self.cluster_password()
 
 
-def _read_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigInvalid(source=path, reason="file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigInvalid(source=path, reason=str(exc)) from None
-
-
 def load_tenants(path: str) -> dict[str, TenantSpec]:
-    data = _read_toml(path)
+    data = load_toml(path)
     tenants = data.get("tenants")
     if not isinstance(tenants, dict) or not tenants:
         raise ConfigInvalid(source=path, reason="no [tenants.NAME] table")
@@ -577,7 +565,7 @@ def parse_networks(values, source: str) -> list:
 def load_hosts(path: str) -> dict[str, HostSpec]:
     if not path:
         return {}
-    data = _read_toml(path)
+    data = load_toml(path)
     hosts = data.get("hosts", {})
     if not isinstance(hosts, dict):
         raise ConfigInvalid(source=path, reason="[hosts.NAME] tables expected")

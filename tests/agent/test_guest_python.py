@@ -29,11 +29,12 @@ pytestmark = pytest.mark.skipif(PYTHON is None, reason=SKIP_REASON)
 
 @pytest.fixture
 def guest_site(tmp_path):
-    """The guest side as an image carries it: accelmig/agent and accelmig/wire."""
+    """The guest side as an image carries it: accelmig/agent, accelmig/wire and accelmig/runtime."""
     site = tmp_path / "site"
     (site / "accelmig").mkdir(parents=True)
     os.symlink(os.path.join(ROOT, "agent"), site / "accelmig" / "agent")
     os.symlink(os.path.join(ROOT, "wire"), site / "accelmig" / "wire")
+    os.symlink(os.path.join(ROOT, "runtime"), site / "accelmig" / "runtime")
     return str(site)
 
 

@@ -60,7 +60,7 @@ def test_the_host_wheel_holds_no_lab_code(wheels):
     assert not any(n.endswith("reaper.py") or "/guest/etc/" in n for n in names)
     # every module of the checkout's sides is in it (a package missing from
     # setup.cfg works in an editable install and is absent from the wheel)
-    sides = {"wire": "wire", "agent": "agent", "pool": "pool", "plugin": "plugin", "fleet": "fleet",
+    sides = {"wire": "wire", "runtime": "runtime", "agent": "agent", "pool": "pool", "plugin": "plugin", "fleet": "fleet",
              "domain_templates": "domain_templates"}
     modules = {f"accelmig/{side}/{path.relative_to(CHECKOUT / folder).as_posix()}"
                for side, folder in sides.items() for path in (CHECKOUT / folder).rglob("*.py")
