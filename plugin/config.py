@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import os
 import re
 import socket
@@ -55,6 +54,7 @@ from accelmig.runtime.files import load_toml, parse_toml
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
 from accelmig.wire.localapi import DEFAULT_HOSTD_SOCKET
+from accelmig.wire.values import is_number
 
 __all__ = [
     "DEFAULT_PATH", "FABRIC_MODES", "FabricConfig", "HostConfig", "HostdConfig",
@@ -349,7 +349,7 @@ class _Table:
         value = self._get(key, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_number(value):
             raise self.error(key, f"must be a number, not {_kind(value)}")
         return value
 

@@ -45,6 +45,7 @@ from accelmig.runtime.files import atomic_write
 from accelmig.wire.control import AsyncControlClient
 from accelmig.wire.errors import AccelmigError, ConfigInvalid, LibvirtFailure, Unavailable
 from accelmig.wire.identity import HostIdentity
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -547,8 +548,7 @@ class HostDaemon:
         answer = await self.pool_call_all("accel_domains", since=self._accel_version)
         if not answer.get("unchanged"):
             domains = answer.get("domains") or {}
-            fresh = {u: n for u, n in domains.items() if isinstance(u, str) and isinstance(n, int)
-                     and not isinstance(n, bool)}
+            fresh = {u: n for u, n in domains.items() if isinstance(u, str) and is_int(n)}
             if fresh.keys() != self.accel_domains.keys():
                 await asyncio.get_running_loop().run_in_executor(None, self._write_accel_cache, sorted(fresh))
             for uuid in fresh.keys() - self.accel_domains.keys():

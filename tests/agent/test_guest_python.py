@@ -49,8 +49,8 @@ def guest(site: str, *args, **kwargs):
 def test_every_guest_module_imports(guest_site):
     code = ("import importlib, pkgutil, sys\n"
             "import accelmig.agent.driver, accelmig.agent.daemon\n"
-            "import accelmig.agent, accelmig.wire\n"
-            "for pkg in (accelmig.agent, accelmig.wire):\n"
+            "import accelmig.agent, accelmig.runtime, accelmig.wire\n"
+            "for pkg in (accelmig.agent, accelmig.wire, accelmig.runtime):\n"
             "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
             "        if not m.name.endswith('.__main__'):\n"
             "            importlib.import_module(m.name)\n"
