@@ -3,15 +3,11 @@
 A machine is a class: an enum of states, an enum of events, and a
 class-level ``TABLE`` of what each event does in each state::
 
-    class Link(StateMachine):
-        INITIAL = LinkState.CONNECTING
-        TABLE = {
-            LinkEvent.OPENED: {LinkState.CONNECTING: LinkState.CONNECTED},
-            LinkEvent.LOST: {LinkState.CONNECTING: LinkState.DISCONNECTED,
-                             LinkState.CONNECTED: LinkState.DISCONNECTED},
-            ...
-        }
-        REPEATS = {LinkEvent.CLOSE: frozenset({LinkState.CLOSED})}
+    class DoorMachine(StateMachine):
+        INITIAL = Door.SHUT                          # the states: an enum
+        TABLE = {Push.OPEN: {Door.SHUT: Door.OPEN},  # the events: another
+                 Push.CLOSE: {Door.OPEN: Door.SHUT}}
+        REPEATS = {Push.CLOSE: frozenset({Door.SHUT})}   # closing a shut door
 
 ``fire(event)`` is the only place ``state`` is assigned (a house test,
 ``tests/house/test_state_assignment.py``, holds every shipped module to it).
