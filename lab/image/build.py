@@ -210,9 +210,12 @@ def _hash_file(h, path: Path):
 
 
 def image_key(spec: ImageSpec, kernel: Kernel, generated: list[ExtraFile],
-              stdlib: Path, agent_src: Path, wire_src: Path, runtime_src: Path,
-              qemu_ga: Path | None = None) -> str:
-    """A hash of every input: change any of them and the image is rebuilt."""
+              stdlib: Path, agent_src: Path, wire_src: Path, qemu_ga: Path | None = None,
+              runtime_src: Path | None = None) -> str:
+    """A hash of every input: change any of them and the image is rebuilt
+    (``runtime_src``: where accelmig.runtime is imported from, by default)."""
+    if runtime_src is None:
+        runtime_src = package_dir("accelmig.runtime")
     h = hashlib.sha256()
     h.update(json.dumps({
         "builder": BUILDER_VERSION, "kernel": [kernel.package, kernel.version],
@@ -270,7 +273,7 @@ def _plan(spec: ImageSpec, cache: Path) -> _Plan:
     stdlib = stdlib_dir(spec.python)
     generated = guest_files(spec, modules)
     qemu_ga = prepare_qemu_ga(cache, deb=spec.qemu_ga_deb) if spec.with_qemu_ga else None
-    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src, runtime_src, qemu_ga)
+    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src, qemu_ga, runtime_src)
     return _Plan(spec, kernel, modules, agent_src, wire_src, runtime_src, stdlib, generated, key, qemu_ga)
 
 

@@ -79,7 +79,7 @@ def test_the_lab_wheel_holds_the_lab_its_guest_files_and_its_entry_points(wheels
     package = {n for n in names if not n.startswith("accelmig_lab-")}
     expected = {f"accelmig/lab/{m}.py" for m in ("__init__", "accel", "boottest", "certs", "cli", "etcdview", "fresh",
                                                  "guest", "libvirtd", "machine", "netns", "nova", "probe", "reaper",
-                                                 "rig", "ssh", "topology")}
+                                                 "rig", "ssh", "topology", "poolthread", "cutproxy", "pooldemo")}
     expected |= {f"accelmig/lab/image/{m}.py" for m in ("__init__", "apt", "build", "cache", "cpio", "errors",
                                                        "guest_python", "kernel", "qemu_ga")}
     guest = {f"accelmig/lab/image/guest/{p}" for p in (
