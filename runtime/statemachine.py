@@ -97,8 +97,8 @@ class StateMachine:
     # the repeats, both read by fire().
     _ROWS: ClassVar[Dict[enum.Enum, Dict[enum.Enum, To]]] = {}
     _REPEATS: ClassVar[Dict[enum.Enum, FrozenSet[enum.Enum]]] = {}
-    STATES: ClassVar[type] = type(None)
-    EVENTS: ClassVar[type] = type(None)
+    STATES: ClassVar[Optional[type]] = None       # the state enum (set with the table)
+    EVENTS: ClassVar[Optional[type]] = None       # the event enum
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
