@@ -570,9 +570,9 @@ def test_a_pool_blip_at_resumed_is_retried_until_the_sessions_resume(accel, vms,
     (a relay in hostB's namespace holds it, then drops it): hostd must not
     strand the sessions — it retries the rehome until they resume."""
     from accelmig.lab import netns
+    from accelmig.lab.cutproxy import CutProxy
     from accelmig.lab.rig import POOL_CONTROL_PORT
     from accelmig.lab.topology import POOL_ADDRESS
-    from accelmig.pool.testing import CutProxy
     boot(accel, vms, "vm-blip", image)
     uuid = uuid_of(accel, "vm-blip")
     control = f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}"
