@@ -26,8 +26,6 @@ pool/cluster/registry.py self.state (D: NodeRegistration)
 
 pool/dataplane.py self.state        (D: DataConnection)
 
-plugin/hostd/watch.py self.phase    (D: DomainWatch)
-
 pool/migration.py self.state        (B: the ledger's record)
 
 pool/session.py self.state          (B: the pool's Session)
