@@ -187,16 +187,26 @@ class LocalApi:
             raise Unavailable(what="the pool's control plane",
                               reason=f"no answer within the hook's {budget:.1f} s") from None
         watch = d.watches.add(uuid, name or uuid)
-        watch.note(f"hook {op} {sub}")
-        # Not under the watch's lock: the hook must not wait behind an event.
-        watch.record = record
-        watch.fire(Trigger.HOOK_INCOMING)
+        # The hook must not wait behind an event of the domain (libvirt waits
+        # for it), and the phase and record change only under the watch's
+        # lock: applied after whatever holds it now.  Taken now where the lock
+        # is free (no later event can come first), else queued in order
+        # (asyncio's lock is first come, first served: the domain's next
+        # event queues behind it).
+        d.spawn(self._note_incoming(watch, f"hook {op} {sub}", record), f"hook-incoming:{uuid}")
         (LOG.info if record.vouched else LOG.warning)(
             "domain %s incoming: record %s opened (policy %s)%s", name, record.migration_id, record.policy.value,
             "" if record.vouched else "; nobody vouched for this host as its destination yet (no valid "
                                       "migration token in its XML): its source does at switchover",
             extra={"domain": name, "migration": record.migration_id})
         return {"record": record.to_wire()}
+
+    @staticmethod
+    async def _note_incoming(watch, what: str, record: RecordView) -> None:
+        async with watch.lock:
+            watch.note(what)
+            watch.record = record
+            watch.fire(Trigger.HOOK_INCOMING)
 
     async def _abort_late(self, opening: asyncio.Future, label: str) -> None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import uuid as uuid_module
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import attestation as att
+from accelmig.wire import channel as ch
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
 from accelmig.wire.localapi import LocalClient
@@ -433,3 +435,47 @@ def test_a_domain_that_arrived_while_hostd_was_away_is_rehomed_with_the_token_it
             hostd.stop()
         dev.close()
         agent.stop()
+
+
+def test_a_hook_note_while_an_event_holds_the_lock_answers_and_moves_the_phase_after_it(world, tmp_path):
+    """libvirt waits for the hook, so the hook never waits behind an event of
+    its domain; but the phase and record it brings change under the watch's
+    lock, after the step under way, never in the middle of it."""
+    from accelmig.plugin.hostd.watch import Phase
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    dom = conn.defineXML(accel_domain_xml("accel-hooked", uuid))
+    created.append(dom)
+    dom.create()
+    hostd = HostdThread(config).start()
+    try:
+        async def look():                   # (on hostd's loop)
+            watch = hostd.daemon.watches.get(uuid)
+            return (watch, watch.phase, watch.record) if watch is not None else (None, None, None)
+        wait_for(lambda: hostd.call(look)[1] is Phase.RUNNING, what="hostd to see the domain running")
+        watch = hostd.call(look)[0]
+        held, release, seen = threading.Event(), threading.Event(), {}
+
+        async def step_under_way():         # what an event's step does: holds the lock throughout
+            async with watch.lock:
+                seen["before"] = (watch.phase, watch.record)
+                held.set()
+                await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+                seen["after"] = (watch.phase, watch.record)
+        holder = asyncio.run_coroutine_threadsafe(step_under_way(), hostd.loop)
+        try:
+            assert held.wait(10)
+            answer = LocalClient(str(tmp_path / "hostd.sock")).call(
+                "hook", timeout=10, op="migrate", sub="begin", uuid=uuid, name="accel-hooked", budget=3.0)
+            assert answer["record"]["dest_host"] == "hostA"      # answered while the step holds the lock
+            assert not holder.done()
+        finally:
+            release.set()
+        holder.result(10)
+        assert seen["before"] == seen["after"] == (Phase.RUNNING, None)
+        wait_for(lambda: hostd.call(look)[1] is Phase.INCOMING, what="the hook's note applied once the lock is free")
+        record = hostd.call(look)[2]
+        assert record.migration_id == answer["record"]["migration_id"]
+        assert [h["trigger"] for h in watch.describe()["history"]][-2:] == ["hook migrate begin", "hook_incoming"]
+    finally:
+        hostd.stop()
