@@ -246,8 +246,8 @@ class LocalApi:
             raise BadRequest(reason=f"wait_rehomed: until {str(until)[:40]!r} (rehomed or timeline)")
         d = self.daemon
         try:
-            answer = await d.nodes.call_within(wait + 5, "wait_record", domain_uuid=uuid, migration_id=mid,
-                                              until=until, timeout=wait)
+            answer = await d.pool_wait(wait + 5, "wait_record", domain_uuid=uuid, migration_id=mid,
+                                       until=until, timeout=wait)
         except Unavailable as exc:
             raise Timeout(what=f"the rehome of {uuid} ({exc})", timeout=wait) from None
         record = RecordView.from_wire(answer["record"]) if answer.get("record") else None
