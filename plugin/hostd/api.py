@@ -13,15 +13,16 @@ import asyncio
 import logging
 import os
 import time
+from typing import Awaitable, Callable
 
 from accelmig.plugin.hostd.watch import Phase, Trigger
+from accelmig.runtime.dispatch import Dispatch
 from accelmig.runtime.sockets import OwnedUnixSocket
 from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
 from accelmig.wire.attestation import check_hex
-from accelmig.wire.errors import (AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable,
-                                  UnknownOp)
-from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
+from accelmig.wire.errors import AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable
+from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES, REQUESTS
 from accelmig.wire.records import RecordStateName, RecordView
 
 LOG = logging.getLogger("accelmig.hostd")
@@ -29,11 +30,12 @@ LOG = logging.getLogger("accelmig.hostd")
 
 
 class LocalServer:
-    """asyncio server: ``handlers[type](message) -> awaitable result``."""
+    """asyncio server: ``answer(type, message) -> awaitable result``
+    (``UnknownOp`` for a type it does not have)."""
 
-    def __init__(self, path: str, handlers: dict):
+    def __init__(self, path: str, answer: Callable[[object, dict], Awaitable[dict]]):
         self.path = path
-        self.handlers = handlers
+        self.answer = answer
         self._server = None
         self._owned = OwnedUnixSocket(path, mode=0o600, what="accelmig hostd")
         self._tasks: set[asyncio.Task] = set()
@@ -85,10 +87,7 @@ class LocalServer:
     async def _answer(self, message: dict, writer: asyncio.StreamWriter) -> None:
         kind, request_id = message.get("type"), message.get("id")
         try:
-            handler = self.handlers.get(kind)
-            if handler is None:
-                raise UnknownOp(op=kind)
-            reply = ch.result(request_id, result=await handler(message))
+            reply = ch.result(request_id, result=await self.answer(kind, message))
         except AccelmigError as exc:
             reply = ch.result(request_id, ok=False, error=exc.to_wire())
         except Exception as exc:
@@ -103,16 +102,16 @@ class LocalServer:
 
 
 class LocalApi:
-    """The requests, answered from hostd's state and the pool."""
+    """The requests (``wire.localapi.REQUESTS``), answered from hostd's state and the pool."""
+
+    on_request = Dispatch("a local API request", REQUESTS)
 
     def __init__(self, daemon):
         self.daemon = daemon
-        self.server = LocalServer(daemon.config.hostd.socket, {
-            "ping": self.ping, "status": self.status, "hook": self.hook, "intent": self.intent,
-            "wait_rehomed": self.wait_rehomed, "sessions": self.sessions, "metrics": self.metrics,
-            "rehome_here": self.rehome_here,
-        })
+        self.server = LocalServer(daemon.config.hostd.socket,
+                                  lambda kind, message: self.on_request.call(self, kind, message))
 
+    @on_request("ping")
     async def ping(self, message: dict) -> dict:
         d = self.daemon
         return {"host": d.host, "pid": os.getpid(), "pool": d.pool_reachable, "libvirt": d.libvirt.conn is not None}
@@ -120,6 +119,7 @@ class LocalApi:
     #: how long ``status`` waits for the pool's records before it answers without them
     STATUS_POOL_WAIT = 2.0
 
+    @on_request("status")
     async def status(self, message: dict) -> dict:
         d = self.daemon
         try:
@@ -156,6 +156,7 @@ class LocalApi:
                 break
         return sorted(found[:count], key=lambda r: r["times"].get("opened", 0.0))
 
+    @on_request("hook")
     async def hook(self, message: dict) -> dict:
         d = self.daemon
         op, sub, uuid, name = (message.get(k) for k in ("op", "sub", "uuid", "name"))
@@ -229,12 +230,14 @@ class LocalApi:
             raise Unavailable(what="the pool's control plane",
                               reason=f"no answer within the hook's {budget:.1f} s") from None
 
+    @on_request("intent")
     async def intent(self, message: dict) -> dict:
         return await self.daemon.pool_call("register_intent", domain_uuid=message.get("uuid"),
                                            policy=message.get("policy") or "none",
                                            dest_host=message.get("dest_host"),
                                            migration_id=message.get("migration_id"))
 
+    @on_request("wait_rehomed")
     async def wait_rehomed(self, message: dict) -> dict:
         """Until the pool has the migration's sessions all resumed, or its
         record ended (``until="timeline"``: and the destination's steps are
@@ -263,12 +266,14 @@ class LocalApi:
             out["error"] = f"the migration was aborted: {record.abort_reason or 'no reason given'}"
         return out
 
+    @on_request("sessions")
     async def sessions(self, message: dict) -> dict:
         """A page of the pool's sessions of a domain (``cursor``: the ``next``
         of the page before, passed back to the pool as it is): one line each."""
         return await self.daemon.pool_call("list_sessions", domain_uuid=message.get("uuid"),
                                            cursor=message.get("cursor"))
 
+    @on_request("rehome_here")
     async def rehome_here(self, message: dict) -> dict:
         """The guest of a domain running here rehomed here once more
         (``MigrationSteps.rehome_here``), under its watch's lock: no event
@@ -290,5 +295,6 @@ class LocalApi:
                 raise Unavailable(what=f"domain {watch.name}", reason="libvirt does not have it (now)")
             return await d.migrations.rehome_here(dom, watch, address=address)
 
+    @on_request("metrics")
     async def metrics(self, message: dict) -> dict:
         return {"text": self.daemon.metrics.text()}

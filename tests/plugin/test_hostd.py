@@ -18,7 +18,7 @@ from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import attestation as att
 from accelmig.wire import channel as ch
 from accelmig.wire.control import ControlClient
-from accelmig.wire.errors import Unavailable
+from accelmig.wire.errors import UnknownOp, Unavailable
 from accelmig.wire.localapi import LocalClient
 from tests.conftest import ALICE, TENANTS, run_cli
 from tests.support.attest import bind
@@ -227,6 +227,11 @@ def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
         assert "accelmig_host_pool_reachable 1.0" in metrics
         assert status["identity"]["host_id"] == "hostA"
         assert status["identity"]["pool_endpoint"].startswith("127.0.0.1:")
+        # a kind outside wire.localapi.REQUESTS is refused by name (the dispatch table's answer)
+        for kind in ("reboot", "PING", "__init__"):
+            with pytest.raises(UnknownOp):
+                client.call(kind)
+        assert client.call("ping")["host"] == "hostA"
         # the pool knows this host's addresses now
         with control(pool) as a:
             hosts = {h["host"]: h for h in a.call("list_hosts")["hosts"]}
