@@ -5,7 +5,9 @@ migration, so migrations are in tests/e2e), and a real pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
 import threading
 import uuid as uuid_module
 from pathlib import Path
@@ -72,12 +74,32 @@ def control(pool, host="hostA"):
     return ControlClient(pool.control_endpoint, host, (SECRET if host == "hostA" else SECRET_B).encode())
 
 
+def started(world, name: str, uuid: str, **xml):
+    """Define and start a test-driver domain; the world's fixture removes it."""
+    _pool, _config, conn, created = world
+    dom = conn.defineXML(accel_domain_xml(name, uuid, **xml))
+    created.append(dom)
+    dom.create()
+    return dom
+
+
+def arrives_from_b(pool, dev, uuid: str) -> tuple[str, dict]:
+    """The session bound on hostB, the domain's migration token registered
+    there, and the record opened on hostA with it (as hostA's hook does when
+    the domain comes with the token hostB wrote into it): (token, record)."""
+    token = att.new_token()
+    with control(pool, "hostB") as b:
+        bind(b, dev, uuid)
+        b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+    with control(pool, "hostA") as a:
+        record = a.call("open_migration", domain_uuid=uuid, token=token)
+    return token, record
+
+
 def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
     pool, config, conn, created = world
     uuid = str(uuid_module.uuid4())
-    dom = conn.defineXML(accel_domain_xml("accel-save", uuid))
-    created.append(dom)
-    dom.create()
+    dom = started(world, "accel-save", uuid)
     hostd = HostdThread(config).start()
     try:
         # its events are registered once it says libvirt is connected: a save
@@ -168,17 +190,9 @@ def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resume
     agent = None
     try:
         buf = dev.upload(b"kept on the pool" * 4)
-        token = att.new_token()
-        with control(pool, "hostB") as b:
-            bind(b, dev, uuid)
-            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
-        with control(pool, "hostA") as a:
-            # the domain comes to hostA with the token hostB wrote into it (as its hook opens)
-            record = a.call("open_migration", domain_uuid=uuid, token=token)
-            assert record["vouched"]
-        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel), token=token))
-        created.append(dom)
-        dom.create()
+        token, record = arrives_from_b(pool, dev, uuid)
+        assert record["vouched"]
+        started(world, "accel-retry", uuid, channel=str(channel), token=token)
         hostd = HostdThread(config, rehome_timeout=1.0, retry_first=0.2, retry_max=0.5).start()
         try:
             client = LocalClient(str(tmp_path / "hostd.sock"))
@@ -449,9 +463,7 @@ def test_a_hook_note_while_an_event_holds_the_lock_answers_and_moves_the_phase_a
     from accelmig.plugin.hostd.watch import Phase
     pool, config, conn, created = world
     uuid = str(uuid_module.uuid4())
-    dom = conn.defineXML(accel_domain_xml("accel-hooked", uuid))
-    created.append(dom)
-    dom.create()
+    started(world, "accel-hooked", uuid)
     hostd = HostdThread(config).start()
     try:
         async def look():                   # (on hostd's loop)
@@ -495,7 +507,6 @@ class ChannelRelay:
     drops the agent's answer (a lost answer)."""
 
     def __init__(self, path: str, agent_port: str, mode: str = "honest"):
-        import socket
         self.agent_port, self.mode = agent_port, mode
         self.rehomes = self.dropped = 0
         self._socks: list = []
@@ -557,10 +568,8 @@ class ChannelRelay:
             pass
         finally:
             for sock in (source, sink):
-                try:
-                    sock.shutdown(2)
-                except OSError:
-                    pass
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self.server.close()
@@ -592,15 +601,8 @@ def arriving(world, tmp_path):
         hostds.append(hostd.start())
         return hostd
     try:
-        token = att.new_token()
-        with control(pool, "hostB") as b:
-            bind(b, dev, uuid)
-            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
-        with control(pool, "hostA") as a:
-            record = a.call("open_migration", domain_uuid=uuid, token=token)
-        dom = conn.defineXML(accel_domain_xml("accel-arriving", uuid, channel=str(channel), token=token))
-        created.append(dom)
-        dom.create()
+        token, record = arrives_from_b(pool, dev, uuid)
+        started(world, "accel-arriving", uuid, channel=str(channel), token=token)
         yield relay, dev, uuid, record, start_hostd
     finally:
         for hostd in hostds:
