@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ["remoting", "resume", "storm", "blackout", "isolation", "sandbox", "devices", "placement", "etcd_tls",
+BENCHMARKS = ["remoting", "dataplane", "resume", "storm", "blackout", "isolation", "sandbox", "devices", "placement", "etcd_tls",
               "records"]
 
 

@@ -4,6 +4,8 @@ tenant's device process at once, while the driver runs one hot loop.
     python -m bench.profile finish     # finish() on an idle session, in a loop
     python -m bench.profile launch     # pipelined launches of a trivial kernel, a finish per 1,000
     python -m bench.profile upload     # 64 MiB writes into one buffer, back to back
+    python -m bench.profile read       # 64 B reads, each waiting for its reply
+    python -m bench.profile read --tls # any loop over TLS (a throwaway CA), as deployed
 
 Needs py-spy (``.venv/bin/pip install py-spy``; not a dependency of the
 project) and the rights to attach to the processes it starts (root, or
@@ -41,6 +43,10 @@ def hot_loop(dev, prog, small, which: str, seconds: float, bulk=None) -> float:
         if which == "upload":
             dev.write(bulk[0], bulk[1])
             done += len(bulk[1])
+        elif which == "read":
+            for _ in range(100):
+                dev.read(small, SMALL)
+            done += 100
         elif which == "finish":
             for _ in range(100):
                 dev.finish()
@@ -74,7 +80,8 @@ def summarise(path: str, top: int = 15) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="bench profile", description=__doc__.split("\n")[0])
-    parser.add_argument("loop", choices=("finish", "launch", "upload"))
+    parser.add_argument("loop", choices=("finish", "launch", "upload", "read"))
+    parser.add_argument("--tls", action="store_true", help="the pool serves TLS, the driver verifies it")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--rate", type=int, default=1000, help="py-spy samples per second")
     args = parser.parse_args(argv)
@@ -85,10 +92,16 @@ def main(argv=None) -> None:
     from accelmig.agent.driver import connect
     workdir = tempfile.mkdtemp(prefix="accelmig-profile-")
     os.makedirs(RESULTS, exist_ok=True)
-    pool, endpoint = start_pool(workdir)
+    tls, options = None, {"insecure": True}
+    if args.tls:
+        from pathlib import Path
+        from accelmig.lab.certs import make_pki
+        pki = make_pki(Path(workdir) / "pki", hosts=())
+        tls, options = (str(pki.pool.cert), str(pki.pool.key)), {"cafile": str(pki.ca)}
+    pool, endpoint = start_pool(workdir, tls=tls)
     spies = []
     try:
-        dev = connect(endpoint, "bench-token-0001", agent=False, insecure=True)
+        dev = connect(endpoint, "bench-token-0001", agent=False, **options)
         prog = dev.build(COUNTER)          # the tenant's device process runs from here on
         small = dev.upload(bytes(SMALL))
         data = os.urandom(UPLOAD) if args.loop == "upload" else b""

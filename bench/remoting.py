@@ -152,6 +152,7 @@ def start_pool(workdir: str, *extra: str, tls: tuple[str, str] | None = None):
     tokens = os.path.join(workdir, "tokens.toml")
     with open(tokens, "w") as handle:
         handle.write('[tenants.bench]\ntoken = "bench-token-0001"\nquota = "4GiB"\n')
+    os.chmod(tokens, 0o600)     # it holds a token: the pool warns about a file others may read
     exe = os.path.join(os.path.dirname(sys.executable), "accelmig-pool")
     proc = subprocess.Popen([exe, "serve", "--listen", "127.0.0.1:0", "--control-listen", "",
                              "--admin-socket", "", "--tokens", tokens, "--log-level", "WARNING",

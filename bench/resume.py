@@ -260,7 +260,13 @@ def main(argv=None) -> None:
     parser.add_argument("--cold-repeat", type=int, default=3, help="cold restarts per cache setting (median) [3]")
     parser.add_argument("--no-uncached", action="store_true",
                         help="skip the second pool with PYOPENCL_NO_CACHE=1 POCL_KERNEL_CACHE=0")
+    parser.add_argument("--sizes", metavar="MiB,...",
+                        help="instead of one size: hot rehome and cold restart at each of these sizes of "
+                             "device state in one run (default caches), e.g. 256,1024,4096,8192; needs about "
+                             "2.5x the largest in free memory (the driver's copy, the device's, the reference)")
     args = parser.parse_args(argv)
+    if args.sizes:
+        return sizes_main(args, parser)
     if args.hot_repeat < 1 or args.cold_repeat < 1 or args.size_mib < 1:
         parser.error("repeats and --size-mib must be >= 1")
     import numpy as np
@@ -319,6 +325,60 @@ def main(argv=None) -> None:
     png = plot(results, args)
     print(f"\nwrote {path}" + (f" and {png}" if png else ""))
     print("\n" + "\n".join(verdicts))
+
+
+FLAT = 1.5     # "flat": the largest size's hot rehome within 1.5x the smallest's (plus 2 ms of noise)
+
+
+def sizes_main(args, parser) -> None:
+    """Hot rehome against cold restart at several sizes of device state, one
+    pool per size (default caches), largest last: is the hot path flat?"""
+    import numpy as np
+    try:
+        sizes = sorted({int(size) for size in args.sizes.split(",")})
+    except ValueError:
+        parser.error(f"--sizes: a comma-separated list of MiB, not {args.sizes!r}")
+    if not sizes or sizes[0] < 1:
+        parser.error("--sizes: each size must be >= 1 MiB")
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+    med = statistics.median
+    results = {}
+    for size in sizes:
+        wn = size * MIB // 4
+        n = min(args.state_kib * 1024 // 4, wn) // PROBE_WORDS * PROBE_WORDS
+        log(f"resume at {size} MiB: weights and the numpy reference ...")
+        weights = np.random.default_rng(7).integers(0, 1 << 32, size=wn, dtype=np.uint32)
+        expected = reference(weights, n, args.iterations, args.hot_repeat)
+        workdir = tempfile.mkdtemp(prefix="accelmig-bench-resume-")
+        pool = None
+        try:
+            pool = TwoHostPool(workdir, quota=f"{max(16, size * 2 // 1024 + 2)}GiB")
+            results[size] = measure(pool, weights, n, args, expected, log)
+        finally:
+            if pool is not None:
+                pool.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+            del weights
+    table = Table(f"hot rehome vs cold restart by device state ({args.iterations} iterations, 4 programs): "
+                  "median time to the first correct result", "cold restart", "hot rehome")
+    for size, r in results.items():
+        label = f"{size // 1024} GiB" if size % 1024 == 0 else f"{size} MiB"
+        table.add(f"move -> result, {label}", med(r["cold_s"]) * 1e3, med(r["hot_total_s"]) * 1e3, "ms")
+    hot = [med(r["hot_total_s"]) * 1e3 for r in results.values()]
+    cold = [med(r["cold_s"]) * 1e3 for r in results.values()]
+    flat = hot[-1] <= hot[0] * FLAT + 2.0
+    verdict = (f"hot {hot[0]:.2f} ms at {sizes[0]} MiB -> {hot[-1]:.2f} ms at {sizes[-1]} MiB "
+               f"({hot[-1] / hot[0]:.2f}x; flat means <= {FLAT}x + 2 ms: {'MET' if flat else 'NOT MET'}); "
+               f"cold {cold[0]:.0f} -> {cold[-1]:.0f} ms ({cold[-1] / cold[0]:.1f}x)")
+    print()
+    print(table.render())
+    path = table.save("resume-sizes", {"args": vars(args), "flat": flat, "verdict": verdict,
+                                       "results": {str(size): r for size, r in results.items()}})
+    png = table.plot("resume-sizes")
+    print(f"\nwrote {path}" + (f" and {png}" if png else ""))
+    print("\n" + verdict)
 
 
 def plot(results: dict, args) -> str | None:
