@@ -28,9 +28,10 @@ Bounds, all counted from accept, both planes together:
 - until it authenticates, a connection's TLS layer reads at most one TLS
   record at a time (``StrangerTLS``).
 
-An accepted connection's life is ``AcceptedConnection.TRANSITIONS``:
+An accepted connection's life is ``AcceptedConnection.TABLE``:
 ACCEPTED (counted; TLS or the plane's hello under way) -> AUTHENTICATED
-(counted in the total only) -> CLOSED.
+(counted in the total only) -> CLOSED; or ACCEPTED -> CLOSED at once when
+admission refuses it (never counted).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import logging
 import resource
 from asyncio import sslproto
 
+from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire.errors import AccelmigError, ConfigInvalid, Unavailable
 from accelmig.wire.frames import encode_frame
 
@@ -218,7 +220,13 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-class AcceptedConnection(asyncio.Protocol):
+class AdmissionEvent(enum.Enum):
+    REFUSED = "refused"                # admission said no: closed before it was counted
+    AUTHENTICATED = "authenticated"    # the plane's report
+    CLOSED = "closed"                  # the plane's report, a failed handshake, the deadline, an eviction
+
+
+class AcceptedConnection(StateMachine, asyncio.Protocol):
     """A listener's first protocol for each connection: admission, the TLS
     handshake under the connection's deadline, then the plane's protocol
     (``make_app(self)``) takes the transport.  The plane reports
@@ -226,21 +234,28 @@ class AcceptedConnection(asyncio.Protocol):
     deadline for its own hello; ``on_deadline`` (the plane's) answers a
     connection whose deadline passed, else it is aborted."""
 
-    TRANSITIONS = {
-        Phase.ACCEPTED: frozenset({Phase.AUTHENTICATED, Phase.CLOSED}),
-        Phase.AUTHENTICATED: frozenset({Phase.CLOSED}),
-        Phase.CLOSED: frozenset(),
+    INITIAL = Phase.ACCEPTED
+    FINAL = frozenset({Phase.CLOSED})
+    TABLE = {
+        AdmissionEvent.REFUSED: {Phase.ACCEPTED: Phase.CLOSED},
+        AdmissionEvent.AUTHENTICATED: {Phase.ACCEPTED: Phase.AUTHENTICATED},
+        AdmissionEvent.CLOSED: {Phase.ACCEPTED: Phase.CLOSED, Phase.AUTHENTICATED: Phase.CLOSED},
     }
+    # The plane and this class both report what they see (a plane closes a
+    # connection this one evicted; a connection closes before its plane's
+    # report that it authenticated): each counted once.
+    REPEATS = {AdmissionEvent.AUTHENTICATED: frozenset({Phase.AUTHENTICATED, Phase.CLOSED}),
+               AdmissionEvent.CLOSED: frozenset({Phase.CLOSED})}
 
     def __init__(self, admission: Admission, make_app, *, plane: str, tls_context=None,
                  timeout: float = 10.0, metrics=None):
+        super().__init__()
         self.admission = admission
         self.make_app = make_app
         self.plane = plane
         self.tls_context = tls_context
         self.timeout = timeout
         self.metrics = metrics
-        self.phase = Phase.ACCEPTED
         self.address = "?"
         self.peer: tuple = ("?", 0)
         self.transport = None          # the TCP transport (under TLS: beneath it)
@@ -250,12 +265,6 @@ class AcceptedConnection(asyncio.Protocol):
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _to(self, phase: Phase) -> bool:
-        if phase not in self.TRANSITIONS[self.phase]:
-            return False
-        self.phase = phase
-        return True
 
     # -- accept ----------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -267,7 +276,7 @@ class AcceptedConnection(asyncio.Protocol):
         self.address = str(self.peer[0])
         refused = self.admission.admit(self)
         if refused is not None:
-            self.phase = Phase.CLOSED          # (never counted)
+            self.fire(AdmissionEvent.REFUSED)        # (never counted)
             if self.tls_context is None:       # a plain peer can read why; a TLS one costs no handshake
                 transport.write(encode_frame({"op": "error", "error": refused.to_wire()}))
                 transport.close()
@@ -288,7 +297,7 @@ class AcceptedConnection(asyncio.Protocol):
         """The peer's first bytes (its ClientHello): the TLS layer and the
         plane's protocol are made now and take the connection, these bytes
         first."""
-        if self.tls is not None or self.phase is not Phase.ACCEPTED:
+        if self.tls is not None or self.state is not Phase.ACCEPTED:
             return
         self.app = self.make_app(self)
         waiter = self._loop.create_future()
@@ -317,13 +326,13 @@ class AcceptedConnection(asyncio.Protocol):
         or it failed (asyncio then tells the plane nothing)."""
         failed = waiter.cancelled() or waiter.exception() is not None or \
             self.tls is None or self.tls._app_transport is None
-        if failed and self.phase is Phase.ACCEPTED:
+        if failed and self.state is Phase.ACCEPTED:
             self.transport.abort()
             self.closed()
 
     def _deadline_passed(self) -> None:
         self._timer = None
-        if self.phase is not Phase.ACCEPTED:
+        if self.state is not Phase.ACCEPTED:
             return
         if self.on_deadline is not None:     # the plane's protocol has it: the plane says why
             self.on_deadline()
@@ -338,7 +347,7 @@ class AcceptedConnection(asyncio.Protocol):
 
     # -- what the plane reports -------------------------------------------------------
     def authenticated(self) -> None:
-        if not self._to(Phase.AUTHENTICATED):
+        if self.fire(AdmissionEvent.AUTHENTICATED) is None:
             return
         self.admission.authenticated(self)
         if self._timer is not None:
@@ -348,8 +357,8 @@ class AcceptedConnection(asyncio.Protocol):
             self.tls.authenticated()
 
     def closed(self) -> None:
-        stranger = self.phase is Phase.ACCEPTED
-        if not self._to(Phase.CLOSED):
+        stranger = self.state is Phase.ACCEPTED
+        if self.fire(AdmissionEvent.CLOSED) is None:
             return
         self.admission.closed(self, stranger)
         if self._timer is not None:

@@ -1,8 +1,9 @@
 """One data-plane connection from a guest driver.
 
-State machine::
+State machine (``DataConnection.TABLE``)::
 
     HELLO --hello--> READY --open/resume--> ATTACHED --(lost, bad frame, fenced)--> CLOSED
+                     READY <--placed-- PLACING <--open (a cluster's placement)--
 
 Everything here runs on the pool's event loop, so each frame is handled
 whole before the next: a resume that fences this connection takes effect
@@ -24,6 +25,7 @@ from accelmig.pool import clcommands, streaming
 from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
                                       command_cost)
 from accelmig.pool.session import Command, LaunchRun
+from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire import opencl as wire_opencl
@@ -58,14 +60,39 @@ class ConnState(enum.Enum):
     CLOSED = "closed"
 
 
-class DataConnection(asyncio.BufferedProtocol):
+class ConnEvent(enum.Enum):
+    WELCOMED = "welcomed"    # its hello agreed a protocol version
+    PLACE = "place"          # an open (or a resume) waits for the cluster's answer, off the loop
+    PLACED = "placed"        # the cluster answered: the frame is handled now
+    ATTACH = "attach"        # an open or a resume gave it a session
+    CLOSE = "close"          # lost, failed, fenced or closed by the pool
+
+
+class DataConnection(StateMachine, asyncio.BufferedProtocol):
     """``server_cert_der``: the pool's own certificate when it serves TLS
     (what ownership proofs are bound to, with the connection's challenge).
     ``admitted``: the ``pool.admission.AcceptedConnection`` that counted it
     from accept, ran its TLS handshake and holds its deadline (the pool
-    reports to it when the connection authenticates and when it ends)."""
+    reports to it when the connection authenticates and when it ends).
+
+    ``state`` is a plain attribute, read on every frame; it changes only on
+    the pool's loop, through ``fire``."""
+
+    INITIAL = ConnState.HELLO
+    FINAL = frozenset({ConnState.CLOSED})
+    TABLE = {
+        ConnEvent.WELCOMED: {ConnState.HELLO: ConnState.READY},
+        ConnEvent.PLACE: {ConnState.READY: ConnState.PLACING},
+        ConnEvent.PLACED: {ConnState.PLACING: ConnState.READY},
+        ConnEvent.ATTACH: {ConnState.READY: ConnState.ATTACHED},
+        ConnEvent.CLOSE: {ConnState.HELLO: ConnState.CLOSED, ConnState.READY: ConnState.CLOSED,
+                          ConnState.PLACING: ConnState.CLOSED, ConnState.ATTACHED: ConnState.CLOSED},
+    }
+    # the pool closes it, then asyncio reports it lost: closed once
+    REPEATS = {ConnEvent.CLOSE: frozenset({ConnState.CLOSED})}
 
     def __init__(self, pool, server_cert_der: bytes | None = None, admitted=None):
+        super().__init__()
         self.pool = pool
         self.server_cert_der = server_cert_der
         self.admitted = admitted
@@ -77,7 +104,6 @@ class DataConnection(asyncio.BufferedProtocol):
         # (view, lease) of payloads received into the upload arena, in frame
         # order, until their frame is handled (or the connection ends)
         self._leases: collections.deque = collections.deque()
-        self.state = ConnState.HELLO
         self.transport: asyncio.Transport | None = None
         self.session = None
         self.epoch = 0
@@ -241,7 +267,7 @@ class DataConnection(asyncio.BufferedProtocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        self.state = ConnState.CLOSED
+        self.fire(ConnEvent.CLOSE)
         self._drop_leases()        # payloads received (or half received) that no command took
         # Whoever closed it (the peer, or this side after an error), a
         # session still attached here is detached: its grace starts, and at
@@ -347,9 +373,8 @@ class DataConnection(asyncio.BufferedProtocol):
         when the transport lets go (asyncio waits up to 30 s for a TLS
         peer's close_notify, and for a plain peer that never reads, for
         ever).  What is queued still goes out, for ``pool.admission.CLOSE_GRACE`` at most."""
-        if self.state is ConnState.CLOSED:
-            return
-        self.state = ConnState.CLOSED
+        if self.fire(ConnEvent.CLOSE) is None:
+            return               # (closed already)
         session = self.session
         if session is not None and session.connection is self:
             self.pool.connection_lost(session, self)
@@ -398,7 +423,7 @@ class DataConnection(asyncio.BufferedProtocol):
             if op is not Op.HELLO:
                 raise ProtocolError(reason=f"expected hello first, got {op.value}")
             self.version = dp.negotiate(header.get("versions", []), self.pool.data_versions)
-            self.state = ConnState.READY
+            self.fire(ConnEvent.WELCOMED)
             self.send({"op": Op.WELCOME.value, "version": self.version,
                        "instance": self.pool.instance, "challenge": self.challenge,
                        # (a read's reply must fit what a session keeps unacknowledged)
@@ -564,14 +589,14 @@ class DataConnection(asyncio.BufferedProtocol):
 
     def _off_loop(self, fn, *args, header: dict) -> None:
         """``fn(*args)`` (an etcd read) on a thread; ``_placed`` takes its answer."""
-        self.state = ConnState.PLACING
+        self.fire(ConnEvent.PLACE)
         future = asyncio.get_running_loop().run_in_executor(None, fn, *args)
         future.add_done_callback(lambda done: self._placed(done, header))
 
     def _placed(self, done, header: dict) -> None:
         if self.state is not ConnState.PLACING:        # closed meanwhile
             return
-        self.state = ConnState.READY
+        self.fire(ConnEvent.PLACED)
         try:
             target = done.result()
             if dp.parse_op(header) is not Op.OPEN:         # locate answers only by raising
@@ -599,7 +624,7 @@ class DataConnection(asyncio.BufferedProtocol):
     def _attach(self, session) -> None:
         self.session = session
         self.epoch = session.epoch
-        self.state = ConnState.ATTACHED
+        self.fire(ConnEvent.ATTACH)
         if self.admitted is not None:
             self.admitted.authenticated()
         if self._idle_timer is None:

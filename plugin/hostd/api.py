@@ -10,18 +10,20 @@ when the server closes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
 
 from accelmig.plugin.hostd.watch import Phase, Trigger
+from accelmig.runtime.dispatch import Dispatch
 from accelmig.runtime.sockets import OwnedUnixSocket
 from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
 from accelmig.wire.attestation import check_hex
 from accelmig.wire.errors import (AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable,
                                   UnknownOp)
-from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
+from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES, REQUESTS
 from accelmig.wire.records import RecordStateName, RecordView
 
 LOG = logging.getLogger("accelmig.hostd")
@@ -103,16 +105,17 @@ class LocalServer:
 
 
 class LocalApi:
-    """The requests, answered from hostd's state and the pool."""
+    """The requests (``wire.localapi.REQUESTS``), answered from hostd's state and the pool."""
+
+    on_request = Dispatch("a local API request", REQUESTS)
 
     def __init__(self, daemon):
         self.daemon = daemon
+        # (the server keeps a plain dict: tests/support/hostd.py serves canned answers through it)
         self.server = LocalServer(daemon.config.hostd.socket, {
-            "ping": self.ping, "status": self.status, "hook": self.hook, "intent": self.intent,
-            "wait_rehomed": self.wait_rehomed, "sessions": self.sessions, "metrics": self.metrics,
-            "rehome_here": self.rehome_here,
-        })
+            kind: functools.partial(self.on_request.lookup(kind), self) for kind in REQUESTS})
 
+    @on_request("ping")
     async def ping(self, message: dict) -> dict:
         d = self.daemon
         return {"host": d.host, "pid": os.getpid(), "pool": d.pool_reachable, "libvirt": d.libvirt.conn is not None}
@@ -120,6 +123,7 @@ class LocalApi:
     #: how long ``status`` waits for the pool's records before it answers without them
     STATUS_POOL_WAIT = 2.0
 
+    @on_request("status")
     async def status(self, message: dict) -> dict:
         d = self.daemon
         try:
@@ -156,6 +160,7 @@ class LocalApi:
                 break
         return sorted(found[:count], key=lambda r: r["times"].get("opened", 0.0))
 
+    @on_request("hook")
     async def hook(self, message: dict) -> dict:
         d = self.daemon
         op, sub, uuid, name = (message.get(k) for k in ("op", "sub", "uuid", "name"))
@@ -187,16 +192,26 @@ class LocalApi:
             raise Unavailable(what="the pool's control plane",
                               reason=f"no answer within the hook's {budget:.1f} s") from None
         watch = d.watches.add(uuid, name or uuid)
-        watch.note(f"hook {op} {sub}")
-        # Not under the watch's lock: the hook must not wait behind an event.
-        watch.record = record
-        watch.fire(Trigger.HOOK_INCOMING)
+        # The hook must not wait behind an event of the domain (libvirt waits
+        # for it), and the phase and record change only under the watch's
+        # lock: applied after whatever holds it now.  Taken now where the lock
+        # is free (no later event can come first), else queued in order
+        # (asyncio's lock is first come, first served: the domain's next
+        # event queues behind it).
+        d.spawn(self._note_incoming(watch, f"hook {op} {sub}", record), f"hook-incoming:{uuid}")
         (LOG.info if record.vouched else LOG.warning)(
             "domain %s incoming: record %s opened (policy %s)%s", name, record.migration_id, record.policy.value,
             "" if record.vouched else "; nobody vouched for this host as its destination yet (no valid "
                                       "migration token in its XML): its source does at switchover",
             extra={"domain": name, "migration": record.migration_id})
         return {"record": record.to_wire()}
+
+    @staticmethod
+    async def _note_incoming(watch, what: str, record: RecordView) -> None:
+        async with watch.lock:
+            watch.note(what)
+            watch.record = record
+            watch.fire(Trigger.HOOK_INCOMING)
 
     async def _abort_late(self, opening: asyncio.Future, label: str) -> None:
         try:
@@ -219,12 +234,14 @@ class LocalApi:
             raise Unavailable(what="the pool's control plane",
                               reason=f"no answer within the hook's {budget:.1f} s") from None
 
+    @on_request("intent")
     async def intent(self, message: dict) -> dict:
         return await self.daemon.pool_call("register_intent", domain_uuid=message.get("uuid"),
                                            policy=message.get("policy") or "none",
                                            dest_host=message.get("dest_host"),
                                            migration_id=message.get("migration_id"))
 
+    @on_request("wait_rehomed")
     async def wait_rehomed(self, message: dict) -> dict:
         """Until the pool has the migration's sessions all resumed, or its
         record ended (``until="timeline"``: and the destination's steps are
@@ -236,8 +253,8 @@ class LocalApi:
             raise BadRequest(reason=f"wait_rehomed: until {str(until)[:40]!r} (rehomed or timeline)")
         d = self.daemon
         try:
-            answer = await d.nodes.call_within(wait + 5, "wait_record", domain_uuid=uuid, migration_id=mid,
-                                              until=until, timeout=wait)
+            answer = await d.pool_wait(wait + 5, "wait_record", domain_uuid=uuid, migration_id=mid,
+                                       until=until, timeout=wait)
         except Unavailable as exc:
             raise Timeout(what=f"the rehome of {uuid} ({exc})", timeout=wait) from None
         record = RecordView.from_wire(answer["record"]) if answer.get("record") else None
@@ -253,12 +270,14 @@ class LocalApi:
             out["error"] = f"the migration was aborted: {record.abort_reason or 'no reason given'}"
         return out
 
+    @on_request("sessions")
     async def sessions(self, message: dict) -> dict:
         """A page of the pool's sessions of a domain (``cursor``: the ``next``
         of the page before, passed back to the pool as it is): one line each."""
         return await self.daemon.pool_call("list_sessions", domain_uuid=message.get("uuid"),
                                            cursor=message.get("cursor"))
 
+    @on_request("rehome_here")
     async def rehome_here(self, message: dict) -> dict:
         """The guest of a domain running here rehomed here once more
         (``MigrationSteps.rehome_here``), under its watch's lock: no event
@@ -280,5 +299,6 @@ class LocalApi:
                 raise Unavailable(what=f"domain {watch.name}", reason="libvirt does not have it (now)")
             return await d.migrations.rehome_here(dom, watch, address=address)
 
+    @on_request("metrics")
     async def metrics(self, message: dict) -> dict:
         return {"text": self.daemon.metrics.text()}

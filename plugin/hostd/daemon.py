@@ -4,9 +4,10 @@ It owns the one libvirt connection (``LibvirtSession``: typed events,
 reconnection), the one control-plane client to the pool, the watches of this
 host's accelmig domains, and the local API.  A libvirt event becomes a
 ``Trigger`` (``watch.TRIGGERS``); the domain's watch says which ``Step``
-that is in its phase (``watch.TRANSITIONS``); the step is one coroutine of
+that is in its phase (``watch.WatchPhase``); the step is one coroutine of
 ``MigrationSteps`` or of this class.  Each domain's events are taken one at
-a time (its watch's lock); reconciliation takes the same path.
+a time (its watch's lock); the hook's note, reconciliation and rehome retries
+take the same path.
 
 This host's identity towards the pool is discovered when hostd starts and
 refreshed with every registration at the pool; a rehome uses it as it is
@@ -20,6 +21,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -226,6 +228,11 @@ class HostDaemon:
     async def pool_call_all(self, method: str, **args):
         """A paged method with all its pages (``wire.control.PAGED``)."""
         return await self._pool(self.nodes.call_all, method, args)
+
+    async def pool_wait(self, within: float, method: str, /, **args):
+        """A long wait (``wait_record``) answered within ``within`` s: in a
+        pool of several nodes, on every node at once (``PoolNodes.call_within``)."""
+        return await self._pool(functools.partial(self.nodes.call_within, within), method, args)
 
     async def node_call(self, client, method: str, **args):
         """One call to one node of the pool (``nodes.every``, ``nodes.node_for_sid``)."""

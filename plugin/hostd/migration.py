@@ -9,7 +9,8 @@
 - destination, once the guest runs here (RESUMED_MIGRATED, or
   RESUMED_POSTCOPY: commit first): complete the record (tickets), give the
   guest this host's identity and the tickets, and retry until every session
-  resumed here;
+  resumed here — as the pool's record says (``wait_record``), not as the
+  guest says: the agent's answer is a claim, and may be lost;
 - source, when the guest left (STOPPED_MIGRATED): close the record; a
   failed or cancelled migration (the arrival stops on the destination, the
   guest resumes on the source) aborts it;
@@ -184,15 +185,36 @@ class MigrationSteps:
             identity = await self.daemon.identity_for(watch)
         clock["identity"] = clock["delivering"] = time.time()
         document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": tickets}
-        result = await watch.delivery.rehome(dom, watch, document)
+        try:
+            result, lost = await watch.delivery.rehome(dom, watch, document), None
+        except AccelmigError as exc:
+            # The answer is lost, not necessarily the rehome: the pool's record says
+            result, lost = None, f"{type(exc).__name__}: {exc}"
         clock["answer"] = time.time()
         clock["sent"] = watch.delivery.rehome_sent or clock["delivering"]
         delivered = time.monotonic()
-        # off the blackout's path: the guest's drivers have resumed by now
-        self.daemon.spawn(self._note_dest_timeline(watch, mid, seen, clock, result), f"timeline:{watch.name}")
-        ok = bool(result and result.get("ok"))
+        if lost is None:
+            # off the blackout's path: the guest's drivers have resumed by now
+            self.daemon.spawn(self._note_dest_timeline(watch, mid, seen, clock, result), f"timeline:{watch.name}")
+        guest_ok = bool(result and result.get("ok"))
+        ok, record = await self._rehomed(watch, mid, wait=self.VERDICT_WAIT if guest_ok else 0.0)
+        if record is not None:
+            watch.record = record
+        said = "every session resumed" if guest_ok else lost or why_not_resumed(result)
+        if ok:
+            why = None
+        elif guest_ok:
+            why = "the guest says every session resumed, the pool's record does not" + (
+                f" ({record.resumed_count} of {record.session_count} resumed, {record.state.value})"
+                if record is not None else "")
+        else:
+            why = said
+        if ok != guest_ok:
+            LOG.warning("domain %s: rehome %s: the guest says %s; going by the pool's record: %s", watch.name,
+                        mid, said, "every session resumed" if ok else why,
+                        extra={"domain": watch.name, "migration": mid})
         summary = {"migration_id": mid, "postcopy": postcopy, "tickets": len(tickets), "result": result,
-                   "ok": ok, "why": None if ok else why_not_resumed(result),
+                   "ok": ok, "guest_ok": guest_ok, "why": why,
                    "attempt": (result or {}).get("attempts", 1),
                    "complete_s": round(completed - started, 6), "deliver_s": round(delivered - completed, 6),
                    "total_s": round(delivered - started, 6), "at": time.time()}
@@ -208,6 +230,27 @@ class MigrationSteps:
             "all sessions resumed" if ok else f"NOT all resumed ({summary['why']}); will retry",
             extra={"domain": watch.name, "migration": mid})
         return summary
+
+    #: s hostd waits for the pool's record to show every session resumed once
+    #: the guest said they all did (its drivers' resumes reach the pool
+    #: before the agent answers: this is for a pool that notes them late)
+    VERDICT_WAIT = 2.0
+
+    async def _rehomed(self, watch: DomainWatch, mid: str, *, wait: float) -> tuple[bool, RecordView | None]:
+        """The pool's verdict on rehome ``mid`` (every node's, in a cluster):
+        whether its record is completed or closed with every frozen session
+        resumed, and the record.  The guest's own word decides nothing: an
+        agent may say ok for sessions that never resumed (a bug, a guest that
+        lies), or its answer may be lost after they all did."""
+        try:
+            answer = await self.daemon.pool_wait(wait + 5.0, "wait_record", domain_uuid=watch.uuid,
+                                                 migration_id=mid, until="rehomed", timeout=wait)
+            record = RecordView.from_wire(answer["record"]) if answer.get("record") else None
+        except AccelmigError as exc:
+            LOG.warning("domain %s: the pool's record of rehome %s not read: %s", watch.name, mid, exc,
+                        extra={"domain": watch.name, "migration": mid})
+            return False, None
+        return bool(answer.get("reached")) and record is not None and record.rehomed, record
 
     async def _note_dest_timeline(self, watch: DomainWatch, mid: str, seen, clock: dict, result) -> None:
         try:
@@ -296,8 +339,7 @@ class MigrationSteps:
         the latest copy."""
         await self.pool("unpark", domain_uuid=watch.uuid)
         identity = await self.daemon.identity_for(watch)
-        document = {"migration_id": f"restored-{uuid_module.uuid4().hex[:8]}",
-                    "identity": identity.to_wire(), "tickets": {}}
+        document = {"migration_id": rehome_id("restored"), "identity": identity.to_wire(), "tickets": {}}
         try:
             result = await watch.delivery.rehome(dom, watch, document)
         except AccelmigError as exc:
@@ -329,7 +371,7 @@ class MigrationSteps:
             raise Conflict(reason=f"domain {watch.name} is {watch.phase.value} here, not running: "
                                   "only a guest that runs here, and no migration of it, is rehomed here")
         identity = await self.daemon.identity_for(watch, spare=address == "spare")
-        mid = f"here-{uuid_module.uuid4().hex[:8]}"
+        mid = rehome_id("here")
         document = {"migration_id": mid, "identity": identity.to_wire(), "tickets": {}}
         clock = {"delivering": time.time()}
         result = await watch.delivery.rehome(dom, watch, document)
@@ -350,6 +392,22 @@ class MigrationSteps:
                 "timeline": Timeline(steps).to_wire(),
                 # the guest's own durations (its claims, shown only): where its time went
                 "guest": _guest_durations(result)}
+
+
+#: the rehomes with no migration record under them: a restored copy's
+#: drivers told to resume (``unpark``), a guest rehomed here again (``rehome_here``)
+REHOME_KINDS = ("restored", "here")
+
+
+def rehome_id(kind: str) -> str:
+    """The id of a rehome that no migration record is under (``REHOME_KINDS``).
+    A delivery id, never a record's: the agent keeps one outcome per id (a
+    repeat gets the same answer), and no pool has a record of that id to
+    ask, so these rehomes go by the guest's word.  A migration's rehome
+    carries its record's id (the pool mints those)."""
+    if kind not in REHOME_KINDS:
+        raise ValueError(f"rehome_id: {kind!r} is not one of {REHOME_KINDS}")
+    return f"{kind}-{uuid_module.uuid4().hex[:8]}"
 
 
 def _guest_durations(result: dict | None) -> dict:

@@ -63,7 +63,7 @@ class Reconciler:
             dom, state, watch = here.get(record.domain_uuid, (None, None, None))
             if record.dest_host == self.host:
                 if dom is not None and state == libvirt.VIR_DOMAIN_RUNNING:
-                    if record.in_flight or record.unresumed_count:
+                    if record.in_flight or not record.rehomed:     # (the pool's verdict)
                         actions.append(("rehome", watch.name))
                         await self._under_lock(dom, watch, Trigger.FOUND_ARRIVED, record)
                 elif dom is not None and state == libvirt.VIR_DOMAIN_PAUSED:

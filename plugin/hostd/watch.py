@@ -4,11 +4,13 @@ phases change.
 Everything that moves a domain from one phase to another is a ``Trigger``:
 a libvirt lifecycle event (``TRIGGERS`` maps them), or something hostd
 itself established (the hook's note opened a record, the source confirmed
-an outgoing migration, every session resumed, reconciliation found a guest
-that arrived while hostd was away).  ``TRANSITIONS`` says, per trigger, in
-which phases it applies, the phase it leads to and the ``Step`` hostd then
-takes; ``DomainWatch.fire`` is the only place a phase is assigned.  A
-trigger that does not apply in the current phase changes nothing.
+an outgoing migration, the pool's record says every session resumed,
+reconciliation found a guest that arrived while hostd was away).
+``WatchPhase.TABLE`` says, per trigger, in which phases it applies, the
+phase it leads to and the ``Step`` hostd then takes (the house's one
+state-machine idiom, ``accelmig.runtime.statemachine``).  A trigger that
+does not apply in the current phase changes nothing.  ``DomainWatch.fire``
+is the only way a phase changes, and only under the watch's lock.
 
 ``WatchTable`` holds the watches: only accelmig domains get one, a domain
 found foreign is remembered by UUID (no ``XMLDesc`` for its later events:
@@ -24,6 +26,7 @@ import time
 
 from accelmig.plugin.hostd.delivery import NoDelivery
 from accelmig.plugin.hostd.events import DomainEvent
+from accelmig.runtime.statemachine import StateMachine, To, first_match
 from accelmig.wire import channel as ch
 
 
@@ -85,32 +88,46 @@ ANY = frozenset(Phase)
 ARRIVING = frozenset({Phase.INCOMING, Phase.REHOMING})
 HERE = frozenset({Phase.IDLE, Phase.RUNNING})
 
-#: trigger -> rows of (phases it applies in, next phase, step); the first row that applies wins
-TRANSITIONS: dict[Trigger, tuple[tuple[frozenset, Phase, Step], ...]] = {
-    Trigger.BOOTED: ((ANY, Phase.RUNNING, Step.ATTEST),),
-    Trigger.ARRIVING: ((ANY, Phase.INCOMING, Step.PRECONNECT),),
-    Trigger.HOOK_INCOMING: ((ANY, Phase.INCOMING, Step.NOTHING),),
-    Trigger.RESUMED_HERE: ((frozenset({Phase.OUTGOING}), Phase.RUNNING, Step.ABORT_STAYED),
-                           (ANY, Phase.REHOMING, Step.REHOME)),
-    Trigger.RESUMED_POSTCOPY: ((ANY, Phase.REHOMING, Step.REHOME_POSTCOPY),),
-    Trigger.PAUSED_FOR_MIGRATION: ((HERE, None, Step.CHECK_OUTGOING),),
-    Trigger.PAUSED_FOR_POSTCOPY: ((HERE | {Phase.OUTGOING}, None, Step.CHECK_OUTGOING_POSTCOPY),),
-    Trigger.SWITCHED_OVER: ((HERE, Phase.OUTGOING, Step.SWITCH_OVER),),
-    Trigger.SWITCHED_OVER_POSTCOPY: ((HERE | {Phase.OUTGOING}, Phase.OUTGOING, Step.SWITCH_OVER_POSTCOPY),),
-    Trigger.MIGRATED_AWAY: ((ANY, Phase.GONE, Step.CLOSE),),
-    # Whatever the reason libvirt gives (FAILED, CRASHED, DESTROYED), a domain
-    # that stops while still arriving is a failed migration.
-    Trigger.STOPPED: ((ARRIVING, Phase.GONE, Step.ABORT_ARRIVAL),
-                      (ANY, Phase.GONE, Step.FORGET)),
-    Trigger.SAVED: ((ANY, Phase.SAVED, Step.PARK),),
-    Trigger.RESTORED: ((ANY, Phase.RUNNING, Step.UNPARK),),
-    Trigger.UNDEFINED: ((ANY, Phase.GONE, Step.FORGET),),
-    Trigger.REHOMED: ((frozenset({Phase.REHOMING}), Phase.RUNNING, Step.NOTHING),),
-    Trigger.REHOME_ENDED: ((frozenset({Phase.REHOMING}), Phase.RUNNING, Step.NOTHING),),
-    Trigger.FOUND_ARRIVED: ((ANY - {Phase.REHOMING}, Phase.REHOMING, Step.REHOME),),
-    Trigger.FOUND_ARRIVING: ((ANY, Phase.INCOMING, Step.NOTHING),),
-    Trigger.FOUND_RUNNING: ((HERE, Phase.RUNNING, Step.ATTEST),),
-}
+def _rows(*rows) -> dict:
+    """``first_match`` over ``(phases, next phase or None to stay, step)``."""
+    return first_match(*((phases, To(target, step)) for phases, target, step in rows))
+
+
+class WatchPhase(StateMachine):
+    """A domain's phase and the one table of how it changes: per trigger,
+    the phases it applies in, the phase it leads to (None: stays) and the
+    ``Step`` hostd then takes; the first row that applies wins.  A trigger
+    that does not apply in the current phase changes nothing."""
+
+    INITIAL = Phase.IDLE
+    UNLISTED = "ignore"
+    TABLE = {
+        Trigger.BOOTED: _rows((ANY, Phase.RUNNING, Step.ATTEST)),
+        Trigger.ARRIVING: _rows((ANY, Phase.INCOMING, Step.PRECONNECT)),
+        Trigger.HOOK_INCOMING: _rows((ANY, Phase.INCOMING, Step.NOTHING)),
+        Trigger.RESUMED_HERE: _rows((frozenset({Phase.OUTGOING}), Phase.RUNNING, Step.ABORT_STAYED),
+                                    (ANY, Phase.REHOMING, Step.REHOME)),
+        Trigger.RESUMED_POSTCOPY: _rows((ANY, Phase.REHOMING, Step.REHOME_POSTCOPY)),
+        Trigger.PAUSED_FOR_MIGRATION: _rows((HERE, None, Step.CHECK_OUTGOING)),
+        Trigger.PAUSED_FOR_POSTCOPY: _rows((HERE | {Phase.OUTGOING}, None, Step.CHECK_OUTGOING_POSTCOPY)),
+        Trigger.SWITCHED_OVER: _rows((HERE, Phase.OUTGOING, Step.SWITCH_OVER)),
+        Trigger.SWITCHED_OVER_POSTCOPY: _rows((HERE | {Phase.OUTGOING}, Phase.OUTGOING, Step.SWITCH_OVER_POSTCOPY)),
+        Trigger.MIGRATED_AWAY: _rows((ANY, Phase.GONE, Step.CLOSE)),
+        # Whatever the reason libvirt gives (FAILED, CRASHED, DESTROYED), a domain
+        # that stops while still arriving is a failed migration.
+        Trigger.STOPPED: _rows((ARRIVING, Phase.GONE, Step.ABORT_ARRIVAL),
+                               (ANY, Phase.GONE, Step.FORGET)),
+        Trigger.SAVED: _rows((ANY, Phase.SAVED, Step.PARK)),
+        Trigger.RESTORED: _rows((ANY, Phase.RUNNING, Step.UNPARK)),
+        Trigger.UNDEFINED: _rows((ANY, Phase.GONE, Step.FORGET)),
+        # the pool's record says every session resumed here (never the guest's word alone)
+        Trigger.REHOMED: _rows((frozenset({Phase.REHOMING}), Phase.RUNNING, Step.NOTHING)),
+        Trigger.REHOME_ENDED: _rows((frozenset({Phase.REHOMING}), Phase.RUNNING, Step.NOTHING)),
+        Trigger.FOUND_ARRIVED: _rows((ANY - {Phase.REHOMING}, Phase.REHOMING, Step.REHOME)),
+        Trigger.FOUND_ARRIVING: _rows((ANY, Phase.INCOMING, Step.NOTHING)),
+        Trigger.FOUND_RUNNING: _rows((HERE, Phase.RUNNING, Step.ATTEST)),
+    }
+
 
 #: libvirt's events that move a domain; any other event changes nothing
 TRIGGERS: dict[DomainEvent, Trigger] = {
@@ -144,8 +161,10 @@ class DomainWatch:
     def __init__(self, uuid: str, name: str):
         self.uuid = uuid
         self.name = name
-        self.phase = Phase.IDLE
-        self.lock = asyncio.Lock()               # one event (or reconciliation) at a time
+        self.machine = WatchPhase()
+        # One event (or reconciliation, a retry, the hook's note) at a time:
+        # the phase, ``record`` and what a step does change only under it
+        self.lock = asyncio.Lock()
         self.record = None                       # the RecordView this host takes part in
         self.delivery = NoDelivery()             # how rehomes reach the guest: set from the live XML
         self.channel_path: str | None = None
@@ -172,16 +191,23 @@ class DomainWatch:
         # event name -> when hostd read it from libvirt (its own clock): the timeline
         self.event_seen: dict[str, float] = {}
 
+    @property
+    def phase(self) -> Phase:
+        return self.machine.state
+
     def fire(self, trigger: Trigger) -> Step | None:
-        """Apply ``trigger``: the step to take, or None when it does not apply now."""
-        for phases, target, step in TRANSITIONS[trigger]:
-            if self.phase in phases:
-                if target is not None:
-                    self.history.append((round(time.time(), 3), trigger.value, self.phase.value,
-                                         target.value))
-                    self.phase = target
-                return step
-        return None
+        """Apply ``trigger``: the step to take, or None when it does not
+        apply now.  Only under the watch's lock: a phase changed beside a
+        step under way is the race the lock exists to remove."""
+        if not self.lock.locked():
+            raise RuntimeError(f"domain {self.name}: {trigger.name} fired outside its watch's lock (a bug)")
+        old = self.machine.state
+        outcome = self.machine.fire(trigger)
+        if outcome is None:
+            return None
+        if outcome.state is not None:       # (a row that names its phase again is shown too)
+            self.history.append((round(time.time(), 3), trigger.value, old.value, outcome.state.value))
+        return outcome.then
 
     def note(self, what: str) -> None:
         """Something worth showing in ``status`` that moved no phase (a hook note)."""

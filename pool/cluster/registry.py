@@ -20,6 +20,7 @@ import time
 
 from accelmig.pool.cluster.keys import PREFIX, check_name
 from accelmig.pool.cluster.store import ClusterStore
+from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, Conflict, Unavailable
 from accelmig.wire.values import is_a, is_int
@@ -122,16 +123,29 @@ class RegistrationState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class NodeRegistration:
-    """This node's key under its lease, kept alive by a thread of its own
-    (a renewal every TTL/3: two may fail before the TTL runs out)."""
+class RegistrationEvent(enum.Enum):
+    REGISTERED_OK = "registered_ok"     # our key is in etcd under a lease of ours
+    LEASE_EXPIRED = "lease_expired"     # a keepalive found the lease gone
+    STOP = "stop"                       # deregistered (the lease revoked), for good
 
-    TRANSITIONS = {
-        RegistrationState.UNREGISTERED: {RegistrationState.REGISTERED, RegistrationState.STOPPED},
-        RegistrationState.REGISTERED: {RegistrationState.LEASE_LOST, RegistrationState.STOPPED},
-        RegistrationState.LEASE_LOST: {RegistrationState.REGISTERED, RegistrationState.STOPPED},
-        RegistrationState.STOPPED: set(),
+
+class NodeRegistration(StateMachine):
+    """This node's key under its lease, kept alive by a thread of its own
+    (a renewal every TTL/3: two may fail before the TTL runs out).  The
+    state changes on the lease thread and in ``start``/``stop`` (which joins
+    that thread first): never two at once."""
+
+    INITIAL = RegistrationState.UNREGISTERED
+    FINAL = frozenset({RegistrationState.STOPPED})
+    TABLE = {
+        RegistrationEvent.REGISTERED_OK: {RegistrationState.UNREGISTERED: RegistrationState.REGISTERED,
+                                          RegistrationState.LEASE_LOST: RegistrationState.REGISTERED},
+        RegistrationEvent.LEASE_EXPIRED: {RegistrationState.REGISTERED: RegistrationState.LEASE_LOST},
+        RegistrationEvent.STOP: {RegistrationState.UNREGISTERED: RegistrationState.STOPPED,
+                                 RegistrationState.REGISTERED: RegistrationState.STOPPED,
+                                 RegistrationState.LEASE_LOST: RegistrationState.STOPPED},
     }
+    REPEATS = {RegistrationEvent.STOP: frozenset({RegistrationState.STOPPED})}
 
     def __init__(self, store: ClusterStore, view: NodeView, ttl: int, load=None, on_lease=None):
         self.store = store
@@ -140,15 +154,10 @@ class NodeRegistration:
         self.load = load or (lambda: view.sessions)        # -> live sessions now
         self.on_lease = on_lease or (lambda lease: None)    # a new lease (reservations follow it)
         self.key = node_key(view.name)
-        self.state = RegistrationState.UNREGISTERED
+        super().__init__()
         self.lease = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-
-    def _to(self, new: RegistrationState) -> None:
-        if new not in self.TRANSITIONS[self.state]:
-            raise RuntimeError(f"registration: {self.state.value} -> {new.value} is not a transition")
-        self.state = new
 
     def start(self, wait_for_old: float | None = None) -> "NodeRegistration":
         self._register(self.ttl + 1 if wait_for_old is None else wait_for_old)
@@ -180,7 +189,7 @@ class NodeRegistration:
                         holder.instance if holder else "?", left)
             self._stop.wait(min(1.0, left))
         self.lease = lease
-        self._to(RegistrationState.REGISTERED)
+        self.fire(RegistrationEvent.REGISTERED_OK)
         LOG.info("node %s (instance %s) registered in etcd under lease %x (ttl %d s)%s", self.view.name,
                  self.view.instance, lease, self.ttl,
                  "" if self.store.tls else ": INSECURE plain etcd://, anyone who reaches etcd reads and "
@@ -202,7 +211,7 @@ class NodeRegistration:
                     if self.store.keepalive(self.lease) < 0:
                         LOG.warning("node %s: etcd expired its lease %x (unreachable past %d s): "
                                     "registering again", self.view.name, self.lease, self.ttl)
-                        self._to(RegistrationState.LEASE_LOST)
+                        self.fire(RegistrationEvent.LEASE_EXPIRED)
                         continue
                     renewed = time.monotonic()
                 sessions = self.load()
@@ -223,7 +232,7 @@ class NodeRegistration:
         if self._thread is not None:
             self._thread.join(self.store.timeout * 3)
         registered = self.state is RegistrationState.REGISTERED
-        self._to(RegistrationState.STOPPED)
+        self.fire(RegistrationEvent.STOP)
         if registered:
             try:
                 self.store.revoke(self.lease)

@@ -20,14 +20,6 @@ THE_IDIOM = "runtime/statemachine.py"
 NAMES = frozenset({"state", "phase", "_state", "_phase"})
 
 PENDING = """
-pool/admission.py self.phase        (D: the connection's admission, its own TRANSITIONS and _to)
-
-pool/cluster/registry.py self.state (D: NodeRegistration)
-
-pool/dataplane.py self.state        (D: DataConnection)
-
-plugin/hostd/watch.py self.phase    (D: DomainWatch)
-
 pool/migration.py self.state        (B: the ledger's record)
 
 pool/session.py self.state          (B: the pool's Session)

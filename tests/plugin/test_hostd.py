@@ -5,7 +5,10 @@ migration, so migrations are in tests/e2e), and a real pool."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import threading
 import uuid as uuid_module
 from pathlib import Path
 
@@ -15,8 +18,9 @@ import pytest
 from accelmig.agent.driver import connect
 from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import attestation as att
+from accelmig.wire import channel as ch
 from accelmig.wire.control import ControlClient
-from accelmig.wire.errors import Unavailable
+from accelmig.wire.errors import UnknownOp, Unavailable
 from accelmig.wire.localapi import LocalClient
 from tests.conftest import ALICE, TENANTS, run_cli
 from tests.support.attest import bind
@@ -70,12 +74,32 @@ def control(pool, host="hostA"):
     return ControlClient(pool.control_endpoint, host, (SECRET if host == "hostA" else SECRET_B).encode())
 
 
+def started(world, name: str, uuid: str, **xml):
+    """Define and start a test-driver domain; the world's fixture removes it."""
+    _pool, _config, conn, created = world
+    dom = conn.defineXML(accel_domain_xml(name, uuid, **xml))
+    created.append(dom)
+    dom.create()
+    return dom
+
+
+def arrives_from_b(pool, dev, uuid: str) -> tuple[str, dict]:
+    """The session bound on hostB, the domain's migration token registered
+    there, and the record opened on hostA with it (as hostA's hook does when
+    the domain comes with the token hostB wrote into it): (token, record)."""
+    token = att.new_token()
+    with control(pool, "hostB") as b:
+        bind(b, dev, uuid)
+        b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
+    with control(pool, "hostA") as a:
+        record = a.call("open_migration", domain_uuid=uuid, token=token)
+    return token, record
+
+
 def test_save_parks_and_restore_unparks_the_domains_sessions(world, tmp_path):
     pool, config, conn, created = world
     uuid = str(uuid_module.uuid4())
-    dom = conn.defineXML(accel_domain_xml("accel-save", uuid))
-    created.append(dom)
-    dom.create()
+    dom = started(world, "accel-save", uuid)
     hostd = HostdThread(config).start()
     try:
         # its events are registered once it says libvirt is connected: a save
@@ -166,17 +190,9 @@ def test_a_rehome_whose_first_delivery_fails_is_retried_until_the_session_resume
     agent = None
     try:
         buf = dev.upload(b"kept on the pool" * 4)
-        token = att.new_token()
-        with control(pool, "hostB") as b:
-            bind(b, dev, uuid)
-            b.call("register_token", domain_uuid=uuid, digest=att.token_digest(token))
-        with control(pool, "hostA") as a:
-            # the domain comes to hostA with the token hostB wrote into it (as its hook opens)
-            record = a.call("open_migration", domain_uuid=uuid, token=token)
-            assert record["vouched"]
-        dom = conn.defineXML(accel_domain_xml("accel-retry", uuid, channel=str(channel), token=token))
-        created.append(dom)
-        dom.create()
+        token, record = arrives_from_b(pool, dev, uuid)
+        assert record["vouched"]
+        started(world, "accel-retry", uuid, channel=str(channel), token=token)
         hostd = HostdThread(config, rehome_timeout=1.0, retry_first=0.2, retry_max=0.5).start()
         try:
             client = LocalClient(str(tmp_path / "hostd.sock"))
@@ -225,6 +241,11 @@ def test_status_and_ping_and_intent_through_the_local_api(world, tmp_path):
         assert "accelmig_host_pool_reachable 1.0" in metrics
         assert status["identity"]["host_id"] == "hostA"
         assert status["identity"]["pool_endpoint"].startswith("127.0.0.1:")
+        # a kind outside wire.localapi.REQUESTS is refused by name (the dispatch table's answer)
+        for kind in ("reboot", "PING", "__init__"):
+            with pytest.raises(UnknownOp):
+                client.call(kind)
+        assert client.call("ping")["host"] == "hostA"
         # the pool knows this host's addresses now
         with control(pool) as a:
             hosts = {h["host"]: h for h in a.call("list_hosts")["hosts"]}
@@ -433,3 +454,203 @@ def test_a_domain_that_arrived_while_hostd_was_away_is_rehomed_with_the_token_it
             hostd.stop()
         dev.close()
         agent.stop()
+
+
+def test_a_hook_note_while_an_event_holds_the_lock_answers_and_moves_the_phase_after_it(world, tmp_path):
+    """libvirt waits for the hook, so the hook never waits behind an event of
+    its domain; but the phase and record it brings change under the watch's
+    lock, after the step under way, never in the middle of it."""
+    from accelmig.plugin.hostd.watch import Phase
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    started(world, "accel-hooked", uuid)
+    hostd = HostdThread(config).start()
+    try:
+        async def look():                   # (on hostd's loop)
+            watch = hostd.daemon.watches.get(uuid)
+            return (watch, watch.phase, watch.record) if watch is not None else (None, None, None)
+        wait_for(lambda: hostd.call(look)[1] is Phase.RUNNING, what="hostd to see the domain running")
+        watch = hostd.call(look)[0]
+        held, release, seen = threading.Event(), threading.Event(), {}
+
+        async def step_under_way():         # what an event's step does: holds the lock throughout
+            async with watch.lock:
+                seen["before"] = (watch.phase, watch.record)
+                held.set()
+                await asyncio.get_running_loop().run_in_executor(None, release.wait, 30)
+                seen["after"] = (watch.phase, watch.record)
+        holder = asyncio.run_coroutine_threadsafe(step_under_way(), hostd.loop)
+        try:
+            assert held.wait(10)
+            answer = LocalClient(str(tmp_path / "hostd.sock")).call(
+                "hook", timeout=10, op="migrate", sub="begin", uuid=uuid, name="accel-hooked", budget=3.0)
+            assert answer["record"]["dest_host"] == "hostA"      # answered while the step holds the lock
+            assert not holder.done()
+        finally:
+            release.set()
+        holder.result(10)
+        assert seen["before"] == seen["after"] == (Phase.RUNNING, None)
+        wait_for(lambda: hostd.call(look)[1] is Phase.INCOMING, what="the hook's note applied once the lock is free")
+        record = hostd.call(look)[2]
+        assert record.migration_id == answer["record"]["migration_id"]
+        assert [h["trigger"] for h in watch.describe()["history"]][-2:] == ["hook migrate begin", "hook_incoming"]
+    finally:
+        hostd.stop()
+
+
+class ChannelRelay:
+    """The test domain's channel socket (libvirt's test driver makes none):
+    hostd connects here, and each connection is relayed to a real agent's
+    port, line by line, with ``mode`` in the middle: ``honest`` relays all;
+    ``lying`` answers every ``rehome`` ok itself, for every session it
+    carries, and the agent never sees it; ``mute`` relays the rehome and
+    drops the agent's answer (a lost answer)."""
+
+    def __init__(self, path: str, agent_port: str, mode: str = "honest"):
+        self.agent_port, self.mode = agent_port, mode
+        self.rehomes = self.dropped = 0
+        self._socks: list = []
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(path)
+        self.server.listen(4)
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                host, _ = self.server.accept()
+            except OSError:
+                return                                # closed
+            guest = ch.connect_unix(self.agent_port, 5.0)
+            guest.settimeout(None)
+            self._socks += [host, guest]
+            lock, mine = threading.Lock(), set()      # (writes to hostd from both pumps; rehome ids muted)
+            threading.Thread(target=self._pump, args=(host, guest, lock, mine, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(guest, host, lock, mine, False), daemon=True).start()
+
+    def _pump(self, source, sink, lock, muted: set, from_host: bool) -> None:
+        import json
+        buffer = b""
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                buffer += data
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    try:
+                        message = json.loads(line.lstrip(ch.SENTINEL))
+                    except ValueError:
+                        message = {}
+                    if from_host and message.get("type") == "rehome":
+                        self.rehomes += 1
+                        if self.mode == "lying":
+                            sids = list(message.get("tickets") or {})
+                            with lock:
+                                source.sendall(ch.encode(ch.result(message["id"], result={
+                                    "ok": True, "migration_id": message.get("migration_id"),
+                                    "sessions": {sid: {"ok": True, "epoch": 2} for sid in sids},
+                                    "session_count": len(sids), "resumed_count": len(sids)})))
+                            continue
+                        if self.mode == "mute":
+                            muted.add(message.get("id"))
+                    if not from_host and message.get("type") == "result" and message.get("id") in muted:
+                        self.dropped += 1
+                        continue
+                    if from_host:
+                        sink.sendall(line + b"\n")
+                    else:
+                        with lock:
+                            sink.sendall(line + b"\n")
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.server.close()
+        for sock in self._socks:
+            sock.close()
+
+
+@pytest.fixture
+def arriving(world, tmp_path):
+    """A domain arriving at hostA from hostB with one session of a real
+    driver, its token vouching for hostA, and a real agent behind a
+    ``ChannelRelay``: ``(relay, dev, uuid, record, start_hostd)``; hostd,
+    once started, finds the domain running here and rehomes it."""
+    from accelmig.agent.daemon import Agent
+    pool, config, conn, created = world
+    uuid = str(uuid_module.uuid4())
+    channel, agent_port, agent_socket = tmp_path / "channel.sock", tmp_path / "port.sock", tmp_path / "agent.sock"
+    agent = Agent(str(agent_port), str(agent_socket), state_dir=str(tmp_path / "agent-state"), rehome_timeout=5)
+    agent.open()
+    threading.Thread(target=agent.run, daemon=True).start()
+    relay = ChannelRelay(str(channel), str(agent_port))
+    port = pool.endpoint.rsplit(":", 1)[1]
+    dev = connect(f"[::1]:{port}", ALICE, agent=str(agent_socket), timeout=20)     # on hostB
+    hostds = []
+
+    def start_hostd(**options):
+        hostd = HostdThread(config, **options)
+        hostd.daemon.migrations.VERDICT_WAIT = 0.5    # (the pool notes a resume before the agent answers)
+        hostds.append(hostd.start())
+        return hostd
+    try:
+        token, record = arrives_from_b(pool, dev, uuid)
+        started(world, "accel-arriving", uuid, channel=str(channel), token=token)
+        yield relay, dev, uuid, record, start_hostd
+    finally:
+        for hostd in hostds:
+            hostd.stop()
+        dev.close()
+        agent.stop()
+        relay.close()
+
+
+def domain_status(tmp_path, uuid: str) -> dict:
+    return {d["uuid"]: d for d in hostd_status(tmp_path)["domains"]}.get(uuid) or {}
+
+
+def test_a_guest_that_says_ok_without_resuming_leaves_the_domain_rehoming_and_retrying(world, arriving, tmp_path):
+    """The agent's answer is a claim: hostd goes by the pool's record, so a
+    guest that says every session resumed while none did keeps its domain
+    REHOMING, and hostd delivering, until the record says they all did."""
+    pool = world[0]
+    relay, dev, uuid, record, start_hostd = arriving
+    buf = dev.upload(b"kept on the pool" * 4)
+    relay.mode = "lying"
+    start_hostd(rehome_timeout=2.0, retry_first=0.2, retry_max=0.5)
+    retrying = wait_for(lambda: (domain_status(tmp_path, uuid).get("rehome_retry") or {}).get("attempts", 0) >= 2
+                        and domain_status(tmp_path, uuid), 30, "hostd to retry the rehome the guest lied about")
+    assert retrying["phase"] == "rehoming" and relay.rehomes >= 2
+    last = retrying["last_rehome"]
+    assert (last["guest_ok"], last["ok"]) == (True, False) and "the pool's record does not" in last["why"]
+    assert pool.session(dev.sid)["bound_host"] == "hostB"                  # nothing moved
+    relay.mode = "honest"                                                  # the next delivery reaches the agent
+    done = wait_for(lambda: domain_status(tmp_path, uuid).get("phase") == "running" and domain_status(tmp_path, uuid),
+                    30, "the domain running once its session really resumed")
+    assert done["rehome_retry"] is None and done["last_rehome"]["ok"] and done["last_rehome"]["guest_ok"]
+    assert done["last_rehome"]["migration_id"] == record["migration_id"]
+    assert pool.session(dev.sid)["bound_host"] == "hostA"
+    assert dev.read(buf) == b"kept on the pool" * 4
+
+
+def test_a_guest_whose_answer_is_lost_after_its_sessions_resumed_is_running(world, arriving, tmp_path):
+    """The agent's answer never reaches hostd, but the driver resumed: the
+    pool's record says so, and the domain is this host's (today's hostd
+    would retry for ever a rehome that was done)."""
+    pool = world[0]
+    relay, dev, uuid, record, start_hostd = arriving
+    relay.mode = "mute"
+    start_hostd(rehome_timeout=1.0, retry_first=0.2, retry_max=0.5)
+    done = wait_for(lambda: domain_status(tmp_path, uuid).get("phase") == "running" and domain_status(tmp_path, uuid),
+                    30, "the domain running though its guest's answer was lost")
+    assert relay.dropped >= 1 and pool.session(dev.sid)["bound_host"] == "hostA"
+    last = done["last_rehome"]
+    assert (last["ok"], last["guest_ok"], last["migration_id"]) == (True, False, record["migration_id"])
+    assert done["rehome_retry"] is None
