@@ -180,13 +180,8 @@ class RehomeBook:
     KEPT = 64
 
     def __init__(self, registry, channel, network, stats, *, timeout: float, window: int, max_staged: int):
-        self.registry = registry
-        self.channel = channel
-        self.network = network
-        self.stats = stats
-        self.timeout = timeout
-        self.window = window
-        self.max_staged = max_staged
+        self.registry, self.channel, self.network, self.stats = registry, channel, network, stats
+        self.timeout, self.window, self.max_staged = timeout, window, max_staged
         self.rehomes: collections.OrderedDict[str, Rehome] = collections.OrderedDict()
         # The tickets of a rehome too big for one line come first, in pieces
         # (``tickets``): staged here for that one migration id (a piece of

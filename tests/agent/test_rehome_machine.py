@@ -28,24 +28,28 @@ D, DE = DriverState, DriverEvent
 # A rehome: begun with the NIC to re-address or without; a failed NIC still
 # resumes; every driver resumed or not; an error stops the attempt; an
 # INCOMPLETE rehome delivered again retries, a SUCCEEDED one repeats.
-REHOME_TABLE = {
-    RE.READDRESS: {R.RECEIVED: R.READDRESSING, R.INCOMPLETE: R.READDRESSING},
-    RE.RESUME: {R.RECEIVED: R.RESUMING, R.INCOMPLETE: R.RESUMING},
-    RE.NIC_DONE: {R.READDRESSING: R.RESUMING},
-    RE.NIC_FAILED: {R.READDRESSING: R.RESUMING},
-    RE.ALL_RESUMED: {R.RESUMING: R.SUCCEEDED},
-    RE.NOT_ALL_RESUMED: {R.RESUMING: R.INCOMPLETE},
-    RE.FAILED: {R.READDRESSING: R.INCOMPLETE, R.RESUMING: R.INCOMPLETE},
-    RE.DELIVERED_AGAIN: {},
-}
+REHOME_MOVES = [
+    # from             event               to
+    (R.RECEIVED,     RE.READDRESS,       R.READDRESSING),
+    (R.INCOMPLETE,   RE.READDRESS,       R.READDRESSING),
+    (R.RECEIVED,     RE.RESUME,          R.RESUMING),
+    (R.INCOMPLETE,   RE.RESUME,          R.RESUMING),
+    (R.READDRESSING, RE.NIC_DONE,        R.RESUMING),
+    (R.READDRESSING, RE.NIC_FAILED,      R.RESUMING),
+    (R.RESUMING,     RE.ALL_RESUMED,     R.SUCCEEDED),
+    (R.RESUMING,     RE.NOT_ALL_RESUMED, R.INCOMPLETE),
+    (R.READDRESSING, RE.FAILED,          R.INCOMPLETE),
+    (R.RESUMING,     RE.FAILED,          R.INCOMPLETE),
+]
 REHOME_REPEATS = {RE.DELIVERED_AGAIN: {R.SUCCEEDED}}
 
 # A driver's link: it overflows once, and is dropped once (EOF and a failed
 # write may both drop it).
-LINK_TABLE = {
-    DE.OVERFLOW: {D.OPEN: D.OVERFLOWED},
-    DE.DROP: {D.OPEN: D.DROPPED, D.OVERFLOWED: D.DROPPED},
-}
+LINK_MOVES = [
+    (D.OPEN,       DE.OVERFLOW, D.OVERFLOWED),
+    (D.OPEN,       DE.DROP,     D.DROPPED),
+    (D.OVERFLOWED, DE.DROP,     D.DROPPED),
+]
 LINK_REPEATS = {DE.DROP: {D.DROPPED}}
 
 
@@ -55,6 +59,18 @@ def socket_pair():
     yield pair
     for sock in pair:
         sock.close()
+
+
+def _table(moves, events) -> dict:
+    """The moves as ``reach`` and ``cells`` take them: event -> {from: to}."""
+    table = {event: {} for event in events}
+    for old, event, new in moves:
+        table[event][old] = new
+    return table
+
+
+REHOME_TABLE = _table(REHOME_MOVES, RehomeEvent)
+LINK_TABLE = _table(LINK_MOVES, DriverEvent)
 
 
 def _check_every_cell(make, table, repeats):

@@ -32,17 +32,17 @@ class ScriptedDriver:
 
     def _run(self) -> None:
         parser = ch.LineParser()
-        while True:
-            try:
-                data = self.sock.recv(1 << 16)
-            except OSError:
-                return
-            if not data:
-                return
+        for data in iter(self._read, b""):
             for message in parser.feed(data):
                 if message.get("type") == "resume":
                     self.resumes += 1
                     self.script(self.sock, message)
+
+    def _read(self) -> bytes:
+        try:
+            return self.sock.recv(1 << 16)
+        except OSError:         # closed by its script
+            return b""
 
 
 def answer_garbage(sock, message):
