@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import operator
 import os
 import select
 import socket
@@ -31,7 +32,7 @@ import time
 from accelmig.agent import dmi
 from accelmig.agent.daemon.driverapi import DriverApi
 from accelmig.agent.daemon.drivers import LOG, MAX_SID, DriverLink, DriverRegistry, DriverState
-from accelmig.agent.daemon.hostchannel import AGENT_VERSION, ChannelState, HostChannel
+from accelmig.agent.daemon.hostchannel import AGENT_VERSION, HostChannel
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.proofs import ProofRelay
 from accelmig.agent.daemon.rehome import RehomeBook, answered
@@ -143,27 +144,12 @@ class Agent:
         self._touched: set = set()               # links whose POLLOUT must be looked at
         self._touch_lock = threading.Lock()
 
-    # -- what the parts hold ----------------------------------------------------------
-    @property
-    def state(self) -> ChannelState:
-        """The host channel's state."""
-        return self.channel.state
-
-    @property
-    def identity(self) -> HostIdentity | None:
-        return self.channel.identity
-
-    @property
-    def identity_file(self) -> str:
-        return self.channel.identity_file
-
-    @property
-    def parser(self) -> ch.LineParser:
-        return self.channel.parser
-
-    @property
-    def port(self):
-        return self.channel.port
+    # -- what the parts hold (the host channel's, read through the agent) --------------
+    state = property(operator.attrgetter("channel.state"), doc="The host channel's ``ChannelState``.")
+    identity = property(operator.attrgetter("channel.identity"), doc="The host's ``HostIdentity``, or None.")
+    identity_file = property(operator.attrgetter("channel.identity_file"))
+    parser = property(operator.attrgetter("channel.parser"))
+    port = property(operator.attrgetter("channel.port"))
 
     @property
     def rehomes(self) -> dict:
