@@ -50,7 +50,7 @@ PACKAGE_DATA = {"accelmig.agent": ("data",)}
 
 #: libraries the guest code uses only when the guest has them (looked up
 #: with importlib.util.find_spec before the import); never bundled
-OPTIONAL = frozenset({"pyroute2", "numpy"})
+OPTIONAL = frozenset({"numpy"})
 
 #: the oldest Python a guest may run it on (tests prove it on a real 3.9)
 MIN_PYTHON = (3, 9)

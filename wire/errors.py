@@ -179,6 +179,12 @@ class NoSuchObject(AccelmigError):
     code = ErrorCode.NO_SUCH_OBJECT
 
 
+class SessionNotHere(NoSuchObject):
+    """A rehome's ticket for a session no driver of this guest registered
+    (the guest agent's answer for it)."""
+    msg_fmt = "no driver in this guest holds session %(sid)s"
+
+
 class ObjectExists(AccelmigError):
     msg_fmt = "a %(kind)s with handle %(handle)s already exists in this session"
     code = ErrorCode.OBJECT_EXISTS

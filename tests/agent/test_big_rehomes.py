@@ -116,7 +116,7 @@ def test_staged_tickets_are_bounded_by_the_sessions_an_agent_keeps(agent_on_thre
             host.request("tickets", migration_id="m", tickets={f"s-{i}": "t" for i in range(40, 60)})
         with pytest.raises(BadRequest, match="at most 4096"):
             host.request("tickets", migration_id="m", tickets={"s-1": "t" * (ch.MAX_TICKET + 1)})
-        assert agent._staged is None or len(agent._staged[1]) <= 50
+        assert len(agent.rehome_book.staged("m")) <= 50
         assert host.request("ping")["pong"]
 
 

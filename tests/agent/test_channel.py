@@ -90,7 +90,7 @@ def test_identity_survives_an_agent_restart(tmp_path):
     state = str(tmp_path / "state")
     first = Agent(str(tmp_path / "c1.sock"), str(tmp_path / "a1.sock"), state_dir=state)
     from accelmig.wire.identity import HostIdentity
-    first._store_identity(HostIdentity(host_id="hostA", pool_endpoint="10.88.0.1:7070"))
+    first.channel.store_identity(HostIdentity(host_id="hostA", pool_endpoint="10.88.0.1:7070"))
     second = Agent(str(tmp_path / "c2.sock"), str(tmp_path / "a2.sock"), state_dir=state)
     assert second.identity.pool_endpoint == "10.88.0.1:7070"
 

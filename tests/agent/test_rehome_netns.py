@@ -1,8 +1,7 @@
 """A rehome that moves two real sessions to a new host whose subnet is in
 another network namespace.  The agent runs in the guest namespace and does
 the guest's part itself: it re-addresses the fabric NIC (netlink from the
-standard library, the default; pyroute2; or the ``ip`` tool) and tells
-both drivers to resume from their new address."""
+standard library) and tells both drivers to resume from their new address."""
 
 from __future__ import annotations
 
@@ -25,15 +24,14 @@ from tests.support.wait import wait_for
 pytestmark = pytest.mark.root
 
 
-@pytest.mark.parametrize("method", ["netlink", "pyroute2", "ip"])
-def test_rehome_two_sessions_into_another_namespace(netns_factory, tmp_path, method):
+def test_rehome_two_sessions_into_another_namespace(netns_factory, tmp_path):
     net = MovingGuest.build(netns_factory)
     hosts = {name: (SECRETS[name], [SUBNETS[name]]) for name in ("hostA", "hostB")}
     pool = PoolThread(TENANTS, hosts, listen="0.0.0.0:0", control_listen="0.0.0.0:0")
     with net.pool.entered():
         pool.start()
     agent = Agent(str(tmp_path / "channel.sock"), str(tmp_path / "agent.sock"),
-                  state_dir=str(tmp_path / "state"), network=NetworkConfigurator(method=method))
+                  state_dir=str(tmp_path / "state"), network=NetworkConfigurator())
     agent.open()
     try:
         endpoint = f"{POOL_ADDRESS}:{pool.endpoint.rsplit(':', 1)[1]}"

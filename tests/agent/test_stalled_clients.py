@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from accelmig.agent.daemon.agent import DriverLink
+from accelmig.agent.daemon.drivers import DriverLink
 from accelmig.plugin.channel import GuestChannel
 from accelmig.wire import channel as ch
 from accelmig.wire.channel import LineClient

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from accelmig.agent.daemon.channel import ChannelEvent, ChannelState, ChannelStateMachine
+from accelmig.agent.daemon.hostchannel import ChannelEvent, ChannelState, ChannelStateMachine
 from accelmig.agent.driver import LinkState, connect
 from accelmig.agent.driver.session import LinkEvent, LinkStateMachine
 from accelmig.runtime.statemachine import IllegalTransition, StateMachine

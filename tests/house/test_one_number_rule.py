@@ -16,7 +16,6 @@ from tests.house.shipped import pending, rel, shipped_files, tree
 THE_RULE = "wire/values.py"
 
 PENDING = """
-agent/daemon/agent.py isinstance    (C: the agent's split reads its drivers' values with wire.values)
 """
 
 
