@@ -12,6 +12,7 @@ from accelmig.fleet.deploy import Wheelhouse
 from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
 from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.wire.errors import ConfigInvalid
+from tests.conftest import run_cli
 
 
 def valid() -> dict:
@@ -83,6 +84,10 @@ def test_a_jump_host_and_a_user_that_needs_sudo(write):
     (lambda d: d["tenants"]["alice"].pop("quota"), ["tenants.alice.quota", "required"]),
     (lambda d: d["pool"].update(listen="0.0.0.0:7070"), ["pool.listen", "wildcard"]),
     (lambda d: d["pool"].update(settings={"tls_cert": "x"}), ["pool.settings.tls_cert", "set by the fleet"]),
+    (lambda d: d["pool"].update(device="opencl:1"),
+     ["pool.device: `device` was removed: write `devices = \"opencl:1\"` (one device is a list of one)"]),
+    (lambda d: d["pool"].update(settings={"device": "auto"}),
+     ["pool.settings.device: `device` was removed", 'write `devices = "opencl:0"`']),
     (lambda d: d["install"].update(prefix="opt/x"), ["install.prefix"]),
     (lambda d: d["install"].update(python="python3"), ["install.python"]),
     (lambda d: d.pop("hosts"), ["hosts", "missing"]),
@@ -92,6 +97,16 @@ def test_mistakes_are_named_by_their_key(write, change, words):
     data = valid()
     change(data)
     refused(write, data, *words)
+
+
+def test_an_inventory_with_the_removed_device_key_stops_the_fleet_command(write):
+    """What an operator sees: ``accelmig fleet`` exits 2 naming the key to
+    write instead, before any node is reached."""
+    data = valid()
+    data["pool"]["device"] = "opencl:0"
+    out = run_cli("accelmig", "fleet", "doctor", "--inventory", str(write(data)))
+    assert out.returncode == 2, out
+    assert 'pool.device: `device` was removed: write `devices = "opencl:0"`' in out.stderr, out.stderr
 
 
 def test_a_wildcard_listen_is_fine_with_the_endpoint_guests_use(write):
