@@ -10,6 +10,7 @@ import tomli_w
 from accelmig.fleet import render
 from accelmig.fleet.deploy import Wheelhouse
 from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
+from accelmig.plugin.config import HostConfig
 from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.wire.errors import ConfigInvalid
 from tests.conftest import run_cli
@@ -115,12 +116,13 @@ def test_a_wildcard_listen_is_fine_with_the_endpoint_guests_use(write):
     assert Inventory.load(write(data)).endpoint == "10.88.0.10:7070"
 
 
-def test_configurations_are_checked_by_the_sides_own_loaders(write):
+def test_configurations_are_checked_by_the_sides_own_loaders(write, tmp_path):
     data = valid()
     inventory = Inventory.load(write(data))
     host = render.host_config(inventory, inventory.node("hostA"))
     assert host.path == render.HOST_CONFIG and host.mode == 0o644
-    config = render.host_config_of(host.data, inventory.node("hostA"))
+    (tmp_path / "host.toml").write_bytes(host.data)          # as deploy leaves it on the node
+    config = HostConfig.load(tmp_path / "host.toml")         # and as hostd and the hook read it
     assert config.host_id == "hostA" and config.pool.ca_file == f"{render.TLS_DIR}/ca.pem"
     assert str(config.fabric.guest_subnet) == "10.89.1.0/24"
     # a fabric hostd would refuse, refused here, before any node is touched
