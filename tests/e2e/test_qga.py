@@ -333,7 +333,7 @@ def test_no_qemu_ga_in_the_guest_and_no_channel(side_vms, nova_lab, image):
     # a domain with no qemu-guest-agent channel at all (running: libvirt checks that first;
     # no need to wait for its boot)
     xml = lab.domain_xml(name("nochan"), image, "hostA", guest_index=13)
-    assert not qga.has_guest_agent(xml)
+    assert not DomainXML.parse(xml).has_guest_agent()
     dom = lab.connect("hostA").createXML(xml, 0)
     try:
         with pytest.raises(qga.QgaNotConfigured, match="QEMU guest agent is not configured"):
