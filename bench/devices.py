@@ -1,7 +1,7 @@
 """What serving every device of a node costs a session's open: one real pool
 process serving PoCL's two devices (``POCL_DEVICES="pthread basic"``), its
 sessions placed by selector or least loaded, beside the baseline, the same
-node's pool serving one of them (``--device opencl:1``, pthread: the device the
+node's pool serving one of them (``--devices opencl:1``, pthread: the device the
 rows with a selector ask for), in one run.
 
 Rows: an open (hello, open, placement, a context on the device, the first
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     os.environ["POCL_DEVICES"] = "pthread basic"        # the pools' environment (inherited)
     figures = {}
-    for mode, extra in (("one", ("--device", "opencl:1")), ("all", ())):        # opencl:1: pthread
+    for mode, extra in (("one", ("--devices", "opencl:1")), ("all", ())):        # opencl:1: pthread
         workdir = tempfile.mkdtemp(prefix="accelmig-bench-")
         proc, endpoint = start_pool(workdir, *extra)
         try:

@@ -60,6 +60,7 @@ import os
 import re
 from pathlib import Path
 
+from accelmig.pool.config import REMOVED, removed_key_reason
 from accelmig.runtime.files import load_toml
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
@@ -319,14 +320,18 @@ class _Reader:
 
     def pool(self, table: dict, ssh: SshSettings, insecure: bool) -> Node:
         known = {"name", "address", "ssh_port", "ssh_user", "cert", "key", "listen", "control_listen",
-                 "endpoint", "device", "devices", "settings", "cluster"}
+                 "endpoint", "devices", "settings", "cluster"}
+        settings = dict(self.table(table, "pool.settings"))
+        for where, given in (("pool", table), ("pool.settings", settings)):
+            for old in REMOVED:        # the pool's removed keys: named with their replacement
+                if old in given:
+                    raise self.error(f"{where}.{old}", removed_key_reason(old, given[old]))
         self.only(table, "pool", known)
         name = self.string(table, "name", "pool", default="pool")
         if not NAME.match(name):
             raise self.error("pool.name", f"{name!r}: letters, digits, . _ - (at most 64)")
         port, user = self.node_ssh(table, "pool", ssh)
         cert, key = self.tls_files(table, "pool", insecure)
-        settings = dict(self.table(table, "pool.settings"))
         for reserved in ("tls_cert", "tls_key", "tls_client_ca", "insecure", "tokens", "hosts"):
             if reserved in settings:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [tls], [tenants], [hosts])")
@@ -336,12 +341,9 @@ class _Reader:
                 raise self.error(f"pool.settings.{reserved}", "set by the fleet (see [pool.cluster])")
         settings["listen"] = self.string(table, "listen", "pool", required=True)
         settings["control_listen"] = self.string(table, "control_listen", "pool", required=True)
-        # devices (default: every device of the node) or the older one-device form;
-        # the pool's own loader refuses both at once (render checks with it)
-        for key_name in ("devices", "device"):
-            value = self.string(table, key_name, "pool", default=settings.get(key_name))
-            if value:
-                settings[key_name] = value
+        devices = self.string(table, "devices", "pool", default=settings.get("devices"))
+        if devices:                    # else the pool's default: every device of the node
+            settings["devices"] = devices
         for key_name in ("listen", "control_listen"):
             for part in settings[key_name].split(","):
                 self.endpoint(part.strip(), f"pool.{key_name}", listen=True)

@@ -97,10 +97,6 @@ def host_config(inventory: Inventory, node: Node) -> RemoteFile:
     return RemoteFile(HOST_CONFIG, _toml(inventory, f"host {node.name}'s configuration", data))
 
 
-def host_config_of(text: bytes, node: Node) -> HostConfig:
-    return HostConfig.from_toml(text.decode(), source=f"{node.name}:{HOST_CONFIG}")
-
-
 def pool_config(inventory: Inventory) -> RemoteFile:
     section = {k: v for k, v in inventory.pool.settings.items()}
     section.update(tokens=POOL_TOKENS, hosts=POOL_HOSTS)

@@ -26,7 +26,7 @@ import libvirt
 
 from accelmig.lab import netns
 from accelmig.lab.image import GuestImage, ImageSpec, build_image
-from accelmig.lab.libvirtd import proc_starttime, same_process
+from accelmig.lab.libvirtd import same_process
 from accelmig.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab
 from accelmig.lab.topology import BRIDGE, POOL_ADDRESS
 from accelmig.wire.control import ControlClient
@@ -427,8 +427,3 @@ libvirt_uri = "qemu:///system"
         if domain:
             lines.append(f"DOMAIN={domain}")
         return lines
-
-
-def pids_alive(state: dict) -> dict:
-    return {key: info.get("pid") for key, info in state.get("processes", {}).items()
-            if info.get("pid") and proc_starttime(info["pid"]) == info.get("starttime")}

@@ -1,5 +1,6 @@
-"""Talking to a lab guest over its virtio-serial channel, and the tiny echo
-responder the lab puts into test images to prove that channel works.
+"""Talking to a lab guest over its virtio-serial channel (and to its
+qemu-ga: ``guest_ping``), and the tiny echo responder the lab puts into
+test images to prove that channel works.
 
 The responder is *not* the guest agent (``accelmig.agent`` owns the real
 channel protocol): it answers requests in accelmig's line format on the agent's port
@@ -12,6 +13,8 @@ with ``accelmig.agent=off`` so the agent does not hold the port.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 import xml.etree.ElementTree as ET
@@ -241,6 +244,33 @@ def channel_state(domain_xml: str, name: str = AGENT_CHANNEL_NAME) -> str | None
         if target is not None and target.get("name") == name:
             return target.get("state")
     return None
+
+
+def guest_ping(domain, timeout: float = 5.0) -> float:
+    """qemu-ga's ``guest-ping`` through libvirt (``domain``: a libvirt
+    domain): seconds the round trip took; ``accelmig.plugin.qga``'s errors
+    (``QgaUnavailable`` when qemu-ga is not there).  Tests wait with it
+    for a guest's qemu-ga; hostd never pings, it runs its command."""
+    from accelmig.plugin import qga          # libvirt's Python bindings: only where asked for
+    t0 = time.monotonic()
+    qga.agent_command(domain, json.dumps({"execute": "guest-ping"}), timeout=max(1, math.ceil(timeout)))
+    return time.monotonic() - t0
+
+
+def agent_status(domain, *, command: tuple | None = None, socket: str | None = None,
+                 timeout: float = 15.0) -> dict:
+    """``accelmig-agent status`` run in the guest through qemu-ga's
+    ``guest-exec`` (a guest without the accelmig channel): what its agent
+    knows (its identity, the sessions its drivers registered, its rehomes),
+    for tests to check.  hostd asks such a guest only for rehomes and
+    binding proofs (``accelmig.plugin.qga``)."""
+    from accelmig.plugin import qga
+    argv = (*(command or qga.DEFAULT_COMMAND), "status", *(("--socket", socket) if socket else ()))
+    _pid, status = qga.guest_exec(domain, argv, timeout=timeout)
+    if status.exit_code != qga.EXIT_OK:
+        raise RuntimeError(f"accelmig-agent status in the guest: exit status {status.exit_code}: "
+                           f"{status.stderr.strip()[-500:] or 'no stderr'}")
+    return json.loads(status.stdout)
 
 
 class ResponderChannel(LineClient):

@@ -26,7 +26,7 @@ from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec, parse_size, p
 class PoolThread:
     def __init__(self, tenants: dict | None = None, hosts: dict | None = None, *,
                  listen: str = "127.0.0.1:0", control_listen: str = "127.0.0.1:0",
-                 device: str = "", backend=None, data_versions: tuple | None = None, **config):
+                 backend=None, data_versions: tuple | None = None, **config):
         tenants = tenants or {"tenant": ("tenant-token-0001", "4GiB")}
         # (token, quota) or (token, quota, max_sessions)
         self.tenant_specs = {name: TenantSpec(name, spec[0], parse_size(spec[1]), *spec[2:])
@@ -40,7 +40,7 @@ class PoolThread:
         config.setdefault("log_format", "text")
         # plain TCP unless the caller gives the pool a certificate (tls_cert=...)
         config.setdefault("insecure", not config.get("tls_cert"))
-        self.config = PoolConfig(listen=listen, control_listen=control_listen, device=device, **config)
+        self.config = PoolConfig(listen=listen, control_listen=control_listen, **config)
         self._backend = backend
         # the data-plane versions the pool agrees to: (1,) stands for a pool
         # from before launch batches (wire.batch)

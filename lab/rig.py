@@ -98,31 +98,6 @@ def kvm_status() -> tuple[bool, str]:
     return True, f"{vendor} on /dev/kvm"
 
 
-def probe_kvm_boot(image: GuestImage, timeout: float = 15.0) -> bool:
-    """Boot ``image`` under ``-accel kvm`` for real and see whether its /init
-    speaks within ``timeout`` (the "try and time out" check, for when the
-    heuristics of :func:`kvm_status` are not trusted)."""
-    import tempfile
-    with tempfile.TemporaryDirectory(prefix="accelmig-kvm-probe-") as tmp:
-        console = Path(tmp) / "console.log"
-        cmd = ["qemu-system-x86_64", "-accel", "kvm", "-M", "pc", "-m", "256", "-nodefaults",
-               "-no-user-config", "-display", "none", "-no-reboot", "-kernel", str(image.kernel),
-               "-initrd", str(image.initrd), "-append", "console=ttyS0 panic=-1 accelmig.agent=off",
-               "-serial", f"file:{console}"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and proc.poll() is None:
-                if console.exists() and b"accelmig-guest[init]" in console.read_bytes():
-                    return True
-                time.sleep(0.1)
-            return False
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-
-
 def detect_virt_type(setting: str | None = None) -> str:
     """``qemu`` (TCG) or ``kvm``: ``setting`` (or $ACCELMIG_LAB_VIRT) may be
     ``qemu``, ``kvm`` or ``auto``; auto picks KVM only when it can boot a

@@ -171,12 +171,6 @@ class FabricConfig:
     def external(self) -> bool:
         return self.interfaces_owner == "external"
 
-    @classmethod
-    def from_table(cls, table: dict, source: str = "<fabric>",
-                   pool_address: str | None = None) -> "FabricConfig":
-        """``[fabric]`` as a dict (``pool_address``: for the default routes)."""
-        return _fabric(_Table(table, "fabric", source), pool_address)
-
 
 @dataclasses.dataclass(frozen=True)
 class HostdConfig:

@@ -60,7 +60,6 @@ import time
 import libvirt
 import libvirt_qemu
 
-from accelmig.plugin.domain.model import DomainXML
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, ErrorCode
 from accelmig.wire.values import is_int
@@ -194,10 +193,6 @@ def exec_request(command, args=(), input_data: bytes | None = None, capture_outp
 def status_request(pid: int) -> str:
     """The ``guest-exec-status`` message for ``pid``."""
     return json.dumps({"execute": "guest-exec-status", "arguments": {"pid": int(pid)}})
-
-
-def ping_request() -> str:
-    return json.dumps({"execute": "guest-ping"})
 
 
 def parse_reply(text: str, *, domain: str, command: str):
@@ -453,14 +448,6 @@ def agent_command(domain, message: str, *, timeout: int, label: str | None = Non
     return parse_reply(text, domain=label, command=command)
 
 
-def guest_ping(domain, timeout: float = 5.0) -> float:
-    """``guest-ping``: seconds the round trip took; raises
-    :class:`QgaUnavailable` when qemu-ga is not there."""
-    t0 = time.monotonic()
-    agent_command(domain, ping_request(), timeout=max(1, math.ceil(timeout)))
-    return time.monotonic() - t0
-
-
 def guest_exec(domain, command, *, input_data: bytes | None = None, timeout: float = 30.0,
                label: str | None = None) -> tuple[int, ExecStatus]:
     """Run ``command`` (path + arguments) in the guest through ``guest-exec``
@@ -544,29 +531,6 @@ def deliver_rehome(domain, document: dict, *, command=DEFAULT_COMMAND, timeout: 
     return outcome
 
 
-def agent_status(domain, *, command=DEFAULT_COMMAND, timeout: float = 15.0,
-                 socket: str | None = None) -> dict:
-    """``accelmig-agent status`` through guest-exec: what the guest agent
-    knows (its identity, and the sessions its drivers registered — what a
-    host relays to the pool as attestation; without a channel the agent
-    cannot report them itself)."""
-    label = _domain_label(domain)
-    argv = (*command, "status", *(("--socket", socket) if socket else ()))
-    _pid, status = guest_exec(domain, argv, timeout=timeout, label=label)
-    details = {"domain": label, "exit_code": status.exit_code, "stderr": _tail(status.stderr)}
-    if status.exit_code == EXIT_NO_AGENT:
-        raise AgentNotRunning(domain=label, command="accelmig-agent status", details=details,
-                              reason=f"exit status 3, no accelmig agent runs in the guest: {_tail(status.stderr, 500)}")
-    try:
-        answer = json.loads(status.stdout)
-    except ValueError:
-        answer = None
-    if status.exit_code != EXIT_OK or not isinstance(answer, dict):
-        raise GuestCommandFailed(domain=label, command="accelmig-agent status", details=details,
-                                 reason=f"exit status {status.exit_code}: {_tail(status.stderr, 500) or 'no stderr'}")
-    return answer
-
-
 def agent_prove(domain, request: dict, *, command=DEFAULT_COMMAND, timeout: float = 15.0,
                 socket: str | None = None) -> dict:
     """``accelmig-agent prove --stdin`` through guest-exec: the guest's
@@ -585,19 +549,3 @@ def agent_prove(domain, request: dict, *, command=DEFAULT_COMMAND, timeout: floa
                                  reason=f"an answer without proofs: {json.dumps(answer)[:200]}",
                                  details={"domain": label, "exit_code": status.exit_code})
     return answer
-
-
-# ---------------------------------------------------------------- the domain XML
-
-def has_guest_agent(domain_xml_text: str) -> bool:
-    """Whether a domain XML has qemu-guest-agent's channel."""
-    return DomainXML.parse(domain_xml_text).has_guest_agent()
-
-
-def guest_agent_connected(domain_xml_text: str) -> bool | None:
-    """qemu-ga's channel state in a *live* domain XML: True when the guest
-    end is open (``state='connected'``), False when not, None when the
-    domain has no such channel or libvirt does not say.  Reading it does not
-    taint the domain (unlike any agent command)."""
-    channel = DomainXML.parse(domain_xml_text).guest_agent_channel()
-    return None if channel is None else channel.connected

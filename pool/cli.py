@@ -84,8 +84,8 @@ def main():
               "comma-separated (see 'accelmig-pool devices') [config: devices; default all]. Each has "
               "its own queues and memory accounting; a session is placed on one (connect(device=...), "
               "else the least loaded) and stays there.")
-@click.option("--device", metavar="SPEC", help="Serve one device only (the older form): auto (the "
-              "first), opencl:N or a device id; not with --devices.")
+# Removed (--devices replaces it): kept hidden only so that it fails naming --devices.
+@click.option("--device", hidden=True)
 @click.option("--device-isolation", type=click.Choice(["process", "none"]), help="process: each tenant's "
               "device work in a process of its own, killed when a call overruns --device-time-limit; "
               "none: all in the pool's process (one trusted tenant only) [default process].")

@@ -14,7 +14,6 @@ metadata below by ``python docs/configref.py``)::
     tls_client_ca = "/etc/accelmig/hosts-ca.crt"  # control plane: hosts' certificates (mutual TLS)
     # insecure = true                  # plain TCP instead (both ends must say so; a warning)
     devices = "all"                    # or ids/opencl:N, comma-separated (accelmig-pool devices)
-    # device = "opencl:0"              # the older one-device form (auto: the first); not with devices
     tokens = "/etc/accelmig/tokens.toml"
     hosts = "/etc/accelmig/hosts.toml"
     grace = 30.0                       # s a detached session is kept
@@ -83,6 +82,36 @@ def parse_size(value, source: str = "config") -> int:
         raise ConfigInvalid(source=source, reason=f"{value!r} is not a size (e.g. 512MiB)")
     unit = (match.group(2) or "").upper()[:1]
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+# Keys of ``[pool]`` that were removed -> the key that replaces each, and why
+# the same value fits it.  A config that still has one fails with the
+# replacement named, not as an unknown key (so do ``accelmig-pool serve
+# --device`` and a fleet inventory's ``[pool] device``).
+REMOVED = {"device": ("devices", "one device is a list of one")}
+# A removed key's values that its replacement spells otherwise.
+_REMOVED_VALUES = {("device", "auto"): "opencl:0"}         # auto was the first device found
+
+
+def check_removed_keys(section: dict, source: str) -> None:
+    """``ConfigInvalid`` naming the replacement of a removed key in
+    ``section``: a ``[pool]`` table, or the command line's options when
+    ``source`` is ``"flags"``."""
+    for old in REMOVED:
+        if old in section:
+            raise ConfigInvalid(source=source, reason=removed_key_reason(old, section[old],
+                                                                         flag=source == "flags"))
+
+
+def removed_key_reason(old: str, value, *, flag: bool = False) -> str:
+    """What to write instead of the removed key ``old`` set to ``value``."""
+    new, why = REMOVED[old]
+    shown = isinstance(value, str) and value and len(value) <= 200 and value.isprintable() and '"' not in value
+    same = value if shown else "..."
+    same = _REMOVED_VALUES.get((old, same), same)
+    if flag:
+        return f"--{old.replace('_', '-')} was removed: give --{new.replace('_', '-')} {same} ({why})"
+    return f'`{old}` was removed: write `{new} = "{same}"` ({why})'
 
 
 # Every key's meaning sits next to its field, in ``metadata``: docs/configref.py
@@ -163,10 +192,6 @@ class PoolConfig:
                "`all` (every OpenCL device found) or a comma-separated list of device ids or "
                "`opencl:N` (see `accelmig-pool devices`). Sessions are placed on one of them "
                "(`connect(device=...)`, else the least loaded)."})
-    device: str = dataclasses.field(default="", metadata={
-        "doc": "The older one-device form, kept for existing configs: serve only this device, "
-               "`auto` (the first), `opencl:N` or a device id; `\"\"`: use `devices`. Not "
-               "together with `devices`.", "example": "auto"})
     device_isolation: str = dataclasses.field(default="process", metadata={
         "doc": "`process`: each tenant's sessions run their device work in a process of the "
                "tenant's own, which the pool kills when a call overruns `device_time_limit` "
@@ -328,8 +353,11 @@ class PoolConfig:
             section = data.get("pool", {})
             if not isinstance(section, dict):
                 raise ConfigInvalid(source=path, reason="[pool] must be a table")
+            check_removed_keys(section, path)
             values.update(section)
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+        check_removed_keys(flags, "flags")
+        values.update(flags)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -356,9 +384,6 @@ class PoolConfig:
             elif not isinstance(value, str):
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be a string")
             setattr(config, key, value)
-        if config.device and config.devices.strip() != "all":
-            raise ConfigInvalid(source=path or "flags", reason="device (one device) and devices "
-                                                              "(several): choose one")
         for key in ("max_payload", "max_reply_bytes"):     # (the welcome's max_payload is the lesser)
             if getattr(config, key) < MIN_PAYLOAD_LIMIT:
                 raise ConfigInvalid(source=path or "flags", reason=f"{key} must be at least "

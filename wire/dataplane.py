@@ -46,7 +46,6 @@ import enum
 import hashlib
 import hmac
 import ipaddress
-import json
 import re
 import struct
 import zlib
@@ -318,11 +317,6 @@ def decode_scalar(arg: dict, index: int = 0) -> bytes:
 VOLATILE_FIELDS = frozenset({"seq", "ack", "epoch"})
 
 
-def header_digest(header: dict) -> str:
-    stable = {k: v for k, v in header.items() if k not in VOLATILE_FIELDS}
-    return hashlib.sha256(json.dumps(stable, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
-
-
 class CommandIdentity:
     """What a command is, for divergence checks: the same command re-sent
     after a reconnect has the same identity; an older copy of the guest that
@@ -381,14 +375,6 @@ class CommandIdentity:
 
     def __hash__(self):  # identities are compared, never used as keys
         raise TypeError("CommandIdentity is not hashable")
-
-    def hexdigest(self) -> str:
-        return f"{header_digest(self._header)}-{self.length:x}-{self.crc():x}"
-
-
-def command_digest(header: dict, payload=b"") -> str:
-    """A command's identity as one string (see CommandIdentity)."""
-    return CommandIdentity(header, payload).hexdigest()
 
 
 def ownership_proof(secret: bytes, challenge: str, sid: str, epoch: int, binding: bytes = b"") -> str:

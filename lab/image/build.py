@@ -20,7 +20,6 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import time
 from pathlib import Path
 
@@ -60,11 +59,6 @@ class ExtraFile:
     def executable(cls, path: str, text: str) -> "ExtraFile":
         return cls(path, text.encode(), 0o755)
 
-    @classmethod
-    def from_host(cls, host_path, guest_path: str, mode: int | None = None) -> "ExtraFile":
-        host_path = Path(host_path)
-        return cls(guest_path, host_path.read_bytes(),
-                   stat.S_IMODE(host_path.stat().st_mode) if mode is None else mode)
 
 
 @dataclasses.dataclass(frozen=True)

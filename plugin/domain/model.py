@@ -420,12 +420,6 @@ class DomainXML:
         except ValueError:
             raise BadRequest(reason=f"domain XML: <uuid> {text!r} is not a UUID") from None
 
-    @property
-    def domain_id(self) -> int | None:
-        """``<domain id=…>``: present in live XML of a running domain only."""
-        value = self.root.get("id")
-        return _int(value) if value is not None else None
-
     # -- accelmig's own parts ----------------------------------------------
 
     def _metadata_element(self) -> ET.Element | None:

@@ -394,10 +394,6 @@ class ClusterStore:
         return {"request_put": body}
 
     @staticmethod
-    def op_delete(key: str) -> dict:
-        return {"request_delete_range": {"key": _b64(key)}}
-
-    @staticmethod
     def absent(key: str) -> dict:
         return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
 

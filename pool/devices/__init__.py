@@ -1,8 +1,8 @@
-"""Device backends: ``open_backend("auto" | "opencl:N" | ID)``, and
-``devices_for(config)``: every device a pool configuration serves, each
-with its own backend (each tenant in a device process of its own per
-device unless ``device_isolation = "none"``); ``backend_for(config)``: the
-first of them alone (what one-device callers had)."""
+"""Device backends: ``open_backend("auto" | "opencl:N" | ID)`` (one device,
+what a tenant's device process opens), and ``devices_for(config)``: every
+device a pool configuration serves, each with its own backend (each tenant
+in a device process of its own per device unless ``device_isolation =
+"none"``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from accelmig.wire.errors import ConfigInvalid, Unavailable
 LOG = logging.getLogger("accelmig.pool.devices")
 
 __all__ = ["BufferArg", "BuildResult", "DeviceBackend", "DeviceContext", "LocalArg",
-           "ScalarArg", "backend_for", "devices_for", "open_backend", "list_devices"]
+           "ScalarArg", "devices_for", "open_backend", "list_devices"]
 
 
 def list_devices() -> list[dict]:
@@ -28,7 +28,6 @@ def devices_for(config):
     """The ``DeviceSet`` a ``PoolConfig`` serves (``inventory.select``)."""
     from accelmig.pool.devices import opencl
     from accelmig.pool.devices.inventory import DeviceSet, PoolDevice, select
-    _check_spec(config.device)
     chosen = select(opencl.list_devices(), config)
     made: list = []
     refused = None
@@ -62,27 +61,6 @@ def devices_for(config):
             device.backend.close()
         raise
     return DeviceSet(made)
-
-
-def backend_for(config) -> DeviceBackend:
-    """The backend of the first device a ``PoolConfig`` serves."""
-    devices = devices_for(config)
-    for extra in devices.devices[1:]:
-        extra.backend.close()
-    return devices.devices[0].backend
-
-
-def _check_spec(spec: str) -> None:
-    """``device`` (the one-device form): "" (unset), auto, opencl:N or an id."""
-    from accelmig.wire.devices import ID_PATTERN
-    if not spec or spec == "auto" or ID_PATTERN.match(spec):
-        return
-    kind, _, index = spec.partition(":")
-    if kind != "opencl":
-        raise ConfigInvalid(source="--device", reason=f"unknown device {spec!r} (auto, opencl:N or a "
-                                                      f"device id from 'accelmig-pool devices')")
-    if not index.isdigit():
-        raise ConfigInvalid(source="--device", reason=f"{spec!r}: N in opencl:N is a number")
 
 
 def open_backend(spec: str = "auto") -> DeviceBackend:

@@ -173,12 +173,10 @@ class UploadArena:
                 self.trims += 1
         return self.size
 
-    def trim_if_idle(self, idle_for: float) -> int:
-        """Both at once: the bytes given back (0: in use, recent, or trimmed already)."""
-        return self.end_trim() if self.begin_trim(idle_for) else 0
-
     def free_runs(self) -> list[tuple[int, int]]:
-        """(offset, size) of every free run, in order (tests, status)."""
+        """(offset, size) of every free run, in order: a view of the free list's
+        invariant (sorted, never two runs touching) for checks, not a path
+        the pool takes."""
         with self._lock:
             return [(offset, self._free_sizes[offset]) for offset in self._free_offsets]
 

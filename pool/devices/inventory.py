@@ -144,20 +144,15 @@ class DeviceSet:
 
 def select(found: list[dict], config) -> list[dict]:
     """The devices a configuration serves, from every device found (each
-    with ``id`` and ``spec``): ``device`` (one: ``auto`` the first, or
-    ``opencl:N`` or an id) wins for compatibility, else ``devices``:
-    ``all`` or a comma-separated list of ids or ``opencl:N``."""
+    with ``id`` and ``spec``): its ``devices``, ``all`` or a comma-separated
+    list of ids or ``opencl:N``."""
     if not found:
         raise Unavailable(what="an accelerator", reason="no OpenCL device found (is pocl-opencl-icd "
                                                         "or a vendor ICD installed under /etc/OpenCL/vendors?)")
-    if config.device:
-        wanted = [found[0]["id"]] if config.device == "auto" else [config.device]
-        source = "--device"
-    elif config.devices.strip() == "all":
+    if config.devices.strip() == "all":
         return found[:MAX_DEVICES]
-    else:
-        wanted = [w.strip() for w in config.devices.split(",") if w.strip()]
-        source = "--devices"
+    wanted = [w.strip() for w in config.devices.split(",") if w.strip()]
+    source = "--devices"
     by_name = {}
     for dev in found:
         by_name[dev["id"]] = dev

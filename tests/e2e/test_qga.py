@@ -35,8 +35,10 @@ libvirt = pytest.importorskip("libvirt")
 from accelmig.lab import netns  # noqa: E402
 from accelmig.lab.image import ExtraFile, ImageSpec, build_image  # noqa: E402
 from accelmig.lab.rig import POOL_CONTROL_PORT, POOL_DATA_PORT, Lab  # noqa: E402
+from accelmig.lab.guest import agent_status, guest_ping  # noqa: E402
 from accelmig.lab.topology import POOL_ADDRESS  # noqa: E402
 from accelmig.plugin import qga  # noqa: E402
+from accelmig.plugin.domain.model import DomainXML  # noqa: E402
 from accelmig.wire.control import ControlClient  # noqa: E402
 from accelmig.wire.errors import ErrorCode  # noqa: E402
 from accelmig.wire.identity import GuestNic, HostIdentity  # noqa: E402
@@ -144,7 +146,7 @@ def nova_lab(image):
         t0 = time.monotonic()
         dom = lab.connect("hostA").createXML(xml, 0)
         try:
-            wait_for(lambda: qga.guest_ping(dom, 2) or True, 90, "qemu-ga answering guest-ping", 0.25,
+            wait_for(lambda: guest_ping(dom, 2) or True, 90, "qemu-ga answering guest-ping", 0.25,
                      errors=(Exception,))
             boot = time.monotonic() - t0
             state = wait_for(lambda: session_state(dom), 60, "the guest's session", 0.3, errors=(Exception,))
@@ -162,8 +164,8 @@ def nova_lab(image):
 def test_the_domain_has_only_qemu_guest_agents_channel(nova_lab):
     lab, vm, _ = nova_lab
     live = lab.connect("hostA").lookupByName(vm).XMLDesc(0)
-    assert qga.has_guest_agent(live)
-    assert qga.guest_agent_connected(live) is True        # read from the live XML: no taint
+    assert DomainXML.parse(live).has_guest_agent()
+    assert DomainXML.parse(live).guest_agent_channel().connected is True     # read from the live XML: no taint
     assert "org.accelmig.agent.0" not in live
 
 
@@ -190,7 +192,7 @@ def test_rehome_through_guest_exec_resumes_the_session(nova_lab):
     # rehome), so wait for the rehome's epoch first, then for calls after it.
     def seen() -> str:
         try:
-            now, agent = session_state(dom), qga.agent_status(dom).get("sessions")
+            now, agent = session_state(dom), agent_status(dom).get("sessions")
         except Exception as exc:          # (what the guest says, or why it could not)
             now = agent = f"unreadable: {exc}"
         return f"before {before}, rehome {session}, now {now}, agent {agent}"
@@ -201,7 +203,7 @@ def test_rehome_through_guest_exec_resumes_the_session(nova_lab):
     assert after["sid"] == sid and after["resumes"] == before["resumes"] + 1, seen()
     assert after["error"] is None and after["epoch"] == session["epoch"], seen()
     # the agent keeps the identity; libvirt marked the domain tainted, as the module warns
-    status = qga.agent_status(dom)
+    status = agent_status(dom)
     assert status["identity"]["host_id"] == "hostA" and [s["sid"] for s in status["sessions"]] == [sid]
     log = lab.node("hostA").qemu_log(vm).read_text()
     assert "is tainted: custom-ga-command" in log
@@ -276,7 +278,7 @@ def side_vms(nova_lab, image):
     t0 = time.monotonic()
     doms = {key: conn.createXML(xml, 0) for key, xml in xmls.items()}
     try:
-        wait_for(lambda: qga.guest_ping(doms["blocked"], 2) or True, 90, "the blocked guest's qemu-ga", 0.25,
+        wait_for(lambda: guest_ping(doms["blocked"], 2) or True, 90, "the blocked guest's qemu-ga", 0.25,
                  errors=(Exception,))
         # the other guest is up when its init.d has said that qemu-ga stays off
         wait_for(lambda: "qemu-ga disabled" in lab.console_log(
@@ -327,11 +329,11 @@ def test_no_qemu_ga_in_the_guest_and_no_channel(side_vms, nova_lab, image):
     assert "QEMU guest agent is not connected" in str(info.value) and info.value.retriable
     assert info.value.details["libvirt_code"] == libvirt.VIR_ERR_AGENT_UNRESPONSIVE
     with pytest.raises(qga.QgaUnavailable):
-        qga.guest_ping(doms["noqga"], 2)
+        guest_ping(doms["noqga"], 2)
     # a domain with no qemu-guest-agent channel at all (running: libvirt checks that first;
     # no need to wait for its boot)
     xml = lab.domain_xml(name("nochan"), image, "hostA", guest_index=13)
-    assert not qga.has_guest_agent(xml)
+    assert not DomainXML.parse(xml).has_guest_agent()
     dom = lab.connect("hostA").createXML(xml, 0)
     try:
         with pytest.raises(qga.QgaNotConfigured, match="QEMU guest agent is not configured"):
@@ -352,7 +354,7 @@ def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
     domain_uuid = dom_a.UUIDString()
     ctl_a, ctl_b = control(lab, "hostA"), control(lab, "hostB")
     try:
-        sessions = [s["sid"] for s in qga.agent_status(dom_a)["sessions"]]
+        sessions = [s["sid"] for s in agent_status(dom_a)["sessions"]]
         assert sessions == [sid]
         challenge = ctl_a.call("bind_challenge")
         proven = qga.agent_prove(dom_a, {"host": "hostA", "challenges": {challenge["instance"]: challenge["challenge"]}})
@@ -372,7 +374,7 @@ def test_live_migration_then_rehome_through_guest_exec_on_B(nova_lab):
         tickets = ctl_b.call("complete", domain_uuid=domain_uuid, migration_id=record["migration_id"])["tickets"]
         assert set(tickets) == {sid}
         dom_b = lab.connect("hostB").lookupByName(vm)
-        ping = wait_for(lambda: qga.guest_ping(dom_b, 2) or True, 20, "qemu-ga on B", 0.05, errors=(Exception,))
+        ping = wait_for(lambda: guest_ping(dom_b, 2) or True, 20, "qemu-ga on B", 0.05, errors=(Exception,))
         t_ping = time.monotonic()
         document = {"migration_id": record["migration_id"],
                     "identity": host_identity(lab, "hostB", with_nic=True).to_wire(), "tickets": tickets}

@@ -10,8 +10,10 @@ import tomli_w
 from accelmig.fleet import render
 from accelmig.fleet.deploy import Wheelhouse
 from accelmig.fleet.inventory import DEFAULT_PREFIX, DEFAULT_PYTHON, Inventory
+from accelmig.plugin.config import HostConfig
 from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.wire.errors import ConfigInvalid
+from tests.conftest import run_cli
 
 
 def valid() -> dict:
@@ -83,6 +85,10 @@ def test_a_jump_host_and_a_user_that_needs_sudo(write):
     (lambda d: d["tenants"]["alice"].pop("quota"), ["tenants.alice.quota", "required"]),
     (lambda d: d["pool"].update(listen="0.0.0.0:7070"), ["pool.listen", "wildcard"]),
     (lambda d: d["pool"].update(settings={"tls_cert": "x"}), ["pool.settings.tls_cert", "set by the fleet"]),
+    (lambda d: d["pool"].update(device="opencl:1"),
+     ["pool.device: `device` was removed: write `devices = \"opencl:1\"` (one device is a list of one)"]),
+    (lambda d: d["pool"].update(settings={"device": "auto"}),
+     ["pool.settings.device: `device` was removed", 'write `devices = "opencl:0"`']),
     (lambda d: d["install"].update(prefix="opt/x"), ["install.prefix"]),
     (lambda d: d["install"].update(python="python3"), ["install.python"]),
     (lambda d: d.pop("hosts"), ["hosts", "missing"]),
@@ -94,18 +100,29 @@ def test_mistakes_are_named_by_their_key(write, change, words):
     refused(write, data, *words)
 
 
+def test_an_inventory_with_the_removed_device_key_stops_the_fleet_command(write):
+    """What an operator sees: ``accelmig fleet`` exits 2 naming the key to
+    write instead, before any node is reached."""
+    data = valid()
+    data["pool"]["device"] = "opencl:0"
+    out = run_cli("accelmig", "fleet", "doctor", "--inventory", str(write(data)))
+    assert out.returncode == 2, out
+    assert 'pool.device: `device` was removed: write `devices = "opencl:0"`' in out.stderr, out.stderr
+
+
 def test_a_wildcard_listen_is_fine_with_the_endpoint_guests_use(write):
     data = valid()
     data["pool"].update(listen="0.0.0.0:7070", endpoint="10.88.0.10:7070")
     assert Inventory.load(write(data)).endpoint == "10.88.0.10:7070"
 
 
-def test_configurations_are_checked_by_the_sides_own_loaders(write):
+def test_configurations_are_checked_by_the_sides_own_loaders(write, tmp_path):
     data = valid()
     inventory = Inventory.load(write(data))
     host = render.host_config(inventory, inventory.node("hostA"))
     assert host.path == render.HOST_CONFIG and host.mode == 0o644
-    config = render.host_config_of(host.data, inventory.node("hostA"))
+    (tmp_path / "host.toml").write_bytes(host.data)          # as deploy leaves it on the node
+    config = HostConfig.load(tmp_path / "host.toml")         # and as hostd and the hook read it
     assert config.host_id == "hostA" and config.pool.ca_file == f"{render.TLS_DIR}/ca.pem"
     assert str(config.fabric.guest_subnet) == "10.89.1.0/24"
     # a fabric hostd would refuse, refused here, before any node is touched

@@ -228,8 +228,8 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
     if MISSING_TOOLS:
         pytest.skip(f"SKIPPED LOUDLY: not installed: {MISSING_TOOLS} (./dev.sh setup installs them)")
     from accelmig.lab.image import build_image
+    from accelmig.lab.guest import guest_ping
     from accelmig.lab.rig import Lab
-    from accelmig.plugin import qga
     from tests.support.e2e import assert_clean, diagnostics, snapshot
 
     run = os.getpid() % 100000
@@ -249,7 +249,7 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
         dom = labnova.nova_define_and_start(lab, "hostA", xml)      # defined persistent, then started
         assert dom.isPersistent() and dom.isActive() and dom.UUIDString() == instance_uuid
         try:
-            wait_for(lambda: qga.guest_ping(dom, 2) or True, 90, "qemu-ga answering on hostA", 0.25,
+            wait_for(lambda: guest_ping(dom, 2) or True, 90, "qemu-ga answering on hostA", 0.25,
                      errors=(Exception,))
         except BaseException:
             print(diagnostics(lab, name))
@@ -276,7 +276,7 @@ def test_a_nova_built_domain_boots_knows_its_uuid_reaches_the_pool_and_migrates_
         with pytest.raises(libvirt.libvirtError):                        # UNDEFINE_SOURCE
             lab.connect("hostA").lookupByName(name)
         t = time.monotonic()
-        wait_for(lambda: qga.guest_ping(dom_b, 2) or True, 60, "qemu-ga answering on hostB", 0.25,
+        wait_for(lambda: guest_ping(dom_b, 2) or True, 60, "qemu-ga answering on hostB", 0.25,
                  errors=(Exception,))
         # Spaced out: a try whose guest-exec-status failed may leave its
         # Python running in the guest, and a TCG guest just moved (on a loaded

@@ -173,10 +173,10 @@ def test_secret_file_must_be_absolute(tmp_path):
         load(tmp_path, MINIMAL + 'secret_file = "host.secret"\n')
 
 
-def test_fabric_from_table():
-    f = FabricConfig.from_table({"mode": "direct", "device": "eth1", "guest_subnet": "fd00:89:1::/64"},
-                                pool_address="fd00:88::1")
+def test_a_fabric_gets_its_gateway_and_a_route_to_the_pool_by_default(tmp_path):
+    f = load(tmp_path, '[pool]\nendpoint = "[fd00:88::1]:7070"\n'
+                       '[fabric]\nmode = "direct"\ndevice = "eth1"\nguest_subnet = "fd00:89:1::/64"\n').fabric
     assert f.gateway == ipaddress.ip_address("fd00:89:1::1")
     assert f.routes == ("fd00:88::1/128",)
     with pytest.raises(ConfigInvalid, match="fabric.device: is required"):
-        FabricConfig.from_table({"mode": "direct"})
+        load(tmp_path, MINIMAL + '[fabric]\nmode = "direct"\n')

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from accelmig.plugin.config import FabricConfig
+from accelmig.plugin.config import FabricConfig, HostConfig
 from accelmig.plugin.domain import ACCELMIG_NS, AGENT_CHANNEL_NAME
 from accelmig.plugin.domain.model import (MAX_XML_BYTES, AccelmigMetadata, DomainXML,
                                           rewrite_for_host)
@@ -29,7 +29,8 @@ def golden(name: str, kind: str = "in") -> str:
 
 
 def fabric(**table) -> FabricConfig:
-    return FabricConfig.from_table(table)
+    """``[fabric]`` as host.toml gives it (through the host's own loader)."""
+    return HostConfig.from_dict({"pool": {"endpoint": "10.88.0.1:7070"}, "fabric": table}).fabric
 
 
 # ---------------------------------------------------------------------------
@@ -117,7 +118,6 @@ def test_live_xml_agent_channel_path_and_state():
     assert chan.path == "/var/lib/libvirt/qemu/channel/target/domain-3-accel-vm3/org.accelmig.agent.0"
     assert chan.source_mode == "bind"
     assert chan.state == "connected" and chan.connected is True
-    assert dom.domain_id == 3
     assert not dom.has_guest_agent()
 
     disconnected = DomainXML.parse(golden("live-two-nics").replace("state='connected'", "state='disconnected'"))
@@ -129,7 +129,6 @@ def test_migratable_xml_channel_has_no_path_or_state():
     chan = dom.agent_channel()
     assert chan is not None
     assert chan.path is None and chan.state is None and chan.connected is None
-    assert dom.domain_id is None
 
 
 def test_identity_and_metadata():

@@ -19,7 +19,9 @@ import uuid
 import libvirt
 import pytest
 
+from accelmig.lab.guest import agent_status
 from accelmig.plugin import qga
+from accelmig.plugin.domain.model import DomainXML
 from accelmig.plugin.domain.render import render
 from accelmig.wire.errors import AccelmigError, ErrorCode
 from tests.support.wait import wait_for
@@ -44,9 +46,8 @@ def test_exec_request_carries_path_args_input_and_capture():
         qga.exec_request(())
 
 
-def test_status_and_ping_requests():
+def test_status_request():
     assert json.loads(qga.status_request(141)) == {"execute": "guest-exec-status", "arguments": {"pid": 141}}
-    assert json.loads(qga.ping_request()) == {"execute": "guest-ping"}
 
 
 def test_decode_status_running_exited_and_killed():
@@ -162,17 +163,19 @@ def test_disabled_and_not_connected_messages_tell_what_to_do():
 # ---------------------------------------------------------------- domain XML
 
 def test_has_guest_agent_and_a_domain_with_only_qemu_ga():
+    """What hostd reads of a domain to choose the guest-exec path (the model's
+    ``has_guest_agent``) and the channel state doctor reports."""
     only_qga = render("accelerator-domain.xml.j2", name="nova1", kernel="/k", agent_channel=False,
                       qemu_guest_agent=True)
-    assert qga.has_guest_agent(only_qga)
+    assert DomainXML.parse(only_qga).has_guest_agent()
     assert "org.accelmig.agent.0" not in only_qga
     default = render("accelerator-domain.xml.j2", name="vm1", kernel="/k")
-    assert not qga.has_guest_agent(default) and "org.accelmig.agent.0" in default
+    assert not DomainXML.parse(default).has_guest_agent() and "org.accelmig.agent.0" in default
     live = only_qga.replace("name='org.qemu.guest_agent.0'", "name='org.qemu.guest_agent.0' state='connected'")
-    assert qga.guest_agent_connected(live) is True
-    assert qga.guest_agent_connected(live.replace("'connected'", "'disconnected'")) is False
-    assert qga.guest_agent_connected(only_qga) is None          # config XML: libvirt says nothing
-    assert qga.guest_agent_connected(default) is None
+    assert DomainXML.parse(live).guest_agent_channel().connected is True
+    assert DomainXML.parse(live.replace("'connected'", "'disconnected'")).guest_agent_channel().connected is False
+    assert DomainXML.parse(only_qga).guest_agent_channel().connected is None   # config XML: libvirt says nothing
+    assert DomainXML.parse(default).guest_agent_channel() is None
 
 
 # ---------------------------------------------------------------- deliver_rehome, end to end without a VM
@@ -299,7 +302,7 @@ def test_deliver_rehome_runs_the_agent_command_and_returns_its_outcome(local_age
     # the taint is said once per domain, loudly
     taints = [r for r in caplog.records if "TAINTED (custom-ga-command)" in r.getMessage()]
     assert len(taints) == 1 and taints[0].levelno == logging.WARNING
-    status = qga.agent_status(dom, command=command, socket=local_agent)
+    status = agent_status(dom, command=command, socket=local_agent)         # (the lab's reader)
     assert status["channel"] and status["sessions"] == []
     assert status["rehomes"][0]["migration_id"] == "m-unit-1"
 

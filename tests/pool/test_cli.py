@@ -76,19 +76,42 @@ def test_bad_flags_and_config(tmp_path):
     proc = serve(tmp_path, "--config", str(tmp_path / "pool.toml"))
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "unknown key(s) nonsense" in err
-    proc = serve(tmp_path, "--device", "cuda:7")
+    proc = serve(tmp_path, "--devices", "cuda:7")
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 2 and "unknown device 'cuda:7'" in err
+    assert proc.returncode == 2 and "device 'cuda:7' (--devices) is unavailable: this node has opencl:0" in err
     out = run_cli("accelmig-pool", "sessions", "--admin-socket", str(tmp_path / "absent.sock"))
     assert out.returncode == 2 and "is unavailable" in out.stderr
 
 
+@pytest.mark.parametrize("how, value, words", [
+    ("flag", "opencl:1", "invalid configuration in flags: --device was removed: give --devices opencl:1 "
+                         "(one device is a list of one)"),
+    ("flag", "auto", "--device was removed: give --devices opencl:0"),
+    ("config", "opencl:1", 'pool.toml: `device` was removed: write `devices = "opencl:1"` '
+                           '(one device is a list of one)'),
+    ("config", "auto", 'write `devices = "opencl:0"`'),
+])
+def test_the_removed_device_setting_fails_naming_devices(tmp_path, how, value, words):
+    """``device`` (one device) was replaced by ``devices``: a config or a
+    command line that still says it stops with exit 2 and the line to write
+    instead, before any device is opened; neither is taken for an unknown key."""
+    if how == "flag":
+        proc = serve(tmp_path, "--device", value)
+    else:
+        (tmp_path / "pool.toml").write_text(f'[pool]\ndevice = "{value}"\n')
+        proc = serve(tmp_path, "--config", str(tmp_path / "pool.toml"))
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and words in err and "unknown key" not in err, err
+    assert "ready" not in out
+
+
 def test_help_documents_every_option():
     out = run_cli("accelmig-pool", "serve", "--help")
-    for option in ("--listen", "--control-listen", "--tokens", "--hosts", "--config", "--device",
+    for option in ("--listen", "--control-listen", "--tokens", "--hosts", "--config", "--devices",
                    "--admin-socket", "--metrics-listen", "--grace", "--park-retention", "--lease-ttl",
                    "--ticket-ttl", "--log-format"):
         assert option in out.stdout, option
+    assert "--device " not in out.stdout            # removed: hidden, kept only to fail naming --devices
     assert run_cli("accelmig-pool", "devices").stdout.startswith("opencl:0")
 
 

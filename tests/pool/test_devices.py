@@ -381,8 +381,8 @@ def test_fpga_is_the_accelerator_type_in_quotas(tmp_path):
     assert load_tenants(str(path))["a"].quota_by_type == {"accelerator": 512 << 20, "gpu": 1024}
 
 
-def test_device_and_devices_together_are_refused():
-    with pytest.raises(ConfigInvalid, match="choose one"):
+def test_the_removed_device_key_is_refused_even_beside_devices():
+    with pytest.raises(ConfigInvalid, match="--device was removed: give --devices opencl:0"):
         PoolConfig.load(None, {"device": "opencl:0", "devices": "opencl:1"})
 
 

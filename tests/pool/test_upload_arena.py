@@ -337,14 +337,15 @@ def test_an_idle_arena_gives_its_pages_back_once_and_only_when_idle_long_enough(
     lease.view[:] = b"\xab" * (8 * ALIGN)
     assert blocks() > 0
     now[0] += 100
-    assert arena.trim_if_idle(30) == 0                        # in use: kept
+    assert arena.begin_trim(30) is False                      # in use: kept
     lease.release()
     now[0] += 29
-    assert arena.trim_if_idle(30) == 0 and blocks() > 0       # idle, not long enough
+    assert arena.begin_trim(30) is False and blocks() > 0     # idle, not long enough
     now[0] += 2
-    assert arena.trim_if_idle(30) == arena.size and blocks() == 0
+    assert arena.begin_trim(30) is True                       # as the janitor does it
+    assert arena.end_trim() == arena.size and blocks() == 0
     assert bytes(arena.map[:8]) == bytes(8)                   # given back: zeros if read again
-    assert arena.trim_if_idle(30) == 0 and arena.trims == 1   # once
+    assert arena.begin_trim(30) is False and arena.trims == 1   # once
     now[0] += 100
     assert arena.begin_trim(30) is False                      # nothing resident: nothing to do
     lease = arena.lease(ALIGN)
