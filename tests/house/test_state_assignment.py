@@ -28,9 +28,6 @@ pool/dataplane.py self.state        (D: DataConnection)
 
 plugin/hostd/watch.py self.phase    (D: DomainWatch)
 
-pool/migration.py self.state        (B: the ledger's record)
-
-pool/session.py self.state          (B: the pool's Session)
 """
 
 

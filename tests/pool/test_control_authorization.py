@@ -17,7 +17,8 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.lab.poolthread import PoolThread
-from accelmig.pool.control import INTENT_TTL, MAX_WAITS
+from accelmig.pool.control import MAX_WAITS
+from accelmig.pool.ledger.parties import INTENT_TTL
 from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
@@ -139,7 +140,8 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
         bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB", policy="start")
-        pool.call(lambda: pool.pool.intents[DOMAIN].update(registered=time.time() - INTENT_TTL - 1))
+        later = time.time() + INTENT_TTL + 1      # the ledger's clock, moved past the intent's life
+        pool.call(lambda: setattr(pool.pool.ledger, "clock", lambda: later))
         record = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
         assert record["policy"] == "none" and not record["vouched"]
 
@@ -342,7 +344,7 @@ def test_a_challenge_is_its_hosts_and_expires(pool, hosts):
         with pytest.raises(Forbidden, match="the pool did not issue it to this host, or it expired"):
             hosts["hostB"].call("bind_sessions", domain_uuid=DOMAIN, challenge=issued["challenge"],
                                 sessions={dev.sid: proof})
-        pool.call(lambda: setattr(pool.pool.bind_challenges, "ttl", 0.0))
+        pool.call(lambda: setattr(pool.pool.ledger.parties.challenges, "ttl", 0.0))
         expired = hosts["hostA"].call("bind_challenge")
         proof = att.bind_proof(dev._session.secret, challenge=expired["challenge"], instance=expired["instance"],
                                host="hostA", domain=DOMAIN, sid=dev.sid)
