@@ -164,7 +164,7 @@ def test_a_migration_there_and_back_rehomes_every_session_on_its_own_node(two_no
                 waited = await b[0].call_within(15, "wait_record", domain_uuid=domain, migration_id=there,
                                                 until="rehomed", timeout=10)
                 assert waited["reached"] and waited["record"]["session_count"] == 4
-                assert waited["record"]["resumed_count"] == 4
+                assert waited["record"]["resumed_count"] == 4 and waited["record"]["rehomed"] is True
                 # B -> A
                 back, outcomes = await migrate(b, a, domain, devs, nodes["n1"].endpoint)
                 for dev, outcome in zip(devs, outcomes):
