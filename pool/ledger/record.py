@@ -70,12 +70,8 @@ class LedgerRecord(StateMachine):
         self.migration_id = migration_id
         self.key = record_key(domain_uuid, migration_id)
         self.serial = serial                    # the ledger's order of records (pages of list_records)
-        self.source_host = source_host
-        self.dest_host = dest_host
-        self.policy = policy
-        self.domain_name = domain_name
-        self.postcopy = postcopy
-        self.lease_ttl = lease_ttl
+        self.source_host, self.dest_host, self.domain_name = source_host, dest_host, domain_name
+        self.policy, self.postcopy, self.lease_ttl = policy, postcopy, lease_ttl
         self.lease_expiry = now + lease_ttl
         self.entered: dict[S, float] = {S.OPEN: now}   # when it entered each state (on_transition)
         self.source_stopped: float | None = None       # when the source's QEMU stopped

@@ -4,14 +4,14 @@ the machines), the one ticket table, the one minter of migration ids, and
 the record's one serialiser.
 
 The rules that name a party run against a real pool in
-``test_ledger_parties.py``; the ledger's behaviour as hosts see it is pinned
-by ``test_control_authorization.py``, ``tests/continuity/test_tickets_and_records.py``
+``test_control_authorization.py`` (with the bounds on intents and on
+domains' hosts, issue 29); the ledger's behaviour as hosts see it is pinned
+by ``tests/continuity/test_tickets_and_records.py``
 and the others of issue 29's table."""
 
 from __future__ import annotations
 
 import ast
-import collections
 import pathlib
 import types
 
@@ -24,6 +24,7 @@ from accelmig.pool.session import Session, SessionEvent, SessionState
 from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire.errors import InternalError, RecordState, TicketInvalid
 from accelmig.wire.records import PausePolicy, RecordStateName, RecordView
+from tests.agent.test_state_machines import reach     # (a machine brought to a state by a test's own table)
 
 R, RE = RecordStateName, RecordEvent
 S, SE = SessionState, SessionEvent
@@ -77,25 +78,6 @@ def bare_session() -> Session:
     return session
 
 
-def reach(make, table, target):
-    """A new machine brought to ``target`` by the events of the test's own table."""
-    machine = make()
-    paths = {machine.state: []}
-    queue = collections.deque([machine.state])
-    while queue:
-        state = queue.popleft()
-        for event, rows in table.items():
-            nxt = rows.get(state)
-            if nxt is not None and nxt not in paths:
-                paths[nxt] = paths[state] + [event]
-                queue.append(nxt)
-    assert target in paths, f"{target} cannot be reached"
-    for event in paths[target]:
-        machine.fire(event, **({"now": 1000.0} if isinstance(machine, LedgerRecord) else {}))
-    assert machine.state is target
-    return machine
-
-
 MACHINES = [(new_record, RECORD_TABLE, RECORD_REPEATS, R, RecordState),
             (bare_session, SESSION_TABLE, SESSION_REPEATS, S, InternalError)]
 IDS = ["record", "session"]
@@ -107,7 +89,7 @@ def test_every_listed_move_is_taken(make, table, repeats, states, refusal):
         for old, new in rows.items():
             machine = reach(make, table, old)
             assert machine.can(event), f"{event.name} in {old.name}"
-            machine.fire(event, **({"now": 1000.0} if isinstance(machine, LedgerRecord) else {}))
+            machine.fire(event)
             assert machine.state is new, f"{event.name} in {old.name}"
 
 
