@@ -390,6 +390,7 @@ class ControlServer:
     @on_call("note_timeline")
     def do_note_timeline(self, caller, domain_uuid, migration_id, steps=None):
         """Bounded: known steps only, each one a small object.  The steps taken."""
+        self.ledger.timeline_side(caller, domain_uuid, migration_id)     # a party's, before its steps are read
         if not isinstance(steps, dict) or len(steps) > len(STEP_NAMES):
             raise BadRequest(reason=f"note_timeline: steps must be an object of at most "
                                     f"{len(STEP_NAMES)} steps, not {describe(steps)}")

@@ -301,18 +301,22 @@ class MigrationLedger(RecordSteps, SessionMoves):
             renewed.append(record)
         return renewed, unknown
 
+    def timeline_side(self, caller, domain_uuid, migration_id) -> tuple[LedgerRecord, Side]:
+        """The record whose timeline ``caller`` notes, and its side in it: a
+        host that takes no part is refused before its steps are even read."""
+        record = self.find(domain_uuid, migration_id)
+        if caller == record.dest_host:
+            return record, Side.DEST
+        if caller == self.parties.source_of(record):
+            return record, Side.SOURCE
+        raise Forbidden(who=f"host {caller}", what=f"note the timeline of {record.key}: "
+                                                   "it takes no part in it")
+
     def note_timeline(self, caller, domain_uuid, migration_id, timeline: Timeline) -> list[str]:
         """A record's party adds the steps it saw (already on the pool's
         clock) to its timeline: its side's steps, and for the destination its
         guest's claims.  The steps taken."""
-        record = self.find(domain_uuid, migration_id)
-        if caller == record.dest_host:
-            side = Side.DEST
-        elif caller == self.parties.source_of(record):
-            side = Side.SOURCE
-        else:
-            raise Forbidden(who=f"host {caller}", what=f"note the timeline of {record.key}: "
-                                                       "it takes no part in it")
+        record, side = self.timeline_side(caller, domain_uuid, migration_id)
         taken = record.note_steps(side, timeline.steps, self.clock())
         LOG.info("record %s: %s noted %s", record.key, caller, ", ".join(taken) or "nothing new",
                  extra={"domain": record.domain_uuid, "migration": record.migration_id})
