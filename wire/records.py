@@ -193,7 +193,7 @@ class RecordView:
             session_count=session_count,
             resumed_count=resumed_count,
             blackout_max=_field(data, "blackout_max", (int, float, type(None)), what, None),
-            vouched=bool(data.get("vouched", False)),
+            vouched=_field(data, "vouched", bool, what, False),
             rehomed=_field(data, "rehomed", bool, what, False),
             inline=inline or session_count == 0,
         )
