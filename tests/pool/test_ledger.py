@@ -30,14 +30,27 @@ R, RE = RecordStateName, RecordEvent
 S, SE = SessionState, SessionEvent
 DOMAIN = "5f0c1f4e-0000-4000-8000-0000000000c1"
 
-# -- the tables, as pool/ledger/record.py's docstring and wire/records.py's diagram say ----------
-RECORD_TABLE = {
-    RE.SWITCHOVER: {R.OPEN: R.SWITCHED_OVER},
-    RE.COMMIT: {R.OPEN: R.COMMITTED, R.SWITCHED_OVER: R.COMMITTED},
-    RE.COMPLETE: {R.OPEN: R.COMPLETED, R.SWITCHED_OVER: R.COMPLETED, R.COMMITTED: R.COMPLETED},
-    RE.CLOSE: {R.COMPLETED: R.CLOSED},
-    RE.ABORT: {R.OPEN: R.ABORTED, R.SWITCHED_OVER: R.ABORTED},
-}
+
+def table(moves: str, states, events) -> dict:
+    """``{event: {from: to}}`` from lines ``FROM... --EVENT--> TO``: the
+    tables below are written as the diagrams draw them, one arrow a line."""
+    out: dict = {}
+    for line in moves.strip().splitlines():
+        sources, rest = line.split("--", 1)
+        event, target = rest.split("-->")
+        for old in sources.split():
+            out.setdefault(events[event.strip()], {})[states[old]] = states[target.strip()]
+    return out
+
+
+# -- the record's moves, as pool/ledger/record.py's docstring and wire/records.py's diagram say ----
+RECORD_TABLE = table("""
+    OPEN --SWITCHOVER--> SWITCHED_OVER
+    OPEN SWITCHED_OVER --COMMIT--> COMMITTED
+    OPEN SWITCHED_OVER COMMITTED --COMPLETE--> COMPLETED
+    COMPLETED --CLOSE--> CLOSED
+    OPEN SWITCHED_OVER --ABORT--> ABORTED
+""", R.__members__, RE.__members__)
 RECORD_REPEATS = {
     RE.SWITCHOVER: {R.SWITCHED_OVER},
     RE.COMMIT: {R.COMMITTED, R.COMPLETED, R.CLOSED},
@@ -46,17 +59,18 @@ RECORD_REPEATS = {
     RE.ABORT: {R.ABORTED},
 }
 
-# -- and as pool/session.py's diagram draws the session (issue 29's plan, §2) ----------------------
-LIVE = (S.ATTACHED, S.ATTACHED_SAVED, S.DETACHED, S.PARKED)
-SESSION_TABLE = {
-    SE.ATTACH: {S.ATTACHED: S.ATTACHED, S.DETACHED: S.ATTACHED,
-                S.ATTACHED_SAVED: S.ATTACHED_SAVED, S.PARKED: S.ATTACHED_SAVED},
-    SE.DETACH: {S.ATTACHED: S.DETACHED, S.ATTACHED_SAVED: S.PARKED},
-    SE.PARK: {S.ATTACHED: S.ATTACHED_SAVED, S.DETACHED: S.PARKED, S.PARKED: S.PARKED},
-    SE.UNPARK: {S.ATTACHED_SAVED: S.ATTACHED, S.PARKED: S.DETACHED},
-    SE.RELEASE: {S.ATTACHED: S.RELEASED, S.ATTACHED_SAVED: S.RELEASED, S.DETACHED: S.RELEASED,
-                 S.PARKED: S.RELEASED},
-}
+# -- and the session's, as pool/session.py's diagram draws them (issue 29's plan, §2) ---------------
+SESSION_TABLE = table("""
+    ATTACHED DETACHED --ATTACH--> ATTACHED
+    ATTACHED_SAVED PARKED --ATTACH--> ATTACHED_SAVED
+    ATTACHED --DETACH--> DETACHED
+    ATTACHED_SAVED --DETACH--> PARKED
+    ATTACHED --PARK--> ATTACHED_SAVED
+    DETACHED PARKED --PARK--> PARKED
+    ATTACHED_SAVED --UNPARK--> ATTACHED
+    PARKED --UNPARK--> DETACHED
+    ATTACHED ATTACHED_SAVED DETACHED PARKED --RELEASE--> RELEASED
+""", S.__members__, SE.__members__)
 SESSION_REPEATS = {
     SE.DETACH: {S.DETACHED, S.PARKED, S.RELEASED},
     SE.PARK: {S.ATTACHED_SAVED},
