@@ -270,3 +270,9 @@ def test_migration_ids_are_minted_in_one_place():
     minter_line = source[:source.index("return secrets.token_hex(6)")].count("\n") + 1
     assert _id_minters() == [f"pool/ledger/ledger.py:{minter_line}"]
     assert len(MigrationLedger.new_migration_id()) == 12
+
+
+def test_each_ledger_module_stays_small():
+    """Issue 29: one concern a module, each under 400 lines."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in (POOL / "ledger").glob("*.py")}
+    assert sizes and {name: n for name, n in sizes.items() if n >= 400} == {}
