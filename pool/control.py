@@ -1,7 +1,12 @@
 """The pool's control plane: authenticated hosts (and the local admin socket).
 
-Transport and signatures are in ``accelmig.wire.control``; this module checks
-them and carries out each method on the pool.
+Transport and signatures are in ``accelmig.wire.control``.  This module
+authenticates each call (the hello, the request MAC, issue 28's certificate
+names, the connection's admission), checks it against the method table
+(``wire.control.METHODS``, one ``Dispatch``), bounds its arguments
+(``check_args``), pages what grows, and forwards it: every rule about who
+may do what to a migration, a session's binding or a domain is the
+migration ledger's (``pool.ledger``); sessions and hosts are the ``Pool``'s.
 """
 
 from __future__ import annotations
@@ -14,17 +19,16 @@ import logging
 import secrets
 import time
 
-from accelmig.pool.config import parse_networks
-from accelmig.pool.paging import page_limit, take
+from accelmig.pool.ledger.cluster import CLUSTERED
+from accelmig.pool.paging import Pager, page_limit, take
+from accelmig.runtime.dispatch import Dispatch
 from accelmig.wire import attestation as att
 from accelmig.wire import control as wc
 from accelmig.wire import tls
-from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, FrameError,
-                                  Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
-                                  UnknownOp, VersionUnsupported)
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameError, InternalError,
+                                  ProtocolError, RecordState, UnknownOp, VersionUnsupported)
 from accelmig.wire.frames import encode_frame
-from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, STEP_NAMES, PausePolicy,
-                                   RecordStateName, Side, Timeline)
+from accelmig.wire.records import RECORD_INLINE_SESSIONS, STEP_NAMES, RecordStateName, Timeline
 from accelmig.wire.values import describe, is_int, is_number, shown
 
 LOG = logging.getLogger(__name__)
@@ -32,18 +36,11 @@ LOG = logging.getLogger(__name__)
 #: Bounds of a saved domain's retention (``park``), in seconds.
 MIN_RETENTION = 1.0
 MAX_RETENTION = 30 * 86400.0
-#: How long an intent names the destination of a domain's next migration
-#: (``accelmig migrate`` starts it at once): a stale one must not keep
-#: refusing every other destination.
-INTENT_TTL = 300.0
 #: Identifiers (domain uuids and names, migration and session ids, host
 #: names) are strings of at most this many characters; reasons of at most
 #: MAX_REASON.
 MAX_NAME = 256
 MAX_REASON = 1024
-#: Networks one host may register (each data-plane connection is matched
-#: against all of them).
-MAX_ADDRESSES = 256
 #: ``wait_record`` calls one connection may have pending at once (hostd
 #: waits once per ``accelmig migrate`` under way on its host).
 MAX_WAITS = 1024
@@ -60,8 +57,12 @@ ADMIN_METHODS = {"list_nodes", "list_sessions", "list_records", "record_sessions
 
 
 class ControlServer:
+    on_call = Dispatch("a control-plane method", wc.METHODS)
+
     def __init__(self, pool):
         self.pool = pool
+        self.ledger = pool.ledger
+        self.pager = Pager()                  # cursors of the pages below
         self._tasks: set[asyncio.Task] = set()
 
     async def handle_host(self, reader, writer, admitted=None) -> None:
@@ -154,7 +155,7 @@ class ControlServer:
                     if not hmac.compare_digest(expected, str(header.get("mac", ""))):
                         raise AuthFailed(reason=f"request MAC from host {host.name} does not verify")
                     host.last_seen = time.time()
-                if method in CLUSTERED and self.pool.record_ledger is not None:
+                if method in CLUSTERED and self.ledger.follower is not None:
                     # etcd is written first, off the loop: other calls go on meanwhile
                     step = asyncio.ensure_future(self._answer_clustered(
                         writer, host, admin, challenge, call_id, method, args))
@@ -242,9 +243,9 @@ class ControlServer:
     async def _answer_later(self, writer, host, admin, challenge, call_id, method, args) -> None:
         try:
             self._check_caller(host, admin, method)
-            handler = getattr(self, f"wait_{method.removeprefix('wait_')}")
+            handler = self.on_call.lookup(method)
             check_args(method, handler, args)
-            result = await handler(host.name if host is not None else wc.ADMIN_HOST, **args)
+            result = await handler(self, _caller(host), **args)
             body = {"ok": True, "result": result}
         except TypeError as exc:
             body = {"ok": False, "error": BadRequest(reason=f"{method}: {exc}").to_wire()}
@@ -253,10 +254,22 @@ class ControlServer:
         if not writer.is_closing():
             self._answer(writer, host, challenge, call_id, body)
 
-    # -- a pool of several nodes: records follow etcd's ---------------------------------
     async def _answer_clustered(self, writer, host, admin, challenge, call_id, method, args) -> None:
+        """A record's step in a pool of several nodes: etcd first (the
+        ledger's ``EtcdFollower``), then this node's method as ever."""
+        follower = self.ledger.follower
         try:
-            body = await self._clustered(host, admin, method, args)
+            self._check_caller(host, admin, method)
+            if method == "list_nodes":
+                body = {"ok": True, "result": await follower.list_nodes(self.pool.instance)}
+            else:
+                try:
+                    handler = self.on_call.lookup(method)
+                    check_args(method, handler, args)
+                    inspect.signature(handler).bind(self, _caller(host), **args)
+                except TypeError as exc:
+                    raise BadRequest(reason=f"{method}: {exc}") from None
+                body = await follower.call(_caller(host), method, args, lambda: self._call(host, admin, method, args))
         except AccelmigError as exc:
             body = {"ok": False, "error": exc.to_wire()}
         except Exception as exc:
@@ -264,138 +277,6 @@ class ControlServer:
             body = {"ok": False, "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()}
         if not writer.is_closing():
             self._answer(writer, host, challenge, call_id, body)
-
-    async def _clustered(self, host, admin: bool, method: str, args: dict) -> dict:
-        """A record's step in a pool of several nodes: authorised here as
-        ever, taken in etcd first (one transaction moving the record and
-        every node's part), then by this node's own record, which first
-        follows whatever etcd's took meanwhile.  A step etcd's record cannot
-        take (another node aborted it) is refused here too: no node is ever
-        ahead of etcd."""
-        ledger, loop = self.pool.record_ledger, asyncio.get_running_loop()
-        self._check_caller(host, admin, method)
-        caller = host.name if host is not None else wc.ADMIN_HOST
-        if method == "list_nodes":
-            from accelmig.pool.cluster.registry import live_nodes
-            nodes = await loop.run_in_executor(None, live_nodes, ledger.store)
-            return {"ok": True, "result": {"cluster": True, "node": ledger.node, "instance": self.pool.instance,
-                                           "nodes": [{"name": n.name, "instance": n.instance, "control": n.control}
-                                                     for n in sorted(nodes.values(), key=lambda n: n.name)]}}
-        if method == "open_migration":
-            domain, mid = args.get("domain_uuid"), args.get("migration_id")
-            if isinstance(domain, str) and isinstance(mid, str) and f"{domain}/{mid}" not in self.pool.records:
-                # another node's migration under that id goes elsewhere: nothing opens here
-                known = await loop.run_in_executor(None, ledger.read, domain, mid)
-                if known is not None and known.dest_host != caller:
-                    raise Conflict(reason=f"migration {mid} of domain {domain} goes to host "
-                                          f"{known.dest_host} (as etcd has it), not {caller}")
-            body = self._call(host, admin, method, args)
-            if not body["ok"]:
-                return body
-            record = self.pool.records[f"{body['result']['domain_uuid']}/{body['result']['migration_id']}"]
-            try:
-                stored = await loop.run_in_executor(None, ledger.open, record)
-            except AccelmigError as exc:
-                # a record the other nodes cannot follow must not go on here
-                self.pool.abort_record(record, f"not opened in etcd: {exc}")
-                raise
-            self.pool.follow_record(record, stored)
-            return {"ok": True, "result": dict(record.describe(), cluster=_cluster_view(stored))}
-        try:
-            check_args(method, getattr(self, f"do_{method}"), args)
-            inspect.signature(getattr(self, f"do_{method}")).bind(caller, **args)
-        except TypeError as exc:
-            raise BadRequest(reason=f"{method}: {exc}") from None
-        try:
-            try:
-                record, steps = self._plan(caller, method, args)
-            except Forbidden:
-                # (a node that missed the source's switchover follows etcd's record
-                # first: the vouching is there)
-                domain, mid = args.get("domain_uuid"), args.get("migration_id")
-                local = self.pool.records.get(f"{domain}/{mid}")
-                if method not in ("complete", "commit") or local is None or local.vouched:
-                    raise
-                stored = await loop.run_in_executor(None, ledger.read, domain, mid)
-                if stored is None or not stored.vouched:
-                    raise
-                self.pool.follow_record(local, stored)
-                record, steps = self._plan(caller, method, args)
-        except NoSuchRecord:
-            # a record this node never opened (the open did not reach it): etcd's, if it has it
-            domain, mid = args.get("domain_uuid"), args.get("migration_id")
-            if mid is not None and f"{domain}/{mid}" in self.pool.records:
-                raise
-            stored = await loop.run_in_executor(
-                None, (lambda: ledger.read(domain, mid)) if mid is not None else (lambda: ledger.latest_open(domain)))
-            if stored is None or f"{stored.domain_uuid}/{stored.migration_id}" in self.pool.records:
-                raise
-            self.pool.adopt_record(stored)
-            record, steps = self._plan(caller, method, args)
-        stored = None
-        for event, changes in steps:
-            try:
-                stored = await loop.run_in_executor(None, lambda: self._advance(record, event, changes))
-            except RecordState:
-                stored = await loop.run_in_executor(None, ledger.read, record.domain_uuid, record.migration_id)
-                if stored is not None:
-                    self.pool.follow_record(record, stored)
-                raise
-            self.pool.follow_record(record, stored)
-        body = self._call(host, admin, method, args)
-        if body["ok"] and stored is not None and isinstance(body["result"], dict):
-            body["result"]["cluster"] = _cluster_view(stored)
-        return body
-
-    def _advance(self, record, event: str, changes: dict):
-        """Blocking: ``event`` on etcd's record; one this node still has
-        but etcd lost (its lease of a day ran out, a store wiped) is put
-        back first."""
-        ledger = self.pool.record_ledger
-        try:
-            return ledger.advance(record.domain_uuid, record.migration_id, event, **changes)
-        except NoSuchRecord:
-            LOG.warning("record %s is not in etcd: putting it back", record.key)
-            ledger.open(record)
-            return ledger.advance(record.domain_uuid, record.migration_id, event, **changes)
-
-    def _plan(self, caller, method: str, args: dict):
-        """The record a step acts on and the events etcd's record takes for
-        it, after the same checks as the method's own (it checks again when
-        it runs: etcd is written in between)."""
-        find, domain, mid = self.pool.find_record, args.get("domain_uuid"), args.get("migration_id")
-        if method == "switchover":
-            postcopy = args.get("postcopy", False)
-            states = set(ABORTABLE) | ({RecordStateName.COMMITTED, RecordStateName.COMPLETED} if postcopy else set())
-            record = self._switchover_target(caller, domain, mid, states)
-            self._require_source(record, caller, "switch over")
-            vouches = {"vouched": True} if self._source_vouches(record, caller) else {}
-            steps = [("switchover", {"source_host": record.source_host or caller, **vouches})] \
-                if record.state in ABORTABLE else []
-            return record, steps + ([("commit", {"postcopy": True, **vouches})] if postcopy else [])
-        if method == "commit":
-            record = find(domain, mid, dest=caller, states=IN_FLIGHT)
-            self._require_dest(record, caller, "commit")
-            self._require_vouched(record, caller, "commit")
-            return record, [("commit", {})]
-        if method == "complete":
-            if args.get("cursor") is not None:
-                return find(domain, mid), []          # a next page: no step
-            record = find(domain, mid, dest=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
-            self._require_dest(record, caller, "complete")
-            if record.state is not RecordStateName.COMPLETED:
-                self._require_vouched(record, caller, "complete")
-            return record, [("complete", {})]
-        if method == "close":
-            record = find(domain, mid, source=caller, states=IN_FLIGHT | {RecordStateName.COMPLETED})
-            self._require_source(record, caller, "close")
-            return record, [("close", {})]
-        # abort
-        record = find(domain, mid, states=ABORTABLE if mid is None else None)
-        if caller != wc.ADMIN_HOST and caller not in (self._source_of(record), record.dest_host):
-            raise Forbidden(who=f"host {caller}", what=f"abort {record.key}: it takes no part in it")
-        reason = args.get("reason", "aborted by a host")
-        return record, [("abort", {"abort_reason": f"{reason} (by {caller})"[:256]})]
 
     def _check_caller(self, host, admin: bool, method) -> None:
         if method not in wc.METHODS:
@@ -408,11 +289,10 @@ class ControlServer:
     def _call(self, host, admin: bool, method, args: dict) -> dict:
         try:
             self._check_caller(host, admin, method)
-            handler = getattr(self, f"do_{method}")
-            caller = host.name if host is not None else wc.ADMIN_HOST
+            handler = self.on_call.lookup(method)
             check_args(method, handler, args)
             try:
-                result = handler(caller, **args)
+                result = handler(self, _caller(host), **args)
             except TypeError as exc:
                 raise BadRequest(reason=f"{method}: {exc}") from None
             return {"ok": True, "result": result}
@@ -422,223 +302,29 @@ class ControlServer:
             LOG.exception("control plane: %s failed", method)
             return {"ok": False, "error": InternalError(reason=f"{type(exc).__name__}: {exc}").to_wire()}
 
-    # -- methods ---------------------------------------------------------------------
+    def _page(self, method: str, scope: str, caller, cursor, limit, items, size=None) -> tuple[list, str | None]:
+        """A page of ``items(start)`` (``(position, item)`` from the cursor's
+        position on) and the cursor of the next page (None: the last)."""
+        page, following = take(items(self.pager.position(method, scope, caller, cursor)),
+                               page_limit(method, limit), size=size)
+        return page, None if following is None else self.pager.cursor(method, scope, caller, following)
+
+    # -- methods: each bounds its arguments and forwards ---------------------------------
+    @on_call("ping")
     def do_ping(self, caller):
         return {"instance": self.pool.instance, "caller": caller, "time": time.time()}
 
+    @on_call("register_host")
     def do_register_host(self, caller, addresses=(), identity=None):
-        host = self.pool.hosts[caller]
-        if not isinstance(addresses, (list, tuple)) or len(addresses) > MAX_ADDRESSES:
-            raise BadRequest(reason=f"register_host: addresses must be a list of at most "
-                                    f"{MAX_ADDRESSES} networks, not {describe(addresses)}")
-        if identity is not None and not isinstance(identity, dict):
-            raise BadRequest(reason=f"register_host: identity must be an object, not {describe(identity)}")
-        wanted = parse_networks(addresses, f"register_host({caller})")
-        # The longest prefix attributes a guest's connection to a host: a
-        # host registering a network inside another's would take its guests.
-        taken = {net: other.name for other in self.pool.hosts.values() if other is not host
-                 for net in other.networks}
-        kept, refused = [], []
-        for net in wanted:
-            clash = next((f"{n} of host {name}" for n, name in taken.items()
-                          if n.version == net.version and n.overlaps(net)), None)
-            if clash is None:
-                kept.append(net)
-            else:
-                refused.append({"network": str(net), "overlaps": clash})
-                LOG.warning("host %s: registration of %s refused: it overlaps %s", caller, net,
-                            clash, extra={"host": caller})
-        host.networks = host.static_networks + kept
-        host.identity = dict(identity or {})
-        host.registered_at = time.time()
-        LOG.info("host %s registered: %s", caller, ", ".join(str(n) for n in host.networks),
-                 extra={"host": caller})
-        return dict(host.describe(), refused=refused)
+        return self.pool.hosts.register(caller, addresses, identity)
 
-    def _session(self, sid):
-        session = self.pool.sessions.get(sid)
-        if session is None or not session.live:
-            raise NoSuchRecord(record=f"session {sid}")
-        return session
-
-    # -- who is who: a domain's host, a record's parties ----------------------------
-    def _domain_host(self, domain_uuid) -> str | None:
-        """Where the domain runs as far as its live sessions tell: the host
-        they are bound to, or the destination they are moving to; None for a
-        domain without any (nothing of it to take)."""
-        hosts = set()
-        for session in self.pool.domain_sessions(domain_uuid):
-            moving = self.pool.records.get("/".join(session.pending_move)) if session.pending_move else None
-            hosts.add(moving.dest_host if moving is not None else session.bound_host)
-        hosts.discard(None)
-        if len(hosts) > 1:
-            return self.pool.domain_hosts.get(domain_uuid)
-        return hosts.pop() if hosts else None
-
-    def _intent(self, domain_uuid, now: float) -> dict | None:
-        """The domain's intent while it is fresh (an older one is dropped)."""
-        intent = self.pool.intents.get(domain_uuid)
-        if intent is not None and now - intent["registered"] > INTENT_TTL:
-            del self.pool.intents[domain_uuid]
-            return None
-        return intent
-
-    def _named_destinations(self, domain_uuid, now: float) -> set[str]:
-        """Where the domain's host (or the admin socket) said it goes: the
-        destination of its fresh intent, and of every migration under way
-        that opened with one (once completed, the destination is the
-        domain's host and names the next one).  Empty where nobody named one."""
-        named = {r.dest_host for r in self.pool.open_records()
-                 if r.domain_uuid == domain_uuid and r.vouched and r.state in IN_FLIGHT}
-        intent = self._intent(domain_uuid, now)
-        if intent is not None and intent.get("dest_host") and \
-                intent["by"] in (wc.ADMIN_HOST, self._domain_host(domain_uuid)):
-            named.add(intent["dest_host"])
-        return named
-
-    def _source_of(self, record) -> str | None:
-        """The record's source; where it is not known yet (the domain was new
-        to the pool when the record opened), the one host the domain's
-        sessions are bound to, if any."""
-        if record.source_host is not None:
-            return record.source_host
-        bound = {s.bound_host for s in self.pool.domain_sessions(record.domain_uuid)} - {None}
-        return bound.pop() if len(bound) == 1 else None
-
-    def _require_source(self, record, caller, action: str) -> None:
-        if record.dest_host == caller:
-            raise Conflict(reason=f"host {caller} is the destination of {record.key}")
-        source = self._source_of(record)
-        if source not in (None, caller):
-            raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it comes from host {source}")
-
-    def _require_dest(self, record, caller, action: str) -> None:
-        if record.dest_host == caller:
-            return
-        source = self._source_of(record)
-        if caller == source:
-            raise Conflict(reason=f"{record.key} goes to {record.dest_host}, not {caller}")
-        raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it goes from host "
-                                                   f"{source or '?'} to host {record.dest_host}")
-
-    def _is_party(self, record, caller) -> bool:
-        """``caller`` takes part in ``record``: its destination or its source."""
-        return caller in (record.dest_host, record.source_host, self._source_of(record))
-
-    def _source_vouches(self, record, caller) -> bool:
-        """Whether the switchover ``caller`` takes of ``record`` vouches for
-        its destination: ``caller`` is the host the domain's sessions are
-        bound to (its word that its domain really is migrating; where the
-        pool knows no such host, the domain has nothing to take yet and the
-        sessions bound later must be that host's: ``_require_vouched``),
-        nobody vouched for another migration of the domain, this is the only
-        one under way, and the domain's token is not waiting unused for the
-        real destination's open (then a record without it is not that one)."""
-        if record.vouched or self._source_of(record) not in (None, caller):
-            return False
-        if self.pool.domain_tokens.unspent(record.domain_uuid):
-            return False
-        others = [r for r in self.pool.open_records() if r.domain_uuid == record.domain_uuid
-                  and r is not record and r.state in IN_FLIGHT]
-        return not others
-
-    def _require_vouched(self, record, caller, action: str) -> None:
-        """A record nobody vouched for (no token of the domain's, no intent
-        naming its destination, no switchover by its source) takes nothing
-        of the domain's sessions: it completes or commits only while the
-        domain has none; nor does one vouched for by a source whose domain's
-        sessions are bound to another host."""
-        sessions = self.pool.domain_sessions(record.domain_uuid)
-        if not sessions:
-            return
-        if not record.vouched:
-            raise Forbidden(who=f"host {caller}", what=(
-                f"{action} {record.key}: nobody vouched for it (it opened without the domain's migration "
-                f"token or an intent naming {record.dest_host}, and its source has not switched it over)"))
-        elsewhere = {s.bound_host for s in sessions} - {None, record.dest_host, record.source_host}
-        if record.source_host is not None and elsewhere:
-            raise Forbidden(who=f"host {caller}", what=(
-                f"{action} {record.key}: the domain's sessions are bound to {', '.join(sorted(elsewhere))}, "
-                f"not to its source {record.source_host}"))
-
-    def _switchover_target(self, caller, domain_uuid, migration_id, states):
-        """The record a source's switchover (which names no migration: its
-        host does not know the destination) is about: the one vouched for,
-        else the only one under way; several that nobody vouched for are a
-        ``Conflict`` (a host opened a migration it has no part in)."""
-        if migration_id:
-            return self.pool.find_record(domain_uuid, migration_id, states=states)
-        candidates = [r for r in self.pool.records.values() if r.domain_uuid == domain_uuid and r.state in states]
-        vouched = [r for r in candidates if r.vouched]
-        if vouched:
-            return max(vouched, key=lambda r: r.times["opened"])
-        if not candidates:
-            raise NoSuchRecord(record=f"{domain_uuid}/* (no matching record)")
-        others = [r for r in candidates if r.dest_host != caller] if len(candidates) > 1 else candidates
-        if len(others) > 1:
-            raise Conflict(reason=f"{len(others)} migrations of domain {domain_uuid} are open and nobody "
-                                  f"vouched for any of them (to {', '.join(sorted(r.dest_host for r in others))}): "
-                                  f"the source cannot tell which is its own")
-        return (others or candidates)[0]
-
-    def _check_arrival(self, caller, session, domain_uuid) -> None:
-        """``caller`` attests ``session``, bound to another host, for
-        ``domain_uuid``: only as the destination of that domain's migration
-        from the session's host (a VM without the accelmig channel reports
-        its sessions through guest-exec only there), or of the session's own
-        move, and only of a migration its source vouched for.  Attesting
-        changes no binding: a ticket still needs the session's own secret."""
-        sid, bound = session.sid, session.bound_host
-        if session.pending_move is not None:
-            moving = self.pool.records.get("/".join(session.pending_move))
-            if moving is not None and moving.dest_host == caller and session.domain_uuid == domain_uuid:
-                return
-        for record in self.pool.open_records():
-            if record.domain_uuid != domain_uuid or record.dest_host != caller:
-                continue
-            source = self._source_of(record)
-            if record.vouched and (source == bound or session.domain_uuid == domain_uuid):
-                return
-            if not record.vouched and (source in (None, bound) or session.domain_uuid == domain_uuid):
-                # Nobody vouched for this destination yet: the session's
-                # host does when it switches the migration over.
-                raise RecordState(record=record.key, state=record.state.value,
-                                  action=f"attest session {sid} (bound to host {bound}) before its "
-                                         f"source switched the migration over")
-        raise Conflict(reason=f"session {sid} is bound to host {bound}, not {caller}")
-
-    # -- attestation -----------------------------------------------------------------
+    @on_call("bind_challenge")
     def do_bind_challenge(self, caller, domain_uuid=None):
-        """A fresh challenge for the caller's binding proofs
-        (``wire.attestation``); with ``domain_uuid``, how many sessions
-        claiming that domain wait to be attested (the destination of a
-        migration asks its guest for proofs only when some do)."""
-        now = time.time()
-        out = {"challenge": self.pool.bind_challenges.issue(caller, now), "instance": self.pool.instance,
-               "ttl": self.pool.bind_challenges.ttl}
-        if domain_uuid is not None:
-            out["unattested"] = sum(1 for s in list(self.pool.sessions.values())
-                                    if s.live and s.domain_uuid is None and s.claimed_domain == domain_uuid)
-        return out
+        return {"instance": self.pool.instance, **self.ledger.bind_challenge(caller, domain_uuid)}
 
-    def _attested_here(self, session, caller, domain_uuid) -> bool:
-        """Bound to ``caller`` in ``domain_uuid`` already (or moving there
-        with a ticket): acknowledged without a new proof."""
-        if session.domain_uuid != domain_uuid:
-            return False
-        if session.bound_host == caller and session.pending_move is None:
-            return True
-        moving = self.pool.records.get("/".join(session.pending_move)) if session.pending_move else None
-        return moving is not None and moving.dest_host == caller
-
+    @on_call("bind_sessions")
     def do_bind_sessions(self, caller, domain_uuid, sessions, challenge=None, domain_name=None):
-        """Bind sessions to ``domain_uuid`` on the caller, each with its
-        proof (``wire.attestation``: the session's own HMAC over a challenge
-        the pool issued to the caller, the caller's name and the domain).
-        ``sessions``: ``{sid: proof}``; a ``null`` proof only asks whether the
-        session is bound here already.  ``bound``: the sessions bound to the
-        caller in that domain now; ``prove``: those that need a proof;
-        ``refused``: the others, each with its error."""
+        """``sessions``: ``{sid: proof or null}`` (``MigrationLedger.bind_sessions``)."""
         if not isinstance(sessions, dict) or not 0 < len(sessions) <= att.MAX_BIND:
             raise BadRequest(reason=f"bind_sessions: sessions must be an object of 1 to {att.MAX_BIND} "
                                     f"{{sid: proof or null}}, not {describe(sessions)}")
@@ -647,218 +333,64 @@ class ControlServer:
                                                     len(proof) <= att.MAX_TOKEN):
                 raise BadRequest(reason=f"bind_sessions: {shown(sid)}: a session id of 1 to {MAX_NAME} "
                                         f"characters and a proof (a hex string) or null")
-        now = time.time()
-        challenges = self.pool.bind_challenges
-        if any(proof is not None for proof in sessions.values()) and not challenges.valid(caller, challenge, now):
-            raise Forbidden(who=f"host {caller}", what=f"bind sessions under challenge {shown(challenge)}: the "
-                                                       f"pool did not issue it to this host, or it expired "
-                                                       f"(ask bind_challenge again)")
-        bound, prove, refused = [], [], {}
-        for sid, proof in sessions.items():
-            session = self.pool.sessions.get(sid)
-            if session is None or not session.live:
-                refused[sid] = _brief(NoSuchRecord(record=f"session {sid}"))
-            elif self._attested_here(session, caller, domain_uuid):
-                bound.append(sid)             # (nothing to change: a proof or none)
-            elif proof is None:
-                prove.append(sid)
-            elif challenges.used(caller, challenge, sid) or not att.check_bind_proof(
-                    session.secret, proof, challenge=challenge, instance=self.pool.instance, host=caller,
-                    domain=domain_uuid, sid=sid):
-                refused[sid] = _brief(Forbidden(who=f"host {caller}", what=(
-                    f"bind session {sid} to domain {domain_uuid}: its proof does not verify (not made with "
-                    f"the session's secret for this challenge, host and domain, or used already)")))
-            else:
-                try:
-                    self._bind(caller, session, domain_uuid, now)
-                except AccelmigError as exc:
-                    refused[sid] = _brief(exc)
-                    continue
-                challenges.use(caller, challenge, sid)
-                bound.append(sid)
-        if refused:
-            LOG.warning("host %s: %d of %d session(s) not bound to domain %s (%s)", caller, len(refused),
-                        len(sessions), domain_uuid, next(iter(refused.values()))["message"][:200],
-                        extra={"host": caller, "domain": domain_uuid})
-        return {"domain_uuid": domain_uuid, "bound": bound, "prove": prove, "refused": refused}
+        out = self.ledger.bind_sessions(caller, domain_uuid, sessions, challenge, self.pool.instance)
+        return dict(out, refused={sid: _brief(exc) for sid, exc in out["refused"].items()})
 
-    def _bind(self, caller, session, domain_uuid, now: float) -> None:
-        """``session`` (whose proof verified) in ``domain_uuid`` on ``caller``."""
-        sid = session.sid
-        if session.bound_host not in (None, caller):
-            self._check_arrival(caller, session, domain_uuid)
-        if session.domain_uuid not in (None, domain_uuid):
-            raise Conflict(reason=f"session {sid} belongs to domain {session.domain_uuid}")
-        incoming = any(r.domain_uuid == domain_uuid and r.dest_host == caller
-                       for r in self.pool.open_records())
-        session.domain_uuid = domain_uuid
-        if session.bound_host is None:
-            session.bound_host = caller
-        if not incoming:
-            self.pool.domain_hosts.setdefault(domain_uuid, caller)
-        # a session opened while its domain migrates joins the migration
-        for record in self.pool.open_records():
-            if record.domain_uuid == domain_uuid:
-                self.pool.hold_if_paused(record, [session], now)
-
+    @on_call("unbind_session")
     def do_unbind_session(self, caller, sid, domain_uuid):
-        """The guest of ``domain_uuid`` says the session closed: it leaves
-        that domain (and no other: a guest names whatever ids it likes)."""
-        session = self.pool.sessions.get(sid)
-        if session is not None:
-            if session.bound_host not in (None, caller):
-                raise Forbidden(who=f"host {caller}", what=f"unbind session {sid}: it is bound "
-                                                           f"to host {session.bound_host}")
-            if session.domain_uuid not in (None, domain_uuid):
-                raise Forbidden(who=f"host {caller}", what=f"unbind session {sid} from domain {domain_uuid}: "
-                                                           f"it is not in that domain")
-            session.domain_uuid = None
+        self.ledger.unbind(caller, sid, domain_uuid)
         return {"sid": sid}
 
+    @on_call("register_token")
     def do_register_token(self, caller, domain_uuid, digest):
-        """The domain's host says which migration token (its SHA-256) the
-        running domain carries (``wire.attestation``).  ``state``: ``fresh``
-        (it vouches for the next destination), ``in_use`` (a migration opened
-        with it; only that destination may open again with it), ``spent``
-        (write a new one).  Where no session of the domain is bound here
-        (a node of a pool that holds none of them) nothing is registered."""
-        att.check_hex(digest, "register_token: digest")
-        home = self._domain_host(domain_uuid)
-        if home is None:
-            return {"domain_uuid": domain_uuid, "registered": False, "state": None}
-        if home != caller:
-            raise Forbidden(who=f"host {caller}", what=f"register the migration token of domain {domain_uuid}: "
-                                                       f"it runs on host {home}")
-        state = self.pool.domain_tokens.register(domain_uuid, digest, caller, self.pool.records)
-        return {"domain_uuid": domain_uuid, "registered": True, "state": state}
+        return self.ledger.register_token(caller, domain_uuid, digest)
 
-    # -- migrations --------------------------------------------------------------------
+    @on_call("register_intent")
     def do_register_intent(self, caller, domain_uuid, policy="none", dest_host=None,
                            migration_id=None, source_host=None):
-        PausePolicy.parse(policy)
-        if dest_host is not None and dest_host not in self.pool.hosts:
-            raise NoSuchHost(host=dest_host)
-        # The domain's host vouches for where it goes: nobody else names it.
-        home = self._domain_host(domain_uuid)
-        if caller != wc.ADMIN_HOST and home not in (None, caller):
-            raise Forbidden(who=f"host {caller}", what=f"register an intent for domain {domain_uuid}: "
-                                                       f"it runs on host {home}")
-        now = time.time()
-        for uuid, old in list(self.pool.intents.items()):      # bounded memory
-            if now - old["registered"] > INTENT_TTL:
-                del self.pool.intents[uuid]
-        intent = {"domain_uuid": domain_uuid, "policy": policy, "dest_host": dest_host,
-                  "migration_id": migration_id or secrets.token_hex(6),
-                  "source_host": source_host or (caller if caller != wc.ADMIN_HOST else None),
-                  "registered": now, "by": caller}
-        self.pool.intents[domain_uuid] = intent
-        return intent
+        return self.ledger.register_intent(caller, domain_uuid, policy, dest_host, migration_id,
+                                           source_host).to_wire()
 
+    @on_call("open_migration")
     def do_open_migration(self, caller, domain_uuid, migration_id=None, domain_name=None,
                           policy=None, postcopy=False, token=None):
-        """The caller, a migration's destination, opens its record.  It is
-        vouched for when ``token`` is the migration token the domain's host
-        wrote into the domain (its XML reached this destination with the
-        migration) or a fresh intent of the domain's host names the caller;
-        else anyone may open it, and it takes nothing (``open_record``)
-        until its source vouches for it at switchover.  Once a destination
-        was named or vouched for, nobody else may open the domain's
-        migration, nor supersede the one under way."""
-        if policy is not None:
-            PausePolicy.parse(policy)
-        digest = att.token_digest(att.check_hex(token, "open_migration: token")) if token is not None else None
-        named = self._named_destinations(domain_uuid, time.time())
-        home = self._domain_host(domain_uuid)
-        if named and caller not in named and caller != home:
-            raise Forbidden(who=f"host {caller}", what=(
-                f"open a migration of domain {domain_uuid}: it goes to host {', '.join(sorted(named))}"
-                f" (named by {'its host ' + home if home else 'the admin socket'})"))
-        tokens = self.pool.domain_tokens
-        by_token = tokens.vouches(domain_uuid, digest, caller, self.pool.records)
-        if token is not None and not by_token:
-            LOG.warning("host %s opens a migration of domain %s with a token that is not the domain's "
-                        "(or vouched for another destination already): not vouched for", caller, domain_uuid,
-                        extra={"host": caller, "domain": domain_uuid})
-        record = self.pool.open_record(caller, domain_uuid, migration_id, domain_name, policy, postcopy,
-                                       vouched=by_token or caller in named)
-        if by_token:
-            tokens.spend(domain_uuid, record.key)
-        return record.describe()
+        return self.ledger.open(caller, domain_uuid, migration_id, domain_name, policy, postcopy,
+                                token).to_wire()
 
+    @on_call("switchover")
     def do_switchover(self, caller, domain_uuid, migration_id=None, postcopy=False):
-        """The source paused the guest for the last copy (its job really is
-        an outgoing migration): the record vouched for, else the only one
-        under way, whose destination the source's word then vouches for
-        (``_source_vouches``).  With ``postcopy`` the source handed the guest
-        over for good (libvirt's SUSPENDED_POSTCOPY on the source): the
-        record is committed, whatever the destination's own event says
-        (libvirt may report RESUMED_MIGRATED there for a post-copy migration)."""
-        states = set(ABORTABLE)
-        if postcopy:
-            states |= {RecordStateName.COMMITTED, RecordStateName.COMPLETED}
-        record = self._switchover_target(caller, domain_uuid, migration_id, states)
-        self._require_source(record, caller, "switch over")
-        now = time.time()
-        if self._source_vouches(record, caller):
-            LOG.info("record %s: its source %s vouches for %s", record.key, caller, record.dest_host,
-                     extra={"domain": record.domain_uuid, "migration": record.migration_id})
-            self.pool.vouch_record(record, now)
-        if record.state in ABORTABLE:
-            self.pool.switchover_record(record, caller)
-        if postcopy:
-            record.postcopy = True
-            record.commit(now)
-        return record.describe()
+        return self.ledger.switchover(caller, domain_uuid, migration_id, postcopy).to_wire()
 
+    @on_call("commit")
     def do_commit(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, dest=caller, states=IN_FLIGHT)
-        self._require_dest(record, caller, "commit")
-        self._require_vouched(record, caller, "commit")
-        record.commit(time.time())
-        return record.describe()
+        return self.ledger.commit(caller, domain_uuid, migration_id).to_wire()
 
+    @on_call("complete")
     def do_complete(self, caller, domain_uuid, migration_id=None, cursor=None, limit=None):
         """Freeze the domain's sessions and mint their tickets (the first
         call), and hand back a page of the live tickets of the sessions
         still moving: ``next`` for the following page (``cursor``, bound to
         this record and this host).  Every page of every repeat hands back
         the same live tickets."""
-        limit = page_limit("complete", limit)
+        page_limit("complete", limit)
         if cursor is not None:
             # a next page: the record the cursor was made for, as it is now
-            record = self.pool.find_record(domain_uuid, migration_id)
-            start = self.pool.pager.position("complete", record.key, caller, cursor)
+            record = self.ledger.find(domain_uuid, migration_id)
+            self.pager.position("complete", record.key, caller, cursor)
             if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
                 raise RecordState(record=record.key, state=record.state.value, action="page its tickets")
         else:
-            record = self.pool.find_record(domain_uuid, migration_id, dest=caller,
-                                           states=IN_FLIGHT | {RecordStateName.COMPLETED})
-            self._require_dest(record, caller, "complete")
-            if record.state is not RecordStateName.COMPLETED:
-                self._require_vouched(record, caller, "complete")
-                self.pool.complete_record(record)
-            start = 0
-        items = ((index, (sid, ticket)) for index, sid, ticket in self.pool.record_tickets(record, start))
-        page, following = take(items, limit, size=lambda item: len(item[0]) + len(item[1]) + 6)
-        return {"record": record.describe(), "tickets": dict(page),
-                "next": None if following is None else
-                self.pool.pager.cursor("complete", record.key, caller, following),
-                # the pool's clock, for the caller's offset estimate (the timeline)
-                "now": time.time()}
+            record = self.ledger.complete(caller, domain_uuid, migration_id)
+        page, following = self._page("complete", record.key, caller, cursor, limit, lambda start: (
+            (index, (sid, ticket)) for index, sid, ticket in self.ledger.ticket_page(record, start)),
+            size=lambda item: len(item[0]) + len(item[1]) + 6)
+        # ``now``: the pool's clock, for the caller's offset estimate (the timeline)
+        return {"record": record.to_wire(), "tickets": dict(page), "next": following, "now": time.time()}
 
+    @on_call("note_timeline")
     def do_note_timeline(self, caller, domain_uuid, migration_id, steps=None):
-        """A record's party adds the steps it saw to the record's timeline,
-        already on the pool's clock (``wire.records``: its side's steps, and
-        for the destination its guest's claims).  Bounded: known steps only,
-        each one a small object.  The steps taken."""
-        record = self.pool.find_record(domain_uuid, migration_id)
-        if caller == record.dest_host:
-            side = Side.DEST
-        elif caller == self._source_of(record):
-            side = Side.SOURCE
-        else:
-            raise Forbidden(who=f"host {caller}", what=f"note the timeline of {record.key}: "
-                                                       "it takes no part in it")
+        """Bounded: known steps only, each one a small object.  The steps taken."""
+        self.ledger.timeline_side(caller, domain_uuid, migration_id)     # a party's, before its steps are read
         if not isinstance(steps, dict) or len(steps) > len(STEP_NAMES):
             raise BadRequest(reason=f"note_timeline: steps must be an object of at most "
                                     f"{len(STEP_NAMES)} steps, not {describe(steps)}")
@@ -866,61 +398,30 @@ class ControlServer:
             timeline = Timeline.from_wire(steps)
         except ProtocolError as exc:
             raise BadRequest(reason=f"note_timeline: {exc.kwargs.get('reason', exc.message)}") from None
-        taken = record.note_steps(side, timeline.steps, time.time())
-        LOG.info("record %s: %s noted %s", record.key, caller, ", ".join(taken) or "nothing new",
-                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        return {"taken": taken}
+        return {"taken": self.ledger.note_timeline(caller, domain_uuid, migration_id, timeline)}
 
+    @on_call("close")
     def do_close(self, caller, domain_uuid, migration_id=None):
-        record = self.pool.find_record(domain_uuid, migration_id, source=caller, states=
-                                       IN_FLIGHT | {RecordStateName.COMPLETED})
-        self._require_source(record, caller, "close")
-        record.close(time.time())
-        return record.describe()
+        return self.ledger.close(caller, domain_uuid, migration_id).to_wire()
 
+    @on_call("abort")
     def do_abort(self, caller, domain_uuid, migration_id=None, reason="aborted by a host"):
-        record = self.pool.find_record(domain_uuid, migration_id,
-                                       states=ABORTABLE if migration_id is None else None)
-        if caller != wc.ADMIN_HOST and caller not in (self._source_of(record), record.dest_host):
-            raise Forbidden(who=f"host {caller}", what=f"abort {record.key}: it takes no part in it")
-        self.pool.abort_record(record, f"{reason} (by {caller})")
-        return record.describe()
+        return self.ledger.abort(caller, domain_uuid, migration_id, reason).to_wire()
 
+    @on_call("renew")
     def do_renew(self, caller, records=()):
-        if not isinstance(records, (list, tuple)):
+        if not isinstance(records, (list, tuple)) or not all(
+                isinstance(item, (list, tuple)) and len(item) == 2 and all(isinstance(p, str) for p in item)
+                for item in records):
             raise BadRequest(reason="renew: records are [domain_uuid, migration_id] pairs")
-        now = time.time()
-        renewed, unknown = [], []
-        for item in records:
-            if not isinstance(item, (list, tuple)) or len(item) != 2 or \
-                    not all(isinstance(part, str) for part in item):
-                raise BadRequest(reason="renew: records are [domain_uuid, migration_id] pairs")
-            record = self.pool.records.get(f"{item[0]}/{item[1]}")
-            if record is None or caller not in (record.source_host, record.dest_host):
-                unknown.append(list(item))
-                continue
-            record.renew(now)
-            renewed.append(record.describe())
-        return {"renewed": renewed, "unknown": unknown}
+        renewed, unknown = self.ledger.renew(caller, records)
+        return {"renewed": [r.to_wire() for r in renewed], "unknown": unknown}
 
     # -- saved domains -----------------------------------------------------------------
-    def _require_domain_host(self, caller, domain_uuid, sessions, action: str) -> None:
-        """Only the host a domain's sessions are bound to (or the admin
-        socket) acts on its saved state."""
-        others = sorted({s.bound_host for s in sessions} - {None, caller})
-        if others and caller != wc.ADMIN_HOST:
-            raise Forbidden(who=f"host {caller}", what=f"{action} domain {domain_uuid}: its sessions "
-                                                       f"are bound to {', '.join(others)}")
-
+    @on_call("park")
     def do_park(self, caller, domain_uuid, retention=None):
-        now = time.time()
         retention = self._retention(retention)
-        sessions = self.pool.domain_sessions(domain_uuid)
-        self._require_domain_host(caller, domain_uuid, sessions, "park")
-        parked = []
-        for session in sessions:
-            session.park(now, retention)
-            parked.append(session.sid)
+        parked = self.pool.park(self.ledger.saved_domain(caller, domain_uuid, "park"), retention)
         LOG.info("domain %s saved: %d session(s) parked for %.0f s", domain_uuid, len(parked),
                  retention, extra={"domain": domain_uuid})
         return {**_listed("parked", parked), "retention": retention}
@@ -935,168 +436,113 @@ class ControlServer:
                                     f"{MAX_RETENTION:g}, not {value!r}")
         return float(value)
 
+    @on_call("unpark")
     def do_unpark(self, caller, domain_uuid):
-        now = time.time()
-        # A restore elsewhere resumes nothing without a ticket (WRONG_HOST)
-        # anyway; unparking early would only cut the retention short.
-        sessions = self.pool.domain_sessions(domain_uuid)
-        self._require_domain_host(caller, domain_uuid, sessions, "unpark")
-        unparked = []
-        for session in sessions:
-            session.unpark(now, self.pool.config.grace)
-            unparked.append(session.sid)
-        return _listed("unparked", unparked)
+        return _listed("unparked", self.pool.unpark(self.ledger.saved_domain(caller, domain_uuid, "unpark")))
 
-    def _visible(self, session, caller) -> bool:
-        """A host sees the sessions bound to it and those moving to it with a
-        ticket; the admin socket sees every one."""
-        if caller == wc.ADMIN_HOST:
-            return True
-        if session.pending_move is not None:
-            moving = self.pool.records.get("/".join(session.pending_move))
-            if moving is not None and moving.dest_host == caller:
-                return True
-        return session.bound_host == caller
-
+    # -- reading -----------------------------------------------------------------------
+    @on_call("list_sessions")
     def do_list_sessions(self, caller, domain_uuid=None, cursor=None, limit=None):
         """A page of the pool's sessions (a domain's), in the order they
-        opened: for a host, only its own (``_visible``) and, of a domain,
-        those its migrations from here moved; of a domain, also how many of
-        its sessions are bound elsewhere (``elsewhere``: a host finding a
-        domain here that arrived while its hostd was away)."""
-        limit = page_limit("list_sessions", limit)
-        scope = "*" if domain_uuid is None else f"domain {domain_uuid}"
-        start = self.pool.pager.position("list_sessions", scope, caller, cursor)
-        chosen = [s for s in list(self.pool.sessions.values())
-                  if s.serial >= start and (domain_uuid is None or s.domain_uuid == domain_uuid)]
-        # (the source of a domain's migration still reads what it moved: ``accelmig migrate``
-        # counts what its sessions sent meanwhile)
-        moved = {sid for r in list(self.pool.records.values()) if r.domain_uuid == domain_uuid
-                 and r.source_host == caller for sid in r.sessions} if domain_uuid is not None else set()
-        items = ((s.serial, s.describe()) for s in chosen if self._visible(s, caller) or s.sid in moved)
-        page, following = take(items, limit)
-        out = {"instance": self.pool.instance, "sessions": page,
-               "next": None if following is None else
-               self.pool.pager.cursor("list_sessions", scope, caller, following)}
+        opened: for a host, only its own (``Parties.visible``) and, of a
+        domain, those its migrations from here moved; of a domain, also how
+        many of its sessions are bound elsewhere (``elsewhere``: a host
+        finding a domain here that arrived while its hostd was away)."""
+        visible = self.ledger.parties.visible
+        chosen = [s for s in list(self.pool.sessions.values()) if domain_uuid is None or s.domain_uuid == domain_uuid]
+        moved = self.ledger.moved_by(caller, domain_uuid) if domain_uuid is not None else set()
+        page, following = self._page(
+            "list_sessions", "*" if domain_uuid is None else f"domain {domain_uuid}", caller, cursor, limit,
+            lambda start: ((s.serial, s.describe()) for s in chosen
+                           if s.serial >= start and (visible(s, caller) or s.sid in moved)))
+        out = {"instance": self.pool.instance, "sessions": page, "next": following}
         if domain_uuid is not None and cursor is None:
-            out["elsewhere"] = sum(1 for s in chosen if not self._visible(s, caller))
+            out["elsewhere"] = sum(1 for s in chosen if not visible(s, caller))
         return out
 
+    @on_call("list_records")
     def do_list_records(self, caller, open_only=False, domain_uuid=None, cursor=None, limit=None):
-        """A page of the records (each one bounded: ``RecordView``), newest
-        first: a caller after the latest (most are) finds it on the first
-        page, even one that does not follow pages.  A host lists only the
-        records it takes part in."""
-        limit = page_limit("list_records", limit)
-        scope = f"{bool(open_only)} {domain_uuid}"
-        start = self.pool.pager.position("list_records", scope, caller, cursor)
-        records = self.pool.open_records() if open_only else list(self.pool.records.values())
-        mine = caller == wc.ADMIN_HOST or None
+        """A page of the records the caller takes part in (each one bounded:
+        ``RecordView``), newest first: a caller after the latest (most are)
+        finds it on the first page, even one that does not follow pages."""
+        records = self.ledger.listed(caller, open_only, domain_uuid)
         # (a position grows as serials fall: the next page starts one past the last given)
-        items = ((_NEWEST - r.serial, r.describe()) for r in sorted(records, key=lambda r: -r.serial)
-                 if _NEWEST - r.serial >= start and (domain_uuid is None or r.domain_uuid == domain_uuid)
-                 and (mine or self._is_party(r, caller)))
-        page, following = take(items, limit)
-        return {"records": page, "next": None if following is None else
-                self.pool.pager.cursor("list_records", scope, caller, following)}
+        page, following = self._page("list_records", f"{bool(open_only)} {domain_uuid}", caller, cursor, limit,
+                                     lambda start: ((_NEWEST - r.serial, r.to_wire()) for r in records
+                                                    if _NEWEST - r.serial >= start))
+        return {"records": page, "next": following}
 
-    def _require_party(self, record, caller, action: str) -> None:
-        if caller != wc.ADMIN_HOST and not self._is_party(record, caller):
-            raise Forbidden(who=f"host {caller}", what=f"{action} {record.key}: it takes no part in it")
-
+    @on_call("record_sessions")
     def do_record_sessions(self, caller, domain_uuid, migration_id, cursor=None, limit=None):
         """A page of a record's frozen sessions and their blackouts (None:
         not resumed yet): what a record view lists inline only while short.
         For its parties (and the admin socket) only."""
-        limit = page_limit("record_sessions", limit)
-        record = self.pool.find_record(domain_uuid, migration_id)
-        self._require_party(record, caller, "list the sessions of")
-        start = self.pool.pager.position("record_sessions", record.key, caller, cursor)
-        items = ((index, {"sid": sid, "blackout": record.resumed.get(sid)})
-                 for index, sid in enumerate(record.sessions) if index >= start)
-        page, following = take(items, limit)
-        return {"record": record.key, "session_count": len(record.sessions), "sessions": page,
-                "next": None if following is None else
-                self.pool.pager.cursor("record_sessions", record.key, caller, following)}
+        page_limit("record_sessions", limit)
+        record = self.ledger.find(domain_uuid, migration_id)
+        self.ledger.parties.require_party(record, caller, "list the sessions of")
+        page, following = self._page("record_sessions", record.key, caller, cursor, limit, lambda start: (
+            (index, {"sid": sid, "blackout": record.resumed.get(sid)})
+            for index, sid in enumerate(record.sessions) if index >= start))
+        return {"record": record.key, "session_count": len(record.sessions), "sessions": page, "next": following}
 
+    @on_call("wait_record")
     async def wait_record(self, caller, domain_uuid, migration_id=None, until="rehomed", timeout=60.0):
-        """The record once it is rehomed (``until="rehomed"``: completed or
-        closed, with every session resumed; or aborted), rehomed with the
-        destination's steps in its timeline (``until="timeline"``: its hostd
-        noted them after the agent answered) or final (``until="final"``),
-        or as it is after ``timeout`` seconds; for a party of the record (or
-        the admin socket) only."""
+        """The record once rehomed, timeline noted or final (``until``), or
+        as it is after ``timeout`` seconds (``MigrationLedger.wait``)."""
         if until not in ("rehomed", "timeline", "final"):
             raise BadRequest(reason=f"wait_record: until {until!r} (rehomed, timeline or final)")
         if not is_number(timeout, 0, 600):
             raise BadRequest(reason="wait_record: timeout must be 0 to 600 seconds")
+        record, reached = await self.ledger.wait(caller, domain_uuid, migration_id, until, float(timeout))
+        return {"record": None if record is None else record.to_wire(), "reached": reached}
 
-        def reached(record) -> bool:
-            if until == "final":
-                return record.final
-            if until == "timeline" and record.state is not RecordStateName.ABORTED:
-                return record.rehomed and "answered" in record.stamps
-            # closed is not the end of a rehome: the source closes its side
-            # as soon as QEMU is gone, the guest's sessions resume after that
-            return record.state is RecordStateName.ABORTED or record.rehomed
-
-        record = await self.pool.wait_record(domain_uuid, migration_id, reached, float(timeout))
-        if record is None:
-            return {"record": None, "reached": False}
-        self._require_party(record, caller, "wait for")
-        return {"record": record.describe(), "reached": reached(record)}
-
+    @on_call("accel_domains")
     def do_accel_domains(self, caller, since=None, cursor=None, limit=None):
         """Which domains hold sessions, marked or not (hosts cache it so their
         hook can be strict for a Nova instance while hostd is down), each
-        with how many of its sessions wait to be attested (the host running
-        it then asks its guest to prove them) — never the sessions' ids: a
-        host learns those from its own guests.  ``since``: the version the
-        caller has; an unchanged set answers in a few bytes, however many
-        sessions there are.  Paged by domain: each page says the version as
-        it is now, and a caller keeps the first page's (whatever changed
-        while it paged shows as a new version at its next look)."""
-        limit = page_limit("accel_domains", limit)
-        domains = self.pool.accel_domains()
+        with how many of its sessions wait to be attested — never the
+        sessions' ids.  ``since``: the version the caller has; an unchanged
+        set answers in a few bytes, however many sessions there are.  Paged
+        by domain: each page says the version as it is now, and a caller
+        keeps the first page's (whatever changed while it paged shows as a
+        new version at its next look)."""
+        page_limit("accel_domains", limit)
+        domains = self.ledger.accel_domains()
         version = hashlib.sha256(wc.canonical(domains)).hexdigest()[:32]
         if cursor is None and since == version:
             return {"version": version, "unchanged": True}
-        start = self.pool.pager.position("accel_domains", "*", caller, cursor)
-        items = ((index, (domain, domains[domain])) for index, domain in enumerate(sorted(domains))
-                 if index >= start)
-        page, following = take(items, limit, size=lambda item: len(item[0]) + 12)
-        return {"version": version, "domains": dict(page), "next": None if following is None else
-                self.pool.pager.cursor("accel_domains", "*", caller, following)}
+        page, following = self._page("accel_domains", "*", caller, cursor, limit, lambda start: (
+            (index, (domain, domains[domain])) for index, domain in enumerate(sorted(domains)) if index >= start),
+            size=lambda item: len(item[0]) + 12)
+        return {"version": version, "domains": dict(page), "next": following}
 
+    @on_call("list_hosts")
     def do_list_hosts(self, caller):
         return {"hosts": [h.describe() for h in self.pool.hosts.values()]}
 
+    @on_call("list_devices")
     def do_list_devices(self, caller):
         """The node's devices with what is in use (at most MAX_DEVICES of them)."""
         return {"instance": self.pool.instance, "devices": self.pool.devices.describe()}
 
+    @on_call("list_nodes")
     def do_list_nodes(self, caller):
         """A node alone (no etcd): no cluster; hostd talks to this node only.
-        (A node of a cluster answers from etcd: ``_clustered``.)"""
+        (A node of a cluster answers from etcd: ``EtcdFollower.list_nodes``.)"""
         return {"cluster": False, "node": None, "instance": self.pool.instance, "nodes": []}
 
+    @on_call("metrics")
     def do_metrics(self, caller):
         return {"text": self.pool.metrics.text()}
+
+
+def _caller(host) -> str:
+    return host.name if host is not None else wc.ADMIN_HOST
 
 
 def _answered_below() -> None:
     """A host's connection whose deadline passed: ``_serve``'s wait for its
     hello ends at the same moment and says so to the host."""
-
-
-#: what a node of a cluster takes through etcd first (``_clustered``)
-CLUSTERED = frozenset({"open_migration", "switchover", "commit", "complete", "close", "abort", "list_nodes"})
-
-
-def _cluster_view(stored) -> dict:
-    """What a step's answer says of etcd's record: its state, the nodes
-    that take part and those lost (their sessions are gone with them)."""
-    return {"state": stored.state.value, "nodes": dict(stored.nodes), "lost": list(stored.lost)}
 
 
 def check_args(method: str, handler, args: dict) -> None:

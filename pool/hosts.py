@@ -4,8 +4,17 @@ guests' connections come from, what they registered."""
 from __future__ import annotations
 
 import ipaddress
+import logging
+import time
 
-from accelmig.pool.config import HostSpec
+from accelmig.pool.config import HostSpec, parse_networks
+from accelmig.wire.errors import BadRequest
+from accelmig.wire.values import describe
+
+LOG = logging.getLogger("accelmig.pool")
+#: Networks one host may register (each data-plane connection is matched
+#: against all of them).
+MAX_ADDRESSES = 256
 
 
 class HostState:
@@ -35,6 +44,48 @@ class HostState:
         return {"host": self.name, "networks": [str(n) for n in self.networks],
                 "identity": self.identity, "registered_at": self.registered_at,
                 "last_seen": self.last_seen}
+
+
+class HostTable(dict):
+    """name -> ``HostState``: the hosts of the pool's hosts file (a reload
+    makes a new table that keeps the hosts it still names)."""
+
+    @classmethod
+    def of(cls, specs: dict[str, HostSpec]) -> "HostTable":
+        return cls({name: HostState(spec) for name, spec in specs.items()})
+
+    def register(self, name: str, addresses=(), identity=None) -> dict:
+        """Host ``name`` (authenticated) registers the networks its guests'
+        connections come from and its identity.  The longest prefix
+        attributes a guest's connection to a host: a network that overlaps
+        another host's would take its guests, and is refused (the others
+        are kept)."""
+        host = self[name]
+        if not isinstance(addresses, (list, tuple)) or len(addresses) > MAX_ADDRESSES:
+            raise BadRequest(reason=f"register_host: addresses must be a list of at most "
+                                    f"{MAX_ADDRESSES} networks, not {describe(addresses)}")
+        if identity is not None and not isinstance(identity, dict):
+            raise BadRequest(reason=f"register_host: identity must be an object, not {describe(identity)}")
+        wanted = parse_networks(addresses, f"register_host({name})")
+        taken = {net: other.name for other in self.values() if other is not host for net in other.networks}
+        kept, refused = [], []
+        for net in wanted:
+            clash = next((f"{n} of host {owner}" for n, owner in taken.items()
+                          if n.version == net.version and n.overlaps(net)), None)
+            if clash is None:
+                kept.append(net)
+            else:
+                refused.append({"network": str(net), "overlaps": clash})
+                LOG.warning("host %s: registration of %s refused: it overlaps %s", name, net,
+                            clash, extra={"host": name})
+        host.networks = host.static_networks + kept
+        host.identity = dict(identity or {})
+        host.registered_at = time.time()
+        LOG.info("host %s registered: %s", name, ", ".join(str(n) for n in host.networks), extra={"host": name})
+        return dict(host.describe(), refused=refused)
+
+    def for_address(self, address: str) -> str | None:
+        return host_for_address(self.values(), address)
 
 
 def host_for_address(hosts, address: str) -> str | None:

@@ -1,16 +1,19 @@
 """A session on the pool: its state machine, its worker, its objects.
 
-State machine::
+State machine (``Session.TABLE``)::
 
                 open/resume            connection lost
     (new) ---> ATTACHED  <---------->  DETACHED --(grace over)--> RELEASED
-                  |   ^   resume          |                          ^
-                  |   +--------------- PARKED --(retention over)-----+
-                  +---(release by the driver)--------------------------+
+                 |  ^ park/unpark         | ^ park/unpark             ^
+                 v  |     conn. lost      v |                         |
+             ATTACHED_SAVED ----------> PARKED --(retention over)-----+
+                        <--- resume ---
+                  (and from every live state: release by the driver)
 
 ``PARKED`` is ``DETACHED`` with the longer retention the host asked for when
-the session's domain was saved; a parked session whose connection is still
-open stays ``ATTACHED`` and parks when that connection goes.
+the session's domain was saved; a session parked while its connection is
+still open is ``ATTACHED_SAVED`` (on the wire: ``attached``, ``parked``) and
+parks when that connection goes.
 
 Commands run on the session's own worker thread, one at a time, in sequence
 order (one in-order queue per session).  The event loop holds commands back
@@ -33,6 +36,7 @@ from typing import Callable
 from accelmig.pool import clcommands
 from accelmig.pool.devices import DeviceContext, buildpolicy
 from accelmig.pool.sequencing import REPLY_BYTES, RUN_REPLY_BYTES, SequenceLog, StoredReply, ok_reply
+from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire.dataplane import OPENCL_OPS, Op
 from accelmig.wire.errors import (AccelmigError, BadRequest, InternalError, LimitExceeded, OutOfRange,
                                   QuotaExceeded)
@@ -72,9 +76,24 @@ def refuse_oversized_read(session: "Session", size: int) -> None:
 
 class SessionState(enum.Enum):
     ATTACHED = "attached"
+    ATTACHED_SAVED = "attached_saved"     # its domain was saved while its connection is open
     DETACHED = "detached"
     PARKED = "parked"
     RELEASED = "released"
+
+    @property
+    def wire(self) -> str:
+        """As ``list_sessions`` and the metrics say it (``wire.records.SessionView``):
+        a session attached while its domain is saved is ``attached`` (and ``parked``)."""
+        return "attached" if self is SessionState.ATTACHED_SAVED else self.value
+
+
+class SessionEvent(enum.Enum):
+    ATTACH = "attach"          # opened, or resumed on a new connection
+    DETACH = "detach"          # its connection was lost
+    PARK = "park"              # its domain was saved (its host's park)
+    UNPARK = "unpark"          # its domain was restored
+    RELEASE = "release"        # released by its driver, expired, or killed
 
 
 class Tenant:
@@ -245,8 +264,30 @@ class LaunchRun:
         return [Command(seq, Op.LAUNCH, launch, b"") for seq, launch in enumerate(self.launches, self.first)]
 
 
-class Session:
+_S, _E = SessionState, SessionEvent
+_LIVE = (_S.ATTACHED, _S.ATTACHED_SAVED, _S.DETACHED, _S.PARKED)
+
+
+class Session(StateMachine):
     """Everything the pool keeps for one driver session."""
+
+    INITIAL = _S.ATTACHED
+    FINAL = frozenset({_S.RELEASED})
+    TABLE = {
+        _E.ATTACH: {_S.ATTACHED: _S.ATTACHED, _S.DETACHED: _S.ATTACHED,
+                    _S.ATTACHED_SAVED: _S.ATTACHED_SAVED, _S.PARKED: _S.ATTACHED_SAVED},
+        _E.DETACH: {_S.ATTACHED: _S.DETACHED, _S.ATTACHED_SAVED: _S.PARKED},
+        # (parked again: a new retention, and for a parked one a new deadline)
+        _E.PARK: {_S.ATTACHED: _S.ATTACHED_SAVED, _S.DETACHED: _S.PARKED, _S.PARKED: _S.PARKED},
+        _E.UNPARK: {_S.ATTACHED_SAVED: _S.ATTACHED, _S.PARKED: _S.DETACHED},
+        _E.RELEASE: {state: _S.RELEASED for state in _LIVE},
+    }
+    REPEATS = {
+        _E.DETACH: frozenset({_S.DETACHED, _S.PARKED, _S.RELEASED}),    # (a connection lost twice)
+        _E.PARK: frozenset({_S.ATTACHED_SAVED}),                         # (only its retention changes)
+        _E.UNPARK: frozenset({_S.ATTACHED, _S.DETACHED, _S.RELEASED}),
+        _E.RELEASE: frozenset({_S.RELEASED}),
+    }
 
     def __init__(self, sid: str, tenant: Tenant, secret: bytes, context: DeviceContext,
                  post: Callable[[Callable], None], *, serial: int = 0, metrics=None, buffers=None,
@@ -262,7 +303,7 @@ class Session:
         self.tenant = tenant
         self.secret = secret
         self.context = context
-        self.state = SessionState.ATTACHED
+        StateMachine.__init__(self)      # ATTACHED
         self.epoch = 1
         self.created = time.time()
         self.log = SequenceLog(sid)
@@ -271,9 +312,10 @@ class Session:
         self.buffers = buffers          # PayloadBuffers: recycled bulk host memory
         self.connection = None          # the attached DataConnection, if any
         self.deadline: float | None = None
+        # the retention its host asked for when its domain was saved (None: not saved)
         self.park_retention: float | None = None
         self.released_reason: str | None = None
-        # placement, owned by the control plane
+        # where it is bound: written by the migration ledger alone (pool.ledger.parties)
         self.bound_host: str | None = None
         self.domain_uuid: str | None = None
         # The domain the guest says it is (its SMBIOS system UUID, told at
@@ -358,43 +400,39 @@ class Session:
             self.device.refund(nbytes)
 
     # -- state machine -----------------------------------------------------------
+    def refuse(self, event: SessionEvent) -> None:
+        raise InternalError(reason=f"session {self.sid} is {self.state.value}: it cannot {event.value}"
+                                   + (f" ({self.released_reason})" if self.released_reason else ""))
+
     def attach(self, connection) -> None:
-        self._require_live()
+        self.fire(SessionEvent.ATTACH)
         self.connection = connection
-        self.state = SessionState.ATTACHED
         self.deadline = None
         self.detached_at = None
 
     def detach(self, now: float, grace: float) -> None:
-        if self.state is not SessionState.ATTACHED:
-            return
+        if self.fire(SessionEvent.DETACH) is None:
+            return          # not attached
         self.connection = None
         self.detached_at = now
-        if self.park_retention is not None:
-            self.state = SessionState.PARKED
-            self.deadline = now + self.park_retention
-        else:
-            self.state = SessionState.DETACHED
-            self.deadline = now + grace
+        self.deadline = now + (self.park_retention if self.state is SessionState.PARKED else grace)
 
     def park(self, now: float, retention: float) -> None:
-        self._require_live()
+        self.fire(SessionEvent.PARK)
         self.park_retention = retention
-        if self.state is not SessionState.ATTACHED:
-            self.state = SessionState.PARKED
+        if self.state is SessionState.PARKED:
             self.deadline = now + retention
 
     def unpark(self, now: float, grace: float) -> None:
         self.park_retention = None
-        if self.state is SessionState.PARKED:
-            self.state = SessionState.DETACHED
+        if self.fire(SessionEvent.UNPARK) is not None and self.state is SessionState.DETACHED:
             self.deadline = now + grace
 
-    def note_resume(self, from_epoch: int, last_seen: int, ticket_nonce: str | None) -> None:
-        """After an accepted resume (``self.epoch`` already the new epoch)."""
+    def note_resume(self, from_epoch: int, last_seen: int) -> None:
+        """After an accepted resume (``self.epoch`` already the new epoch);
+        the ticket it used, if any, is the ledger's (``TicketBook.last_used``)."""
         self.last_resume = {"from_epoch": from_epoch, "to_epoch": self.epoch, "last_seen": last_seen,
-                            "ticket": ticket_nonce, "next_seq": self.log.next_seq,
-                            "acked": self.log.acked}
+                            "next_seq": self.log.next_seq, "acked": self.log.acked}
 
     def is_resume_retry(self, epoch: int, last_seen: int) -> bool:
         """The driver whose last resume was accepted but whose answer was lost
@@ -411,9 +449,8 @@ class Session:
 
     def release(self, reason: str) -> None:
         """Free everything (idempotent).  Queued commands are skipped."""
-        if self.state is SessionState.RELEASED:
+        if self.fire(SessionEvent.RELEASE) is None:
             return
-        self.state = SessionState.RELEASED
         self.tenant.session_released()
         if self.device is not None:
             self.device.session_released()
@@ -437,10 +474,6 @@ class Session:
     def wait_released(self, timeout: float | None = None) -> None:
         """After ``release``: wait until the worker has given the device objects back."""
         self._worker.join(timeout)
-
-    def _require_live(self) -> None:
-        if self.state is SessionState.RELEASED:
-            raise InternalError(reason=f"session {self.sid} is released ({self.released_reason})")
 
     @property
     def live(self) -> bool:
@@ -635,7 +668,7 @@ class Session:
 
     def describe(self) -> dict:
         return {
-            "sid": self.sid, "tenant": self.tenant.name, "state": self.state.value,
+            "sid": self.sid, "tenant": self.tenant.name, "state": self.state.wire,
             "epoch": self.epoch, "bound_host": self.bound_host, "domain_uuid": self.domain_uuid,
             "claimed_domain": self.claimed_domain,
             "device": self.device.id if self.device is not None else None,

@@ -1,5 +1,5 @@
-"""The pool's state: tenants, sessions, hosts, migration records and tickets,
-and every operation on them.
+"""The pool's state: tenants, sessions and hosts, admission and reload, reply
+delivery; every migration fact is its ``ledger``'s (``pool.ledger``).
 
 One asyncio event loop owns all of it (``PoolServer`` runs that loop's
 listeners), so every operation is atomic with respect to every other: a
@@ -15,25 +15,19 @@ import collections
 import logging
 import secrets
 import time
-import uuid
 
-from accelmig.pool.attestation import BindChallenges, DomainTokens
 from accelmig.pool.buffers import PayloadBuffers
 from accelmig.pool.config import HostSpec, PoolConfig, TenantSpec
 from accelmig.pool.devices.inventory import DeviceSet
-from accelmig.pool.hosts import HostState, host_for_address
+from accelmig.pool.hosts import HostState, HostTable
+from accelmig.pool.ledger import MigrationLedger
 from accelmig.pool.metrics import PoolMetrics
-from accelmig.pool.migration import MigrationRecord, TicketAuthority
-from accelmig.pool.paging import Pager
 from accelmig.pool.sequencing import StoredReply
 from accelmig.pool.session import Session, SessionState, Tenant
 from accelmig.wire import dataplane as dp
 from accelmig.wire.devices import parse_selector
-from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflict, ErrorCode, LimitExceeded,
-                                  NoSuchRecord,
-                                  SessionDiverged,
-                                  SessionExpired, SessionLost, TicketRequired, WrongHost, from_wire)
-from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
+from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, ErrorCode, LimitExceeded,
+                                  SessionDiverged, SessionExpired, SessionLost, from_wire)
 from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.pool")
@@ -53,29 +47,16 @@ class Pool:
         self.data_versions = dp.PROTOCOL_VERSIONS
         self.tenants = {t.token: Tenant(t.name, t.token, t.quota, t.max_sessions, t.quota_by_type)
                         for t in tenants.values()}
-        self.hosts = {name: HostState(spec) for name, spec in (hosts or {}).items()}
+        self.hosts = HostTable.of(hosts or {})
         self.sessions: dict[str, Session] = {}
         self.tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.records: dict[str, MigrationRecord] = {}
-        self._open: dict[str, MigrationRecord] = {}   # the records not final yet (kept by record_changed)
-        self._record_serial = 0
-        self.pager = Pager()                           # cursors of the control plane's pages
-        self.intents: dict[str, dict] = {}
-        self.domain_hosts: dict[str, str] = {}
-        # what hosts show before they bind a session or are vouched for as a
-        # migration's destination (pool.attestation)
-        self.bind_challenges = BindChallenges()
-        self.domain_tokens = DomainTokens()
-        self.tickets = TicketAuthority(config.ticket_ttl)
-        self.session_tickets: dict[str, str] = {}     # sid -> live ticket nonce
-        # sid -> the record whose timeline its next reply stamps (``first_command``);
-        # at most one entry per live session, dropped with the session
-        self._first_reply: dict[str, MigrationRecord] = {}
         self.metrics = PoolMetrics()
-        for state in SessionState:
+        # every migration fact: records, tickets, intents, bindings, vouching
+        self.ledger = MigrationLedger(config, self.sessions, self.metrics, hosts=lambda: self.hosts)
+        for name in dict.fromkeys(state.wire for state in SessionState):
             # read whenever metrics are collected: never stale between sweeps
-            self.metrics.sessions.labels(state.value).set_function(
-                lambda state=state: sum(1 for s in list(self.sessions.values()) if s.state is state))
+            self.metrics.sessions.labels(name).set_function(
+                lambda name=name: sum(1 for s in list(self.sessions.values()) if s.state.wire == name))
         for device in self.devices:
             self.metrics.device_in_use.labels(device.id, device.type).set_function(
                 lambda device=device: device.bytes_in_use)
@@ -89,15 +70,8 @@ class Pool:
         self.loop: asyncio.AbstractEventLoop | None = None   # set by the server that runs it
         self.placement = None       # pool.cluster.placement.Placement: set when this node joins a cluster
         self.quota_ledger = None    # pool.cluster.quotas.QuotaLedger: likewise (every Tenant holds it)
-        self.record_ledger = None   # pool.cluster.records.RecordLedger: likewise (records follow etcd's)
-        self._record_waiters: list[asyncio.Future] = []
         self._counter = 0
         self.started = time.time()
-
-    @property
-    def backend(self):
-        """The first device's backend (for callers from one-device days)."""
-        return self.devices.devices[0].backend
 
     def live_session_count(self) -> int:
         """Sessions not released (attached, detached or parked): the node's
@@ -129,33 +103,13 @@ class Pool:
                 LOG.info("session %s expired after its %s", session.sid, kind,
                          extra={"sid": session.sid, "tenant": session.tenant.name})
                 self._release(session, "expired")
-        for record in list(self.records.values()):
-            if record.final or now < record.lease_expiry:
-                continue
-            if record.state in (RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
-                if self.record_ledger is not None:
-                    self._expire_in_cluster(record, now)
-                    continue
-                self._abort_record(record, now, "lease expired: no host renewed it")
-            elif record.state is RecordStateName.COMMITTED:
-                LOG.warning("record %s: lease expired after commit: completing", record.key)
-                self._complete_record(record, now)
-                record.close(now)
-            elif record.state is RecordStateName.COMPLETED:
-                record.close(now)
+        self.ledger.sweep(now)
         for device in self.devices:
             device.backend.trim_idle(self.config.upload_arena_keep)
-        if len(self.domain_tokens):
-            self.domain_tokens.keep({s.domain_uuid for s in list(self.sessions.values())
-                                     if s.live and s.domain_uuid is not None})
-        # forget final records after a while (bounded memory)
-        for key, record in list(self.records.items()):
-            if record.final and now - max(record.times.values()) > 3600:
-                del self.records[key]
 
     # -- hosts -----------------------------------------------------------------------
     def host_for_address(self, address: str) -> str | None:
-        return host_for_address(self.hosts.values(), address)
+        return self.hosts.for_address(address)
 
     # -- reload (SIGHUP) -----------------------------------------------------------
     def reload(self, tenants: dict[str, TenantSpec], hosts: dict[str, HostSpec]) -> dict:
@@ -198,7 +152,7 @@ class Pool:
             out["kept_sessions"][name] = sum(1 for s in self.sessions.values()
                                              if s.tenant.name == name and s.live)
         self.tenants = fresh
-        kept = {}
+        kept = HostTable()
         for name, spec in hosts.items():
             host = self.hosts.get(name)
             if host is None:
@@ -249,9 +203,7 @@ class Pool:
                           max_queued_bytes=self.config.max_reply_bytes,
                           max_objects=self.config.max_objects_per_session,
                           max_source_bytes=self.config.max_source_bytes)
-        session.bound_host = conn.peer_host
-        session.by_address = conn.peer_host is not None
-        session.claimed_domain = claimed
+        self.ledger.opened(session, conn.peer_host, claimed)
         session.attach(conn)
         session.on_reply = self._deliver
         session.on_ok_run = self._deliver_ok_run
@@ -292,19 +244,9 @@ class Pool:
                 raise SessionDiverged(sid=sid, reason=(
                     f"the resuming copy is at epoch {epoch}, the session at epoch {session.epoch}"),
                     details={"epoch": epoch, "current": session.epoch})
-            ticket = header.get("ticket")
-            claims = None
-            if ticket:
-                claims = self.tickets.check(ticket, sid, conn.peer_host, now,
-                                            retry_of=session.last_resume.get("ticket") if retry else None,
-                                            by_address=session.by_address)
-            elif session.pending_move is not None:
-                record = self.records.get("/".join(session.pending_move))
-                raise TicketRequired(sid=sid, host=record.dest_host if record else "?",
-                                     migration=session.pending_move[1])
-            elif session.bound_host is not None and conn.peer_host != session.bound_host and \
-                    (session.by_address or conn.peer_host is not None):
-                raise WrongHost(sid=sid, bound=session.bound_host, peer=conn.peer[0], host=conn.peer_host)
+            # with a ticket it moves, without one it stays where it is bound (the ledger's word)
+            claims = self.ledger.check_resume(session, header.get("ticket"), conn.peer_host, conn.peer[0],
+                                              retry, now)
             next_seq = header.get("next_seq")
             if next_seq is not None and not is_int(next_seq):
                 raise BadRequest(reason="resume: next_seq must be an integer")
@@ -322,28 +264,10 @@ class Pool:
             old.fence(session.epoch)
         session.acknowledge(last_seen)
         session.attach(conn)
-        session.note_resume(epoch, last_seen, claims["n"] if claims else None)
+        session.note_resume(epoch, last_seen)
         session.counters.resumes += 1
         session.counters.replayed += len(replay)
-        blackout = None
-        if claims is not None:
-            self.tickets.use(claims["n"], now)
-            self.session_tickets.pop(sid, None)
-            session.pending_move = None
-            # where the address names no host, the ticket's host (whose hostd
-            # delivered it into the guest) is where the session now is
-            session.bound_host = conn.peer_host or (None if session.by_address else claims.get("dst"))
-            record = self.records.get(f"{claims['dom']}/{claims['mid']}")
-            if record is not None:
-                start = (session.pause_started or record.times.get("switchover")
-                         or session.detached_at or record.times.get("completed", now))
-                blackout = max(0.0, now - start)
-                record.stamp("resume_received", now)
-                record.note_resumed(sid, blackout, now if injected else max(now, time.time()))
-                if "first_command" not in record.stamps:
-                    self._first_reply[sid] = record     # its next reply stamps the timeline
-                self.metrics.blackout.observe(blackout)
-                session.unpause(record.key)
+        blackout = self.ledger.resumed(session, claims, conn.peer_host, now, injected)
         self.metrics.resumes.labels("ok").inc()
         tls_resumed = bool(getattr(conn, "tls_resumed", False))
         LOG.info("session %s resumed at epoch %d from %s (host %s), %d replies replayed, next seq %d%s",
@@ -364,11 +288,10 @@ class Pool:
                  (session.deadline or 0) - now, extra={"sid": session.sid})
 
     def _first_reply_after_move(self, session: Session) -> None:
-        """A migration's timeline: the first command completed after the resume."""
-        if self._first_reply:
-            record = self._first_reply.pop(session.sid, None)
-            if record is not None:
-                record.stamp("first_command", time.time())
+        """A migration's timeline: the first command completed after the
+        resume (on every reply: an empty dict's check, nothing more)."""
+        if self.ledger.first_replies:
+            self.ledger.first_reply(session.sid)
 
     def _deliver_ok_run(self, session: Session, first: int, last: int) -> None:
         """Plain successes first..last (a launch run's): ``_deliver`` of each."""
@@ -406,324 +329,22 @@ class Pool:
     def _release(self, session: Session, reason: str) -> None:
         session.release(reason)
         self.sessions.pop(session.sid, None)
-        self.session_tickets.pop(session.sid, None)
-        self._first_reply.pop(session.sid, None)
+        self.ledger.session_released(session, reason)
         self.tombstones[session.sid] = reason
         while len(self.tombstones) > 100000:
             self.tombstones.popitem(last=False)
 
-    # -- migration records (the control plane calls these) -----------------------
-    def domain_sessions(self, domain_uuid: str) -> list[Session]:
-        return [s for s in self.sessions.values() if s.live and s.domain_uuid == domain_uuid]
-
-    def accel_domains(self) -> dict[str, int]:
-        """Every domain that holds live sessions, by its attested UUID or,
-        not attested yet, the UUID its guest claimed: domain -> how many of
-        its sessions wait to be attested (claimed, bound to no domain yet).
-        Hosts learn from it which of their domains are accelerator VMs,
-        marked or not (a Nova instance carries nothing of accelmig), and
-        which of those their guests should prove sessions of; never the
-        sessions' ids (a host learns those from its own guests)."""
-        out: dict[str, int] = {}
-        for session in list(self.sessions.values()):
-            domain = session.domain_uuid or session.claimed_domain
-            if session.live and domain is not None:
-                out[domain] = out.get(domain, 0) + (session.domain_uuid is None)
-        return out
-
-    def find_record(self, domain_uuid: str, migration_id: str | None = None, *,
-                    source: str | None = None, dest: str | None = None,
-                    states=None) -> MigrationRecord:
-        if migration_id:
-            record = self.records.get(f"{domain_uuid}/{migration_id}")
-            if record is None:
-                raise NoSuchRecord(record=f"{domain_uuid}/{migration_id}")
-            return record
-        candidates = [r for r in self.records.values() if r.domain_uuid == domain_uuid
-                      and (states is None or r.state in states)
-                      and (source is None or r.source_host in (source, None))
-                      and (dest is None or r.dest_host == dest)]
-        if not candidates:
-            raise NoSuchRecord(record=f"{domain_uuid}/* (no matching record)")
-        return max(candidates, key=lambda r: r.times["opened"])
-
-    def open_record(self, dest: str, domain_uuid: str, migration_id: str | None,
-                    domain_name: str | None, policy: str | None, postcopy: bool,
-                    now: float | None = None, vouched: bool = False) -> MigrationRecord:
-        """``vouched``: the domain's host (its token, its intent) vouched for
-        ``dest``.  A record nobody vouched for supersedes nothing and pauses
-        nothing (the control plane lets it complete or commit nothing of the
-        domain's sessions either) until its source vouches at switchover."""
-        now = time.time() if now is None else now
-        for record in self.records.values():
-            if record.domain_uuid == domain_uuid and record.dest_host == dest and \
-                    record.state is RecordStateName.OPEN and migration_id in (None, record.migration_id):
-                record.renew(now)
-                if vouched and not record.vouched:
-                    self.vouch_record(record, now)
-                return record  # the hook notes twice (migrate, prepare): one record
-        intent = self.intents.get(domain_uuid)
-        if intent is not None and intent.get("dest_host") not in (None, dest):
-            intent = None
-        if intent is not None:
-            del self.intents[domain_uuid]
-        mid = migration_id or (intent or {}).get("migration_id") or uuid.uuid4().hex[:12]
-        source = self.domain_hosts.get(domain_uuid) or (intent or {}).get("source_host")
-        if source is None:
-            bound = {s.bound_host for s in self.domain_sessions(domain_uuid)} - {None}
-            source = bound.pop() if len(bound) == 1 else None
-        policy = PausePolicy.parse(policy or (intent or {}).get("policy") or "none")
-        for record in list(self.records.values()) if vouched else ():
-            if record.domain_uuid == domain_uuid and record.state in (
-                    RecordStateName.OPEN, RecordStateName.SWITCHED_OVER):
-                # A domain migrates once at a time: an older unfinished record
-                # is stale (only a vouched migration says so: anyone may open one)
-                self._abort_record(record, now, f"superseded by migration {mid}")
-        if f"{domain_uuid}/{mid}" in self.records:
-            raise Conflict(reason=f"migration id {mid} was used for this domain already")
-        self._record_serial += 1
-        record = MigrationRecord(domain_uuid, mid, source, dest, policy, self.config.lease_ttl, now,
-                                 domain_name=domain_name, postcopy=postcopy, serial=self._record_serial)
-        record.vouched = vouched
-        record.on_change = self.record_changed
-        self.records[record.key] = record
-        self._open[record.key] = record
-        self.record_changed(record)
-        self.hold_if_paused(record, self.domain_sessions(domain_uuid), now)
-        LOG.info("record %s opened: %s -> %s, policy %s%s", record.key, source, dest, policy.value,
-                 "" if vouched else " (nobody vouched for it yet)",
-                 extra={"domain": domain_uuid, "migration": mid})
-        return record
-
-    def vouch_record(self, record: MigrationRecord, now: float | None = None) -> None:
-        """The domain's host vouched for ``record``'s destination: from now
-        on its policy pauses the domain's sessions."""
-        if record.vouched:
-            return
-        record.vouched = True
-        self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), time.time() if now is None else now)
-
-    def switchover_record(self, record: MigrationRecord, source: str,
-                          now: float | None = None) -> None:
-        now = time.time() if now is None else now
-        if record.source_host is None:
-            record.source_host = source
-        if record.switchover(now):
-            self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), now)
-        record.renew(now)
-
-    @staticmethod
-    def hold_if_paused(record: MigrationRecord, sessions, now: float) -> None:
-        """Pause ``sessions`` if the record's policy says so in its state (the
-        rule itself: ``accelmig.wire.records.pauses``) and the domain's host
-        vouched for it: anyone may open a record, not pause a domain."""
-        if record.vouched and pauses(record.policy, record.state):
-            for session in sessions:
-                session.pause(record.key, now)
-
-    def _complete_record(self, record: MigrationRecord, now: float) -> dict[str, str]:
-        sessions = self.domain_sessions(record.domain_uuid)
-        if not record.complete(now, [s.sid for s in sessions]):
-            return {}
-        tickets = {}
+    # -- saved domains (the ledger says which sessions) -----------------------------
+    def park(self, sessions, retention: float) -> list[str]:
+        now = time.time()
         for session in sessions:
-            session.pending_move = (record.domain_uuid, record.migration_id)
-            tickets[session.sid] = self._ticket_for(session.sid, record, now)
-        self.domain_hosts[record.domain_uuid] = record.dest_host
-        self.metrics.migrations.labels("completed").inc()
-        LOG.info("record %s completed: %d session(s) frozen, tickets minted for %s",
-                 record.key, len(sessions), record.dest_host,
-                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        return tickets
+            session.park(now, retention)
+        return [s.sid for s in sessions]
 
-    def complete_record(self, record: MigrationRecord, now: float | None = None) -> dict[str, str]:
-        """The tickets of every session of ``record`` that has not resumed yet.
-
-        Idempotent per migration id: completing again (a second hostd,
-        reconciliation racing the event, a retry after a lost answer or a
-        failed delivery) hands back the same live tickets, so a ticket already
-        on its way to the guest stays valid; only an expired one is replaced."""
-        now = time.time() if now is None else now
-        if record.state not in (RecordStateName.COMPLETED, RecordStateName.CLOSED):
-            return self._complete_record(record, now)
-        return {sid: ticket for _, sid, ticket in self.record_tickets(record, 0, now)}
-
-    def record_tickets(self, record: MigrationRecord, start: int, now: float | None = None):
-        """``(index, sid, ticket)`` of the sessions of a completed ``record``
-        still moving, from index ``start`` of its frozen, sorted sessions:
-        the same live tickets at every call (``complete``'s pages)."""
-        now = time.time() if now is None else now
-        key = (record.domain_uuid, record.migration_id)
-        for index in range(max(0, start), len(record.sessions)):
-            sid = record.sessions[index]
-            session = self.sessions.get(sid)
-            if session is not None and session.pending_move == key:
-                yield index, sid, self._ticket_for(sid, record, now)
-
-    def _ticket_for(self, sid: str, record: MigrationRecord, now: float) -> str:
-        """The session's one live ticket for ``record``: the one it has, or a
-        new one.  A ticket of an older migration is revoked (superseded); an
-        expired one is replaced."""
-        held = self.session_tickets.get(sid)
-        live = self.tickets.live(held, now)
-        if live is not None and live.record == record.key:
-            return live.token
-        if held is not None:
-            self.tickets.revoke(held, f"ticket superseded by migration {record.migration_id} "
-                                      f"of the same session")
-        ticket = self.tickets.mint(sid, record, now)
-        self.session_tickets[sid] = ticket.nonce
-        record.tickets[sid] = ticket.nonce
-        return ticket.token
-
-    def _abort_record(self, record: MigrationRecord, now: float, reason: str) -> None:
-        if not record.abort(now, reason):
-            return
-        for sid, nonce in record.tickets.items():
-            self.tickets.revoke(nonce, f"ticket revoked: migration {record.migration_id} was "
-                                       f"aborted ({reason})")
-        for session in self.sessions.values():
-            session.unpause(record.key)
-            if session.pending_move == (record.domain_uuid, record.migration_id):
-                session.pending_move = None
-        self.metrics.migrations.labels("aborted").inc()
-        LOG.warning("record %s aborted: %s", record.key, reason,
-                    extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        if self.record_ledger is not None:
-            self._abort_in_etcd(record, reason)
-
-    def _expire_in_cluster(self, record: MigrationRecord, now: float) -> None:
-        """No host renewed this node's record: abort it in etcd first (off
-        the loop), then here.  Where etcd's has gone on meanwhile (another
-        node completed it: its hosts renewed there) this node follows
-        instead and keeps its record until the host's next call."""
-        ledger, loop = self.record_ledger, self.loop
-        record.lease_expiry = now + record.lease_ttl      # one attempt at a time, not one per sweep
-        if loop is None or loop.is_closed():
-            return
-
-        def expire():
-            try:
-                return ledger.advance(record.domain_uuid, record.migration_id, "abort",
-                                      abort_reason="lease expired: no host renewed it")
-            except AccelmigError as exc:
-                try:
-                    return ledger.read(record.domain_uuid, record.migration_id)
-                except AccelmigError:
-                    LOG.warning("record %s: lease expired, etcd unreachable (%s): aborting here",
-                                record.key, exc)
-                    return None
-
-        def settle(future) -> None:
-            stored = future.result()
-            if stored is None:
-                self._abort_record(record, time.time(), "lease expired: no host renewed it")
-            else:
-                self.follow_record(record, stored)
-        loop.run_in_executor(None, expire).add_done_callback(lambda f: self.post(lambda: settle(f)))
-
-    def _abort_in_etcd(self, record: MigrationRecord, reason: str) -> None:
-        """An abort this node decided alone (its lease ran out, a newer
-        migration superseded it) releases every node's part too; off the
-        loop.  Where etcd already has it (the usual case: a host's abort is
-        written there first) it is a repeat that writes nothing."""
-        ledger, loop = self.record_ledger, self.loop
-        if loop is None or loop.is_closed():
-            return
-
-        def write():
-            try:
-                ledger.advance(record.domain_uuid, record.migration_id, "abort", abort_reason=reason[:256])
-            except AccelmigError as exc:
-                LOG.warning("record %s: the abort is not in etcd: %s", record.key, exc,
-                            extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        loop.run_in_executor(None, write)
-
-    def adopt_record(self, stored) -> MigrationRecord:
-        """A record etcd holds (``stored``) that this node never opened (the
-        destination's open did not reach it): this node's own, from etcd's
-        parties, then following etcd's state."""
+    def unpark(self, sessions) -> list[str]:
+        # A restore elsewhere resumes nothing without a ticket (WRONG_HOST)
+        # anyway; unparking early would only cut the retention short.
         now = time.time()
-        self._record_serial += 1
-        record = MigrationRecord(stored.domain_uuid, stored.migration_id, stored.source_host, stored.dest_host,
-                                 stored.policy, self.config.lease_ttl, now, postcopy=stored.postcopy,
-                                 serial=self._record_serial)
-        record.vouched = stored.vouched         # (the node that vouched for it authorised it)
-        record.on_change = self.record_changed
-        self.records[record.key] = record
-        self._open[record.key] = record
-        self.hold_if_paused(record, self.domain_sessions(record.domain_uuid), now)
-        LOG.info("record %s taken from etcd: %s -> %s, %s there", record.key, record.source_host,
-                 record.dest_host, stored.state.value,
-                 extra={"domain": record.domain_uuid, "migration": record.migration_id})
-        self.follow_record(record, stored)
-        self.record_changed(record)
-        return record
-
-    def follow_record(self, record: MigrationRecord, stored) -> None:
-        """This node's ``record`` takes the steps etcd's (``stored``: a
-        ``pool.cluster.records.StoredRecord``) has taken: another node took
-        them, or this one was unreachable then.  Completing is never
-        followed: it mints this node's tickets, only when the destination
-        asks this node."""
-        now = time.time()
-        S = RecordStateName
-        if stored.state is S.ABORTED:
-            if record.state in (S.OPEN, S.SWITCHED_OVER):
-                self._abort_record(record, now, f"aborted in etcd: {stored.abort_reason or 'no reason given'}")
-            elif not record.final:        # (etcd is written first: only a node's lone decision gets here)
-                LOG.error("record %s is %s here but aborted in etcd (%s): its sessions keep their tickets",
-                          record.key, record.state.value, stored.abort_reason,
-                          extra={"domain": record.domain_uuid, "migration": record.migration_id})
-            return
-        if record.source_host is None and stored.source_host is not None:
-            record.source_host = stored.source_host
-        if stored.vouched and not record.vouched:
-            self.vouch_record(record, now)
-        if record.state is S.OPEN and stored.state is not S.OPEN:
-            self.switchover_record(record, record.source_host, now)
-        if stored.state is S.COMMITTED or stored.postcopy:
-            if record.state in (S.OPEN, S.SWITCHED_OVER):
-                record.postcopy = True
-                record.commit(now)
-        if stored.source_stopped or stored.state is S.CLOSED:
-            if not record.final:
-                record.close(now)
-
-    def abort_record(self, record: MigrationRecord, reason: str, now: float | None = None) -> None:
-        self._abort_record(record, time.time() if now is None else now, reason)
-
-    def record_changed(self, record: MigrationRecord) -> None:
-        """Wake whoever waits on records (``wait_record``)."""
-        if record.final:
-            self._open.pop(record.key, None)
-        waiters, self._record_waiters = self._record_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def wait_record(self, domain_uuid: str, migration_id: str | None, reached,
-                          timeout: float) -> MigrationRecord | None:
-        """The record (that migration's, or the domain's latest) once
-        ``reached(record)``, or as it is after ``timeout`` seconds (None: no
-        such record appeared)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                record = self.find_record(domain_uuid, migration_id)
-            except NoSuchRecord:
-                record = None
-            remaining = deadline - loop.time()
-            if (record is not None and reached(record)) or remaining <= 0:
-                return record
-            waiter = loop.create_future()
-            self._record_waiters.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, remaining)
-            except asyncio.TimeoutError:
-                pass
-
-    def open_records(self) -> list[MigrationRecord]:
-        return [r for r in self._open.values() if r.state not in FINAL]
-
+        for session in sessions:
+            session.unpark(now, self.config.grace)
+        return [s.sid for s in sessions]

@@ -41,6 +41,24 @@ ABORTABLE = frozenset({RecordStateName.OPEN, RecordStateName.SWITCHED_OVER})
 IN_FLIGHT = frozenset({RecordStateName.OPEN, RecordStateName.SWITCHED_OVER, RecordStateName.COMMITTED})
 #: Nothing more happens to the record.
 FINAL = frozenset({RecordStateName.CLOSED, RecordStateName.ABORTED})
+#: The name under which a record's ``times`` says when it entered each state
+#: (the pool stamps a state as it enters it; ``source_stopped`` is the one
+#: entry of ``times`` that is no state: the source's QEMU stopped).
+STATE_TIMES = {
+    RecordStateName.OPEN: "opened",
+    RecordStateName.SWITCHED_OVER: "switchover",
+    RecordStateName.COMMITTED: "committed",
+    RecordStateName.COMPLETED: "completed",
+    RecordStateName.CLOSED: "closed",
+    RecordStateName.ABORTED: "aborted",
+}
+
+
+def record_key(domain_uuid: str, migration_id: str) -> str:
+    """How a record is named in answers and refusals: one migration of one
+    domain (a domain can be renamed on the way, and a return migration can
+    overlap the previous one's cleanup)."""
+    return f"{domain_uuid}/{migration_id}"
 
 
 class PausePolicy(str, enum.Enum):
@@ -111,11 +129,16 @@ class RecordView:
     #: the domain's host vouched for the destination (its migration token, its
     #: intent, or its switchover): only then does the record take its sessions
     vouched: bool = False
+    #: the pool's verdict (its ledger's, the one place it is decided):
+    #: completed or closed, and every frozen session resumed there.  Read,
+    #: never recomputed from the counts (in a pool of several nodes each
+    #: node answers for its own sessions: ``PoolNodes`` ANDs the verdicts)
+    rehomed: bool = False
     inline: bool = True
 
     @property
     def key(self) -> str:
-        return f"{self.domain_uuid}/{self.migration_id}"
+        return record_key(self.domain_uuid, self.migration_id)
 
     @property
     def final(self) -> bool:
@@ -126,21 +149,10 @@ class RecordView:
         return self.state in IN_FLIGHT
 
     @property
-    def unresumed(self) -> set[str]:
-        """Sessions frozen by ``complete`` that have not resumed at the
-        destination, as far as the view lists them (all of them while
-        ``inline``; else page them with ``record_sessions``)."""
-        return set(self.sessions) - set(self.resumed)
-
-    @property
     def unresumed_count(self) -> int:
-        """How many sessions frozen by ``complete`` have not resumed."""
+        """How many sessions frozen by ``complete`` have not resumed (for
+        messages: whether the rehome is done is ``rehomed``)."""
         return max(0, self.session_count - self.resumed_count)
-
-    @property
-    def rehomed(self) -> bool:
-        """Completed, with every frozen session resumed."""
-        return self.state in (RecordStateName.COMPLETED, RecordStateName.CLOSED) and not self.unresumed_count
 
     def involves(self, host: str) -> bool:
         return host in (self.source_host, self.dest_host)
@@ -181,7 +193,8 @@ class RecordView:
             session_count=session_count,
             resumed_count=resumed_count,
             blackout_max=_field(data, "blackout_max", (int, float, type(None)), what, None),
-            vouched=bool(data.get("vouched", False)),
+            vouched=_field(data, "vouched", bool, what, False),
+            rehomed=_field(data, "rehomed", bool, what, False),
             inline=inline or session_count == 0,
         )
 

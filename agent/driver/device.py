@@ -216,15 +216,18 @@ class Device:
     def last_seen(self) -> int:
         return self._session.window.last_seen
 
-    def resume(self, endpoint: str | None = None, ticket: str | None = None) -> dict:
+    def resume(self, endpoint: str | None = None, ticket: str | None = None,
+               migration_id: str | None = None) -> dict:
         """Continue this session on a new connection (thread-safe).
 
         ``endpoint``: where the pool is now (default: the last endpoint);
         ``ticket``: the resume ticket of a migration, when the session moved
-        to another host.  Returns what happened (epoch, replayed replies,
-        re-sent commands, seconds); raises the pool's refusal otherwise.
+        to another host; ``migration_id``: that migration's (the same move
+        asked again is done once).  Returns what happened (epoch, replayed
+        replies, re-sent commands, seconds); raises the pool's refusal
+        otherwise.
         """
-        return self._session.resume(endpoint, ticket)
+        return self._session.resume(endpoint, ticket, migration_id)
 
     def describe(self) -> dict:
         return self._session.describe()

@@ -159,7 +159,9 @@ class AgentRegistration:
 
     def _resume(self, conn: ch.LineClient, message: dict) -> None:
         try:
-            outcome = self.session.resume(message.get("endpoint"), message.get("ticket"))
+            mid = message.get("migration_id")
+            outcome = self.session.resume(message.get("endpoint"), message.get("ticket"),
+                                          mid if isinstance(mid, str) else None)
             self.resumes += 1
             answer = ch.result(message.get("id"), result=outcome)
         except AccelmigError as exc:

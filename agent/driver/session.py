@@ -30,6 +30,7 @@ lock first.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
@@ -165,8 +166,12 @@ class Session:
         self._next_handle = 1
         self._resume_lock = threading.Lock()
         self._preempt = threading.Event()      # an explicit resume is on its way: background, step aside
-        self._target: tuple[str, str | None] | None = None   # an unfinished explicit resume
-        self._used_tickets: set[str] = set()
+        # an unfinished explicit resume: (endpoint, ticket, migration id)
+        self._target: tuple[str, str | None, str | None] | None = None
+        # The migrations whose move this session made ("this move already
+        # happened"), by migration id: whether a ticket was used is the
+        # pool's ledger's alone (pool.ledger.tickets).  A few per session.
+        self._moves: collections.deque[str] = collections.deque(maxlen=64)
         # the node that redirected the open (a pool of several nodes): while the
         # session's own node does not answer, every other reconnect asks it, and
         # it says whether that node is gone (SESSION_LOST) or elsewhere
@@ -451,20 +456,23 @@ class Session:
         return cmd
 
     # -- resume -----------------------------------------------------------------------
-    def resume(self, endpoint: str | None = None, ticket: str | None = None) -> dict:
+    def resume(self, endpoint: str | None = None, ticket: str | None = None,
+               migration_id: str | None = None) -> dict:
         """Continue this session on a new connection (thread-safe).
 
         ``endpoint``: where the pool is now (default: the last endpoint);
         ``ticket``: the resume ticket of a migration, when the session moved
-        to another host.  Returns what happened (epoch, replayed replies,
-        re-sent commands, seconds); raises the pool's refusal otherwise.
+        to another host; ``migration_id``: that migration's id (the agent's
+        rehome names it), so that the same move delivered twice is done
+        once.  Returns what happened (epoch, replayed replies, re-sent
+        commands, seconds); raises the pool's refusal otherwise.
         """
         self._preempt.set()
         self.link.cut_attempt()      # a background reconnect is in the way: cut it
         with self._resume_lock:
             self._preempt.clear()
             target = endpoint or self.endpoint
-            if ticket and ticket in self._used_tickets:
+            if ticket and migration_id is not None and migration_id in self._moves:
                 # This move already happened (a background retry made it, or
                 # the rehome was delivered twice): the session is bound there.
                 if self.states.connected and target == self.endpoint:
@@ -474,7 +482,7 @@ class Session:
                 ticket = None
             try:
                 try:
-                    return self._resume(target, ticket)
+                    return self._resume(target, ticket, migration_id=migration_id)
                 except Unavailable as exc:
                     # a pool of several nodes: the node asked (the host's) says which node
                     # holds the session; once, to a node endpoint it names (checked, TLS as ever)
@@ -484,15 +492,16 @@ class Session:
                     LOG.info("session %s lives on node %s at %s: resuming there", self.sid,
                              exc.details.get("node"), home)
                     target = home
-                    return self._resume(target, ticket)
+                    return self._resume(target, ticket, migration_id=migration_id)
             except AccelmigError as exc:
                 if exc.retriable or isinstance(exc, Unavailable):
                     # Keep trying in the background where we were told to go:
                     # the answer may have been lost, or the path not be up yet.
-                    self._target = (target, ticket)
+                    self._target = (target, ticket, migration_id)
                 raise
 
-    def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None) -> dict:
+    def _resume(self, endpoint: str, ticket: str | None, timeout: float | None = None,
+                migration_id: str | None = None) -> dict:
         """One resume attempt (the caller holds the resume lock)."""
         started = time.monotonic()
         times = {"asked": time.time()}          # wall clock: the migration's timeline
@@ -538,8 +547,8 @@ class Session:
             raise
         # Accepted: switch to the new link, then re-send what the pool lacks.
         self._target = None
-        if ticket:
-            self._used_tickets.add(ticket)
+        if ticket and migration_id is not None and migration_id not in self._moves:
+            self._moves.append(migration_id)
         with link.send_lock:
             link.drop_cork()          # corked commands are in the window: re-sent below
             with self.cond:
@@ -615,8 +624,8 @@ class Session:
                 try:
                     if self.states.state is LinkState.DISCONNECTED:
                         self.stats["reconnect_attempts"] += 1
-                        endpoint, ticket = self._target or (self._reconnect_endpoint(), None)
-                        self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout))
+                        endpoint, ticket, mid = self._target or (self._reconnect_endpoint(), None, None)
+                        self._resume(endpoint, ticket, timeout=min(2.0, self.connect_timeout), migration_id=mid)
                 except AccelmigError as exc:
                     backoff = min(backoff * 2, longest)
                     LOG.debug("session %s: reconnect to %s failed: %s", self.sid, self.endpoint, exc)

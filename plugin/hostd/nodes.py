@@ -207,7 +207,8 @@ class PoolNodes:
     async def call_within(self, timeout: float, method: str, /, **args):
         """A long wait (``wait_record``): in a cluster, on every node at once
         (each says whether its own sessions resumed); the coordinator's
-        record with every node's counts, reached once every node's is."""
+        record with every node's counts, reached once every node's is, and
+        ``rehomed`` only where every node's ledger says so."""
         if not self.clustered or method != "wait_record":
             return await self.coordinator.call_within(timeout, method, **args)
         names = sorted(self.nodes)
@@ -227,6 +228,7 @@ class PoolNodes:
             if isinstance(answer, BaseException):
                 LOG.warning("wait_record at node %s: %s", name, answer)
                 reached = False
+                record["rehomed"] = False        # that node's sessions: not known to have resumed
                 continue
             theirs = answer.get("record") if isinstance(answer, dict) else None
             if not isinstance(theirs, dict):
@@ -237,6 +239,8 @@ class PoolNodes:
             record.pop("sessions", None)     # (per node; ``record_sessions`` pages each)
             record.pop("resumed", None)
             reached = reached and bool(answer.get("reached"))
+            # each node's ledger answers for its own sessions: rehomed only if every node says so
+            record["rehomed"] = record.get("rehomed") is True and theirs.get("rehomed") is True
         return dict(first, record=record, reached=reached)
 
     async def _accel_domains(self, since) -> dict:

@@ -11,9 +11,10 @@ import socket
 from accelmig.pool.cluster.keys import check_name
 from accelmig.pool.cluster.placement import Placement
 from accelmig.pool.cluster.quotas import QuotaLedger
-from accelmig.pool.cluster.records import RecordLedger
+from accelmig.pool.cluster.records import EtcdRecords
 from accelmig.pool.cluster.registry import NodeRegistration, NodeView, device_summary
 from accelmig.pool.cluster.store import ClusterStore
+from accelmig.pool.ledger.cluster import EtcdFollower
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import ConfigInvalid
 
@@ -60,7 +61,8 @@ class ClusterNode:
         for tenant in list(pool.tenants.values()):
             tenant.ledger = ledger
         pool.placement = Placement(store, view)     # opens are placed from now on
-        pool.record_ledger = RecordLedger(store, name)   # migration records follow etcd's from now on
+        # migration records follow etcd's from now on
+        pool.ledger.follow(EtcdFollower(EtcdRecords(store, name), loop=pool.loop))
         return cls(store, registration, ledger)
 
     def leave(self) -> None:

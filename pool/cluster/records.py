@@ -16,9 +16,9 @@ Each step is ONE transaction guarded by the record's and every part's
 ``mod_revision`` as read: a record or a part that changed (another node's
 step, a part whose node died) fails it whole, nothing moves, and the step
 reads again.  The state machine is the one of a node's own records
-(``MigrationRecord.TRANSITIONS``): etcd takes a step first, each node's
-local record follows it (``pool.control``), so no node is ever ahead of
-etcd.  etcd never holds tickets, tokens, secrets or device data: tickets are
+(``pool.ledger.LedgerRecord.TABLE``): etcd takes a step first, each node's
+ledger follows it (``pool.ledger.cluster.EtcdFollower``), so no node is ever
+ahead of etcd.  etcd never holds tickets, tokens, secrets or device data: tickets are
 minted by each node for its own sessions and travel only to the host.
 
 Every value read is input: bounded, every field checked (``StoredRecord.parse``).
@@ -35,7 +35,7 @@ import time
 from accelmig.pool.cluster.keys import PREFIX, check_name
 from accelmig.pool.cluster.registry import live_nodes
 from accelmig.pool.cluster.store import ClusterStore
-from accelmig.pool.migration import MigrationRecord
+from accelmig.pool.ledger.record import LedgerRecord, RecordEvent
 from accelmig.wire.errors import NoSuchRecord, RecordState, Unavailable
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName
 
@@ -168,13 +168,16 @@ class StoredRecord:
         out.update(changes)
         return out
 
-    def lost_by(self, instance: str) -> bool:
-        """The node of ``instance`` took part and lost its part (it died)."""
-        return any(self.nodes[name] == instance for name in self.lost)
+
+def _target(event, state: RecordStateName) -> RecordStateName | None:
+    """Where ``event`` (a step's name) takes a record in ``state``, by the
+    ledger's own table; None where it has no row there."""
+    return LedgerRecord.TABLE[RecordEvent(event)].get(state)
 
 
-class RecordLedger:
-    """This node's door to the pool-wide migration records."""
+class EtcdRecords:
+    """This node's door to the pool-wide migration records in etcd (the
+    ledger that follows them: ``pool.ledger.cluster.EtcdFollower``)."""
 
     def __init__(self, store: ClusterStore, node: str):
         self.store = store
@@ -204,7 +207,7 @@ class RecordLedger:
         _, mid = max(candidates, key=lambda item: item[0])
         return self.read(domain_uuid, mid) if isinstance(mid, str) and mid else None
 
-    def open(self, record: MigrationRecord) -> StoredRecord:
+    def open(self, record: LedgerRecord) -> StoredRecord:
         """Put ``record`` (just opened on this node) with a part for every
         live node, in one transaction, unless it is there already (another
         node opened it first: then that one, as etcd has it)."""
@@ -255,7 +258,7 @@ class RecordLedger:
         mod_revision of each as read; the record as it is after (no read
         more: the transaction's revision is each key's).  None: something
         changed since ``stored`` was read (nothing moved)."""
-        target = MigrationRecord.TRANSITIONS[event].get(stored.state, stored.state)
+        target = _target(event, stored.state) or stored.state
         lost = sorted(set(stored.lost) | (set(stored.nodes) - set(stored.parts)))
         guards = [_same(stored.key, stored.mod_revision)]
         puts = [self.store.op_put(stored.key, stored.to_value(state=target.value, lost=lost, **changes),
@@ -282,7 +285,7 @@ class RecordLedger:
             stored = self.read(domain_uuid, migration_id)
             if stored is None:
                 raise NoSuchRecord(record=f"{domain_uuid}/{migration_id} (not in etcd)")
-            allowed = MigrationRecord.TRANSITIONS[event].get(stored.state)
+            allowed = _target(event, stored.state)
             wanted = {k: v for k, v in changes.items() if stored.to_value().get(k) != v}
             if allowed is None and event == "close" and stored.state not in FINAL:
                 # the source stopped before the destination completed: noted, completing closes
@@ -293,7 +296,7 @@ class RecordLedger:
                     return after
                 continue
             if allowed is None:
-                if stored.state in MigrationRecord.REPEATS[event]:
+                if stored.state in LedgerRecord.REPEATS[RecordEvent(event)]:
                     return stored         # a host's retry, or another node took it first: as it was
                 raise RecordState(record=f"{domain_uuid}/{migration_id}", state=stored.state.value,
                                   action=f"{event} (as etcd has it)")
@@ -309,7 +312,7 @@ class RecordLedger:
                                               f"steps in a row lost to other nodes' (try again)")
 
     def _step_to(self, stored: StoredRecord, target: RecordStateName, event: str, **changes):
-        if target is MigrationRecord.TRANSITIONS[event].get(stored.state):
+        if target is _target(event, stored.state):
             return self.step(stored, event, **changes)
         # complete with the source already stopped: completed and closed in one step
         return self.step(dataclasses.replace(stored, state=RecordStateName.COMPLETED), "close", **changes) \

@@ -26,7 +26,7 @@ pytest.importorskip("etcd3gw", reason="the cluster extra (pip install 'accelmig[
 from accelmig.agent.driver import connect  # noqa: E402
 from accelmig.plugin.hostd.migration import MigrationSteps  # noqa: E402
 from accelmig.plugin.hostd.nodes import PoolNodes  # noqa: E402
-from accelmig.pool.cluster.records import RecordLedger  # noqa: E402
+from accelmig.pool.cluster.records import EtcdRecords  # noqa: E402
 from accelmig.pool.cluster.registry import NODES, live_nodes, node_key  # noqa: E402
 from accelmig.pool.cluster.store import ClusterStore  # noqa: E402
 from accelmig.wire.control import AsyncControlClient  # noqa: E402
@@ -164,7 +164,7 @@ def test_a_migration_there_and_back_rehomes_every_session_on_its_own_node(two_no
                 waited = await b[0].call_within(15, "wait_record", domain_uuid=domain, migration_id=there,
                                                 until="rehomed", timeout=10)
                 assert waited["reached"] and waited["record"]["session_count"] == 4
-                assert waited["record"]["resumed_count"] == 4
+                assert waited["record"]["resumed_count"] == 4 and waited["record"]["rehomed"] is True
                 # B -> A
                 back, outcomes = await migrate(b, a, domain, devs, nodes["n1"].endpoint)
                 for dev, outcome in zip(devs, outcomes):
@@ -181,7 +181,7 @@ def test_a_migration_there_and_back_rehomes_every_session_on_its_own_node(two_no
             assert dev.read(buf, len(blob)) == blob
         assert {d.sid: (d.device_id, d.info()["name"]) for d in devs} == placed     # never re-placed
         # etcd holds both migrations, closed, a part per node each; no ticket there
-        ledger = RecordLedger(store, "n1")
+        ledger = EtcdRecords(store, "n1")
         for mid in (there, back):
             stored = ledger.read(domain, mid)
             assert stored.state is S.CLOSED and set(stored.parts) == {"n1", "n2"} and stored.lost == ()
@@ -231,7 +231,7 @@ def test_an_abort_releases_both_nodes_parts_and_the_sessions_go_on_at_the_source
                     await routing.coordinator.close()
 
         mid = asyncio.run(scenario())
-        stored = RecordLedger(store, "n1").read(domain, mid)
+        stored = EtcdRecords(store, "n1").read(domain, mid)
         assert stored.state is S.ABORTED and set(stored.parts) == {"n1", "n2"}
         assert {p.state for p in stored.parts.values()} == {S.ABORTED}
         assert "the guest resumed on the source" in stored.abort_reason
@@ -280,7 +280,7 @@ def test_a_node_killed_mid_migration_loses_its_sessions_the_other_nodes_resume(t
         for dev in on_n2:           # reported lost, never re-created on n1
             with pytest.raises(SessionLost, match="no live node of the pool is instance"):
                 dev.resume(nodes["n1"].endpoint)
-        stored = RecordLedger(store, "n1").read(domain, mid)
+        stored = EtcdRecords(store, "n1").read(domain, mid)
         assert stored.state is S.COMPLETED and stored.lost == ("n2",) and set(stored.parts) == {"n1"}
     finally:
         for dev in devs:
@@ -332,7 +332,7 @@ def test_a_node_catches_up_from_etcd_and_refuses_a_step_etcds_record_did_not_tak
                     await c.call("open_migration", domain_uuid=other, migration_id=mid2)
             finally:
                 await c.close()
-            await asyncio.to_thread(RecordLedger(store, "n1").advance, other, mid2, "abort",
+            await asyncio.to_thread(EtcdRecords(store, "n1").advance, other, mid2, "abort",
                                     abort_reason="lease expired at n1")
             with pytest.raises(RecordState, match="aborted"):
                 await n2.call("complete", domain_uuid=other, migration_id=mid2)
@@ -389,7 +389,7 @@ def test_a_record_no_host_renews_is_aborted_on_every_node_and_in_etcd(two_nodes)
     aborted.wait(lambda kind, key, value: key.endswith(f"/{mid}") and value and value["state"] == "aborted",
                  what="the record aborted in etcd")
     aborted.cancel()
-    stored = RecordLedger(store, "n1").read(domain, mid)
+    stored = EtcdRecords(store, "n1").read(domain, mid)
     assert stored.state is S.ABORTED and "lease expired" in stored.abort_reason
     assert {p.state for p in stored.parts.values()} == {S.ABORTED} and set(stored.parts) == {"n1", "n2"}
     for name in ("n1", "n2"):
@@ -568,7 +568,7 @@ def test_the_domains_token_vouches_on_every_node_and_no_source_need_switch_over(
             await b[1].pool("abort", domain_uuid=domain, migration_id=made_up["migration_id"])
             record = await b[1].pool("open_migration", domain_uuid=domain, token=token)
             assert record["vouched"]
-            stored = await asyncio.to_thread(RecordLedger(store, "n1").read, domain, record["migration_id"])
+            stored = await asyncio.to_thread(EtcdRecords(store, "n1").read, domain, record["migration_id"])
             assert stored.vouched
             done = await b[1].pool_all("complete", domain_uuid=domain, migration_id=record["migration_id"])
             assert sorted(done["tickets"]) == sorted(d.sid for d in devs)     # both nodes' parts

@@ -75,7 +75,8 @@ def test_tickets_are_single_use_unforgeable_and_bound_to_host_and_session(hosts,
     with on_host(hosts, hosts.a) as dev, on_host(hosts, hosts.a, BOB) as other:
         attest(hosts.a, dev, domain)
         attest(hosts.a, other, domain)
-        tickets = hosts.migrate(domain, hosts.a, hosts.b)["tickets"]
+        moved = hosts.migrate(domain, hosts.a, hosts.b)
+        tickets, mid = moved["tickets"], moved["record"]["migration_id"]
         mine, theirs = tickets[dev.sid], tickets[other.sid]
         forged = mine[:-4] + ("0000" if not mine.endswith("0000") else "1111")
         with pytest.raises(TicketInvalid, match="signature does not verify"):
@@ -86,15 +87,15 @@ def test_tickets_are_single_use_unforgeable_and_bound_to_host_and_session(hosts,
             dev.resume(hosts.b.endpoint, theirs)
         with pytest.raises(TicketInvalid, match="ticket is for host hostB, the resume comes from host hostA"):
             dev.resume(hosts.a.endpoint, mine)
-        dev.resume(hosts.b.endpoint, mine)
+        dev.resume(hosts.b.endpoint, mine, mid)
         dev.finish()
         # replayed by someone holding the secret and the ticket: refused by the pool
         raw = Raw(hosts.b.endpoint)
         state = hosts.pool.session(dev.sid)
         replay = raw.resume(dev.sid, dev._session.secret, state["epoch"], dev.last_seen, ticket=mine)
         assert replay["error"]["code"] == "TICKET_INVALID" and "already used" in replay["error"]["message"]
-        # the driver itself knows the move is done: delivering the ticket again is a no-op
-        assert dev.resume(hosts.b.endpoint, mine).get("already") is True
+        # the driver itself knows the move is done: delivering the migration again is a no-op
+        assert dev.resume(hosts.b.endpoint, mine, mid).get("already") is True
         dev.resume(hosts.b.endpoint)        # bound to B now: no ticket needed at B
         other.resume(hosts.b.endpoint, theirs)
         other.finish()

@@ -20,9 +20,6 @@ THE_IDIOM = "runtime/statemachine.py"
 NAMES = frozenset({"state", "phase", "_state", "_phase"})
 
 PENDING = """
-pool/migration.py self.state        (B: the ledger's record)
-
-pool/session.py self.state          (B: the pool's Session)
 """
 
 

@@ -12,11 +12,11 @@ import pytest
 
 pytest.importorskip("etcd3gw", reason="the cluster extra (pip install 'accelmig[cluster]')")
 
-from accelmig.pool.cluster.records import (RECORDS, RecordLedger, StoredRecord, part_key,  # noqa: E402
+from accelmig.pool.cluster.records import (RECORDS, EtcdRecords, StoredRecord, part_key,  # noqa: E402
                                            record_key)
 from accelmig.pool.cluster.registry import NodeRegistration, NodeView  # noqa: E402
 from accelmig.pool.cluster.store import ClusterStore  # noqa: E402
-from accelmig.pool.migration import MigrationRecord  # noqa: E402
+from accelmig.pool.ledger import LedgerRecord  # noqa: E402
 from accelmig.wire.errors import RecordState  # noqa: E402
 from accelmig.wire.records import PausePolicy, RecordStateName as S  # noqa: E402
 from tests.support.etcd import etcd_server  # noqa: E402,F401  (the fixture)
@@ -38,8 +38,8 @@ def cluster(etcd_server):
         registration.stop()
 
 
-def opened(ledger: RecordLedger, mid: str = "m1") -> StoredRecord:
-    local = MigrationRecord(DOMAIN, mid, "hostA", "hostB", PausePolicy.NONE, 30.0, 0.0)
+def opened(ledger: EtcdRecords, mid: str = "m1") -> StoredRecord:
+    local = LedgerRecord(DOMAIN, mid, "hostA", "hostB", PausePolicy.NONE, 30.0, 0.0)
     return ledger.open(local)
 
 
@@ -52,15 +52,15 @@ def states(store, mid: str = "m1") -> dict:
 
 def test_a_record_opens_with_a_part_per_live_node_each_under_that_nodes_lease(cluster):
     store, registrations = cluster
-    stored = opened(RecordLedger(store, "n1"))
-    assert stored == RecordLedger(store, "n1").read(DOMAIN, "m1")        # what it says is what etcd holds
+    stored = opened(EtcdRecords(store, "n1"))
+    assert stored == EtcdRecords(store, "n1").read(DOMAIN, "m1")        # what it says is what etcd holds
     assert stored.state is S.OPEN and stored.nodes == {"n1": "aaaa0000", "n2": "aaaa0001"}
     assert set(stored.parts) == {"n1", "n2"}
     for name, part in stored.parts.items():
         assert part.lease == registrations[name].lease != 0
     assert stored.lease not in (0, registrations["n1"].lease, registrations["n2"].lease)
     # the other node opening the same migration finds it: one record, not two
-    again = opened(RecordLedger(store, "n2"))
+    again = opened(EtcdRecords(store, "n2"))
     assert again.mod_revision == stored.mod_revision and again.nodes == stored.nodes
     # what etcd holds: states, names, parties; no ticket, token or secret
     kvs, _ = store.range(RECORDS)
@@ -71,7 +71,7 @@ def test_a_record_opens_with_a_part_per_live_node_each_under_that_nodes_lease(cl
 
 def test_every_step_moves_the_record_and_every_part_together(cluster):
     store, _ = cluster
-    n1, n2 = RecordLedger(store, "n1"), RecordLedger(store, "n2")
+    n1, n2 = EtcdRecords(store, "n1"), EtcdRecords(store, "n2")
     opened(n1)
     assert n1.advance(DOMAIN, "m1", "switchover").state is S.SWITCHED_OVER
     assert states(store) == {"record": "switched_over", "n1": "switched_over", "n2": "switched_over"}
@@ -89,7 +89,7 @@ def test_every_step_moves_the_record_and_every_part_together(cluster):
 
 def test_a_step_whose_guard_fails_on_one_part_moves_nothing(cluster):
     store, _ = cluster
-    ledger = RecordLedger(store, "n1")
+    ledger = EtcdRecords(store, "n1")
     stored = opened(ledger)
     # n2's part changes after the read (as a concurrent step would change it)
     key = part_key(DOMAIN, "m1", "n2")
@@ -105,7 +105,7 @@ def test_a_step_whose_guard_fails_on_one_part_moves_nothing(cluster):
 
 def test_an_abort_releases_every_nodes_part_in_one_transaction(cluster):
     store, _ = cluster
-    ledger = RecordLedger(store, "n2")
+    ledger = EtcdRecords(store, "n2")
     opened(ledger)
     ledger.advance(DOMAIN, "m1", "switchover")
     before = store.get(record_key(DOMAIN, "m1"))[1]["mod_revision"]
@@ -119,27 +119,27 @@ def test_an_abort_releases_every_nodes_part_in_one_transaction(cluster):
     assert len(revisions) == 1 and revisions.pop() > before
     # no node may complete it now
     with pytest.raises(RecordState, match="aborted"):
-        RecordLedger(store, "n1").advance(DOMAIN, "m1", "complete")
+        EtcdRecords(store, "n1").advance(DOMAIN, "m1", "complete")
 
 
 def test_a_node_that_dies_loses_its_part_with_its_lease_and_the_record_names_it_lost(cluster):
     store, registrations = cluster
-    ledger = RecordLedger(store, "n1")
+    ledger = EtcdRecords(store, "n1")
     opened(ledger)
     ledger.advance(DOMAIN, "m1", "switchover")
     store.revoke(registrations["n2"].lease)          # what etcd does when n2's TTL runs out
     stored = ledger.read(DOMAIN, "m1")
-    assert set(stored.parts) == {"n1"} and stored.lost_by("aaaa0001") is False   # not written yet
+    assert set(stored.parts) == {"n1"} and "n2" not in stored.lost   # not written yet
     completed = ledger.advance(DOMAIN, "m1", "complete")
     assert completed == ledger.read(DOMAIN, "m1")
     assert completed.state is S.COMPLETED and completed.lost == ("n2",)
-    assert completed.lost_by("aaaa0001") and not completed.lost_by("aaaa0000")
+    assert completed.nodes["n2"] == "aaaa0001" and completed.lost == ("n2",)
     assert states(store) == {"record": "completed", "n1": "completed"}
 
 
 def test_an_etcd_restart_mid_migration_loses_nothing(cluster, etcd_server):
     store, _ = cluster
-    ledger = RecordLedger(store, "n1")
+    ledger = EtcdRecords(store, "n1")
     opened(ledger)
     ledger.advance(DOMAIN, "m1", "switchover")
     etcd_server.restart()
@@ -150,7 +150,7 @@ def test_an_etcd_restart_mid_migration_loses_nothing(cluster, etcd_server):
 
 def test_a_record_that_does_not_check_is_a_clear_error_and_odd_ids_get_keys_of_their_own(cluster):
     store, _ = cluster
-    ledger = RecordLedger(store, "n1")
+    ledger = EtcdRecords(store, "n1")
     store.put(record_key(DOMAIN, "bad"), {"domain_uuid": DOMAIN, "migration_id": "bad", "state": "open",
                                           "nodes": {"n1": "not-hex"}, "dest_host": "hostB", "policy": "none"})
     with pytest.raises(Exception, match="does not check"):

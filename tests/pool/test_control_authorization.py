@@ -17,13 +17,15 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.lab.poolthread import PoolThread
-from accelmig.pool.control import INTENT_TTL, MAX_WAITS
+from accelmig.pool.control import MAX_WAITS
+from accelmig.pool.ledger.parties import INTENT_TTL, MAX_INTENTS
 from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState
 from accelmig.wire.records import RecordView
 from tests.support.attest import bind, register_token
 from tests.support.tenants import ALICE, BOB, TENANTS
+from tests.support.wait import wait_for
 
 SECRETS = {"hostA": "secret-of-host-a-0001", "hostB": "secret-of-host-b-0001",
            "hostC": "secret-of-host-c-0001"}
@@ -139,7 +141,8 @@ def test_a_stale_intent_names_no_destination(pool, hosts):
     with connect(pool.endpoint, ALICE, agent=False) as dev:
         bind(hosts["hostA"], dev, DOMAIN)
         hosts["hostA"].call("register_intent", domain_uuid=DOMAIN, dest_host="hostB", policy="start")
-        pool.call(lambda: pool.pool.intents[DOMAIN].update(registered=time.time() - INTENT_TTL - 1))
+        later = time.time() + INTENT_TTL + 1      # the ledger's clock, moved past the intent's life
+        pool.call(lambda: setattr(pool.pool.ledger, "clock", lambda: later))
         record = hosts["hostC"].call("open_migration", domain_uuid=DOMAIN)
         assert record["policy"] == "none" and not record["vouched"]
 
@@ -342,7 +345,7 @@ def test_a_challenge_is_its_hosts_and_expires(pool, hosts):
         with pytest.raises(Forbidden, match="the pool did not issue it to this host, or it expired"):
             hosts["hostB"].call("bind_sessions", domain_uuid=DOMAIN, challenge=issued["challenge"],
                                 sessions={dev.sid: proof})
-        pool.call(lambda: setattr(pool.pool.bind_challenges, "ttl", 0.0))
+        pool.call(lambda: setattr(pool.pool.ledger.parties.challenges, "ttl", 0.0))
         expired = hosts["hostA"].call("bind_challenge")
         proof = att.bind_proof(dev._session.secret, challenge=expired["challenge"], instance=expired["instance"],
                                host="hostA", domain=DOMAIN, sid=dev.sid)
@@ -409,3 +412,35 @@ def test_a_post_copy_switchover_by_the_source_vouches_for_the_destination_and_co
         assert (switched["vouched"], switched["state"]) == (True, "committed")
         done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
         assert set(done["tickets"]) == {dev.sid}
+
+
+# -- the ledger's memory of parties is bounded (issue 29; both failed on main before) --------
+def domain(n: int) -> str:
+    return f"5f0c1f4e-0000-4000-8000-{n:012x}"
+
+
+def test_a_host_cannot_hold_more_intents_than_the_bound(pool, hosts):
+    """Anyone may name the destination of a domain that holds no sessions
+    here; before the bound, a host could fill the pool's memory with
+    intents for INTENT_TTL."""
+    for n in range(MAX_INTENTS):
+        hosts["hostB"].call("register_intent", domain_uuid=domain(n), dest_host="hostA")
+    with pytest.raises(BadRequest, match=f"hostB holds {MAX_INTENTS} fresh intents already"):
+        hosts["hostB"].call("register_intent", domain_uuid=domain(MAX_INTENTS), dest_host="hostA")
+    # re-registering one it holds replaces it; another host is not counted against it
+    hosts["hostB"].call("register_intent", domain_uuid=domain(0), dest_host="hostA", policy="start")
+    hosts["hostA"].call("register_intent", domain_uuid=domain(MAX_INTENTS), dest_host="hostB")
+
+
+def test_a_domain_whose_last_session_ended_has_no_host(pool, hosts):
+    """The host a domain's sessions were bound to stops being its host when
+    the last of them ends: it is not the source of the domain's next
+    migration (a stale source would be the one host allowed to switch it
+    over), and the pool does not keep one entry per domain it ever saw."""
+    with connect(pool.endpoint, ALICE, agent=False) as dev:
+        sid = dev.sid
+        bind(hosts["hostA"], dev, OTHER)
+    wait_for(lambda: pool.call(lambda: sid not in pool.pool.sessions), what="the released session gone")
+    record = hosts["hostB"].call("open_migration", domain_uuid=OTHER)
+    assert record["source_host"] is None and not record["vouched"]
+    assert pool.call(lambda: OTHER not in pool.pool.ledger.parties.domain_hosts)

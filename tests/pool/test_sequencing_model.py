@@ -4,8 +4,8 @@ Hypothesis plays one guest driver (and stale copies of it) against a real
 ``Pool``: every frame goes through the pool's own ``DataConnection._handle``
 (so ``Pool.open_session``, ``Pool.resume_session``, the session's
 ``SequenceLog`` and its worker thread do all the deciding), migrations go
-through ``Pool.open_record`` / ``complete_record`` / ``abort_record`` (which
-mint and revoke the real tickets).  Only the transport is fake: a
+through the ledger's ``open_record`` / ``complete_record`` / ``abort_record``
+(which mint and revoke the real tickets).  Only the transport is fake: a
 ``DataConnection`` whose outgoing frames land in a list, on an event loop
 this test runs by hand, so the interleaving is the one Hypothesis chose.
 
@@ -40,64 +40,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from accelmig.pool import session as session_module
 from accelmig.pool.config import PoolConfig, TenantSpec
-from accelmig.pool.dataplane import ConnState, DataConnection
+from accelmig.pool.dataplane import ConnState
 from accelmig.pool.state import Pool
+from accelmig.wire import attestation as att
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import (SessionDiverged, StaleEpoch, TicketInvalid, TicketRequired,
                                   WrongHost)
+from tests.support.fakepool import ListConnection, NullBackend
 
 TOKEN = "model-token-0001"
 SECRET = bytes(range(16))
 DOMAIN = "dom-model"
 HOSTS = ("hostA", "hostB")
 ADDRESSES = {"hostA": "10.0.1.5", "hostB": "10.0.2.5"}
-
-
-# -- the fakes: a device that does nothing, a transport that is a list ------------------
-class _Context:
-    def finish(self):
-        pass
-
-    def finish_is_noop(self) -> bool:   # nothing ever runs on it: the pool answers a finish on its loop
-        return True
-
-    def lost(self):                     # in-process: its device state is never gone
-        return None
-
-    def info(self):
-        return {"name": "model device"}
-
-    def abandon(self) -> int:         # in-process: everything comes back at release
-        return 0
-
-    def release(self) -> int:
-        return 0
-
-
-class _Backend:
-    def new_context(self, tenant="", upload_arena=0):
-        return _Context()
-
-    def trim_idle(self, idle_for):       # nothing kept for reuse
-        pass
-
-
-class ModelConnection(DataConnection):
-    """The pool's own connection logic; its frames go to ``frames``."""
-
-    def __init__(self, pool, host: str):
-        super().__init__(pool)
-        self.peer = (ADDRESSES[host], 40000)
-        self.peer_host = host
-        self.frames: list[dict] = []
-
-    def send(self, header, payload=b""):
-        if self.state is not ConnState.CLOSED:
-            self.frames.append(dict(header))
-
-    def send_reply(self, reply):
-        if self.state is ConnState.ATTACHED:
-            self.frames.append(dict(reply.header))
 
 
 @dataclasses.dataclass
@@ -130,7 +85,7 @@ class PoolModel(RuleBasedStateMachine):
         session_module.Session._finish_inline = lambda session, command: self._finish_inline(session, command)
         self.loop = asyncio.new_event_loop()
         config = PoolConfig(admin_socket="/nonexistent/model.sock", log_format="text")
-        self.pool = Pool(config, _Backend(), {"t": TenantSpec("t", TOKEN, 1 << 30)})
+        self.pool = Pool(config, NullBackend(), {"t": TenantSpec("t", TOKEN, 1 << 30)})
         self.pool.loop = self.loop
         self.issued: dict[int, int | str] = {}           # seq -> the value sent under it ("finish": a finish)
         self.driver = DriverState()
@@ -141,8 +96,12 @@ class PoolModel(RuleBasedStateMachine):
         self.sid = opened["sid"]
         self.session = self.pool.sessions[self.sid]
         assert opened["epoch"] == 1 and opened["bound_host"] == self.host
-        self.session.domain_uuid = DOMAIN                 # what the host's bind_session does
-        self.pool.domain_hosts.setdefault(DOMAIN, self.host)
+        # what the host's bind_sessions does with the session's proof
+        challenge = self.pool.ledger.bind_challenge(self.host)["challenge"]
+        proof = att.bind_proof(SECRET, challenge=challenge, instance=self.pool.instance, host=self.host,
+                               domain=DOMAIN, sid=self.sid)
+        assert self.pool.ledger.bind_sessions(self.host, DOMAIN, {self.sid: proof}, challenge,
+                                              self.pool.instance)["bound"] == [self.sid]
         self.connected = True
         self.tickets: list[HeldTicket] = []
         self.expected_epoch = 1
@@ -173,11 +132,8 @@ class PoolModel(RuleBasedStateMachine):
             return {"op": "finish", "seq": seq, "epoch": d.epoch, "ack": d.last_seen}
         return {"op": "info", "seq": seq, "epoch": d.epoch, "ack": d.last_seen, "v": value}
 
-    def _connect(self, host: str) -> ModelConnection:
-        conn = ModelConnection(self.pool, host)
-        conn._handle({"op": "hello", "versions": list(dp.PROTOCOL_VERSIONS)}, b"")
-        assert conn.frames.pop(0)["op"] == "welcome"
-        return conn
+    def _connect(self, host: str) -> ListConnection:
+        return ListConnection(self.pool, host, ADDRESSES[host], hello=True)
 
     def _frame(self, conn, header):
         conn._handle(dict(header), b"")
@@ -399,12 +355,12 @@ class PoolModel(RuleBasedStateMachine):
         self.migrations += 1
         mid = f"m{self.migrations}"
         pending = self.session.pending_move
-        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False, vouched=True)
+        record = self.pool.ledger.open_record(dest, DOMAIN, mid, None, None, False, vouched=True)
         if then_abort:
-            self.pool.abort_record(record, "the model aborted it")
+            self.pool.ledger.abort_record(record, "the model aborted it")
             assert self.session.pending_move == pending
             return
-        tickets = self.pool.complete_record(record)
+        tickets = self.pool.ledger.complete_record(record)
         assert set(tickets) == {self.sid}
         assert self.session.pending_move == (DOMAIN, mid)
         earlier = self._live_ticket()

@@ -4,8 +4,8 @@ injected clock: nothing here sleeps.
 Each test drives a real ``Pool`` (frames through its own ``DataConnection``
 logic, on a fake transport) and hands it the time explicitly:
 ``Pool.sweep(now)``, ``Pool.connection_lost(..., now=)``,
-``Pool.resume_session(..., now=)``, ``Pool.open_record(..., now=)``,
-``Pool.complete_record(..., now=)`` and ``TicketAuthority.check(..., now)``.
+``Pool.resume_session(..., now=)``, ``MigrationLedger.open_record(..., now=)``,
+``MigrationLedger.complete_record(..., now=)`` and ``TicketBook.check(..., now)``.
 The boundaries are checked on both sides, so an off-by-one (``>`` for
 ``>=``) or a deadline computed from the wrong base fails here.
 """
@@ -18,12 +18,13 @@ import time
 import pytest
 
 from accelmig.pool.config import PoolConfig, TenantSpec
-from accelmig.pool.dataplane import ConnState, DataConnection
 from accelmig.pool.session import SessionState
 from accelmig.pool.state import Pool
+from accelmig.wire import attestation as att
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import SessionExpired, TicketInvalid
 from accelmig.wire.records import RecordStateName
+from tests.support.fakepool import ListConnection, NullBackend
 
 TOKEN = "clock-token-0001"
 SECRET = bytes(range(16, 32))
@@ -32,75 +33,25 @@ ADDRESSES = {"hostA": "10.0.1.5", "hostB": "10.0.2.5"}
 T0 = 1_000_000.0          # the injected clock starts here (far from the real one)
 
 
-class _Context:
-    def __init__(self):
-        self.buffers: dict[int, int] = {}
-
-    def alloc(self, buf, size):
-        self.buffers[buf] = size
-
-    def finish(self):
-        pass
-
-    def finish_is_noop(self) -> bool:   # nothing ever runs on it: the pool answers a finish on its loop
-        return True
-
-    def lost(self):                     # in-process: its device state is never gone
-        return None
-
-    def info(self):
-        return {"name": "clock device"}
-
-    def abandon(self) -> int:         # in-process: everything comes back at release
-        return 0
-
-    def release(self) -> int:
-        released, self.buffers = sum(self.buffers.values()), {}
-        return released
-
-
-class _Backend:
-    def new_context(self, tenant="", upload_arena=0):
-        return _Context()
-
-    def trim_idle(self, idle_for):       # nothing kept for reuse
-        pass
-
-
-class _Connection(DataConnection):
-    """The pool's own connection logic; outgoing frames land in ``frames``."""
-
-    def __init__(self, pool, host):
-        super().__init__(pool)
-        self.peer = (ADDRESSES[host], 40000)
-        self.peer_host = host
-        self.frames: list[dict] = []
-        self._handle({"op": "hello", "versions": list(dp.PROTOCOL_VERSIONS)}, b"")
-        assert self.frames.pop(0)["op"] == "welcome"
-
-    def send(self, header, payload=b""):
-        if self.state is not ConnState.CLOSED:
-            self.frames.append(dict(header))
-
-    def send_reply(self, reply):
-        if self.state is ConnState.ATTACHED:
-            self.frames.append(dict(reply.header))
-
-
 class Rig:
     """A pool, one session opened from hostA, and an event loop run by hand."""
 
     def __init__(self, **config):
         self.loop = asyncio.new_event_loop()
-        self.pool = Pool(PoolConfig(admin_socket="/nonexistent/clock.sock", **config), _Backend(),
+        self.pool = Pool(PoolConfig(admin_socket="/nonexistent/clock.sock", **config), NullBackend(),
                          {"t": TenantSpec("t", TOKEN, 1 << 30)})
         self.pool.loop = self.loop
-        self.conn = _Connection(self.pool, "hostA")
+        self.ledger = self.pool.ledger
+        self.conn = ListConnection(self.pool, "hostA", ADDRESSES["hostA"], hello=True)
         self.conn._handle({"op": "open", "token": TOKEN, "secret": SECRET.hex()}, b"")
         self.sid = self.conn.frames.pop(0)["sid"]
         self.session = self.pool.sessions[self.sid]
-        self.session.domain_uuid = DOMAIN           # what the host's bind_session does
-        self.pool.domain_hosts[DOMAIN] = "hostA"
+        # what hostA's bind_sessions does with the session's proof
+        challenge = self.ledger.bind_challenge("hostA")["challenge"]
+        proof = att.bind_proof(SECRET, challenge=challenge, instance=self.pool.instance, host="hostA",
+                               domain=DOMAIN, sid=self.sid)
+        assert self.ledger.bind_sessions("hostA", DOMAIN, {self.sid: proof}, challenge,
+                                         self.pool.instance)["bound"] == [self.sid]
         self.tenant = self.session.tenant
 
     def command(self, header):
@@ -116,11 +67,10 @@ class Rig:
         return self.conn.frames.pop()
 
     def cut(self, now):
-        self.pool.connection_lost(self.session, self.conn, now=now)
-        self.conn.state = ConnState.CLOSED
+        self.conn.lost(now)
 
     def resume(self, host, now, ticket=None):
-        conn = _Connection(self.pool, host)
+        conn = ListConnection(self.pool, host, ADDRESSES[host], hello=True)
         header = {"op": "resume", "sid": self.sid, "epoch": self.session.epoch,
                   "last_seen": self.session.log.highest_reply,
                   "next_seq": self.session.log.next_seq,
@@ -133,8 +83,8 @@ class Rig:
         return replay
 
     def migrate(self, now, dest="hostB", mid="m1"):
-        record = self.pool.open_record(dest, DOMAIN, mid, None, None, False, now=now, vouched=True)
-        return record, self.pool.complete_record(record, now=now)
+        record = self.ledger.open_record(dest, DOMAIN, mid, None, None, False, now=now, vouched=True)
+        return record, self.ledger.complete_record(record, now=now)
 
     def close(self):
         for session in list(self.pool.sessions.values()):
@@ -228,7 +178,7 @@ def test_ticket_expiry_and_a_fresh_ticket_from_completing_again(make_rig):
         rig.resume("hostB", now=late, ticket=ticket)
     assert rig.session.bound_host == "hostA" and rig.session.epoch == 1     # nothing changed
     # the destination can mint a fresh ticket for the same migration (idempotent complete)
-    again = rig.pool.complete_record(record, now=late)[rig.sid]
+    again = rig.ledger.complete_record(record, now=late)[rig.sid]
     assert again != ticket
     rig.resume("hostB", now=late + 1, ticket=again)
     assert rig.session.bound_host == "hostB" and rig.session.pending_move is None
@@ -239,16 +189,16 @@ def test_ticket_ttl_boundary(make_rig):
     rig = make_rig(ticket_ttl=300.0)
     _, tickets = rig.migrate(now=T0)
     token = tickets[rig.sid]
-    authority = rig.pool.tickets
+    authority = rig.ledger.tickets
     claims = authority.check(token, rig.sid, "hostB", T0 + 300.0)            # the last valid instant
     assert claims["exp"] == T0 + 300.0
     with pytest.raises(TicketInvalid, match="ticket expired"):
         authority.check(token, rig.sid, "hostB", T0 + 300.0 + 0.01)
     # completing again before the expiry hands back the same live ticket, not a new one
-    record = rig.pool.records[f"{DOMAIN}/m1"]
-    assert rig.pool.complete_record(record, now=T0 + 299.0)[rig.sid] == token
+    record = rig.ledger.records[f"{DOMAIN}/m1"]
+    assert rig.ledger.complete_record(record, now=T0 + 299.0)[rig.sid] == token
     # ... after it, a new one
-    assert rig.pool.complete_record(record, now=T0 + 301.0)[rig.sid] != token
+    assert rig.ledger.complete_record(record, now=T0 + 301.0)[rig.sid] != token
 
 
 def test_ticket_use_is_stamped_with_the_injected_time(rig):
@@ -256,7 +206,7 @@ def test_ticket_use_is_stamped_with_the_injected_time(rig):
     rig.cut(now=T0 + 1)
     rig.resume("hostB", now=T0 + 2, ticket=tickets[rig.sid])
     with pytest.raises(TicketInvalid, match="already used by a resume at 1970-01-12T13:46:42.000Z"):
-        rig.pool.tickets.check(tickets[rig.sid], rig.sid, "hostB", T0 + 3)
+        rig.ledger.tickets.check(tickets[rig.sid], rig.sid, "hostB", T0 + 3)
 
 
 # -- record leases --------------------------------------------------------------------------
@@ -264,7 +214,7 @@ def test_an_expired_lease_aborts_the_record(make_rig):
     """Replaces tests/continuity/test_tickets_and_records.py::test_an_expired_lease_aborts_the_record
     (which sleeps 0.8 s of renewals and 1 s unrenewed)."""
     rig = make_rig(lease_ttl=30.0)
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, "start", False, now=T0, vouched=True)
+    record = rig.ledger.open_record("hostB", DOMAIN, "m1", None, "start", False, now=T0, vouched=True)
     assert rig.session.paused                       # policy "start": paused while it is open
     for step in range(1, 5):                        # a host that renews keeps it alive
         now = T0 + step * 20.0
@@ -284,22 +234,22 @@ def test_an_expired_lease_aborts_the_record(make_rig):
 
 def test_a_lease_expiring_after_commit_completes_the_record_and_mints_tickets(make_rig):
     rig = make_rig(lease_ttl=30.0)
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, True, now=T0, vouched=True)
+    record = rig.ledger.open_record("hostB", DOMAIN, "m1", None, None, True, now=T0, vouched=True)
     record.commit(T0 + 5)
     rig.pool.sweep(T0 + 30.0)                       # expired after commit: no way back
     assert record.state is RecordStateName.CLOSED
     assert record.sessions == [rig.sid]
     assert rig.session.pending_move == (DOMAIN, "m1")
-    nonce = record.tickets[rig.sid]
-    assert rig.pool.tickets.live(nonce, T0 + 30.0) is not None
+    nonce = rig.ledger.tickets.held_by(rig.sid).nonce
+    assert rig.ledger.tickets.live(nonce, T0 + 30.0) is not None
     # the ticket's TTL counts from the sweep that minted it
-    assert rig.pool.tickets.live(nonce, T0 + 30.0 + rig.pool.config.ticket_ttl + 1) is None
+    assert rig.ledger.tickets.live(nonce, T0 + 30.0 + rig.pool.config.ticket_ttl + 1) is None
 
 
 def test_final_records_are_forgotten_an_hour_after_their_last_event(rig):
-    record = rig.pool.open_record("hostB", DOMAIN, "m1", None, None, False, now=T0, vouched=True)
-    rig.pool.abort_record(record, "test", now=T0 + 1)
+    record = rig.ledger.open_record("hostB", DOMAIN, "m1", None, None, False, now=T0, vouched=True)
+    rig.ledger.abort_record(record, "test", now=T0 + 1)
     rig.pool.sweep(T0 + 1 + 3600.0)
-    assert record.key in rig.pool.records
+    assert record.key in rig.ledger.records
     rig.pool.sweep(T0 + 1 + 3600.0 + 0.001)
-    assert record.key not in rig.pool.records
+    assert record.key not in rig.ledger.records

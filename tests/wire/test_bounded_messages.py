@@ -88,16 +88,20 @@ def test_pages_merge_lists_and_objects_and_a_domain_spanning_two_pages():
 def test_a_record_view_lists_inline_while_short_and_counts_always():
     base = {"domain_uuid": "d", "migration_id": "m", "state": "completed", "dest_host": "hostB"}
     short = RecordView.from_wire(dict(base, sessions=["s1", "s2"], resumed={"s1": 0.1}, session_count=2,
-                                      resumed_count=1))
-    assert short.inline and short.unresumed == {"s2"} and short.unresumed_count == 1 and not short.rehomed
+                                      resumed_count=1, rehomed=False))
+    assert short.inline and short.unresumed_count == 1 and not short.rehomed
     assert short.to_wire()["sessions"] == ["s1", "s2"] and "sessions" not in short.to_wire(inline=False)
     many = RecordView.from_wire(dict(base, session_count=RECORD_INLINE_SESSIONS + 1,
-                                     resumed_count=RECORD_INLINE_SESSIONS + 1, blackout_max=0.2))
+                                     resumed_count=RECORD_INLINE_SESSIONS + 1, blackout_max=0.2, rehomed=True))
     assert not many.inline and many.rehomed and many.unresumed_count == 0 and many.blackout_max == 0.2
     assert "sessions" not in many.to_wire() and many.to_wire()["session_count"] == RECORD_INLINE_SESSIONS + 1
     # an older pool (no counts): the lists are the counts
     old = RecordView.from_wire(dict(base, sessions=["s1"], resumed={"s1": 0.1}))
-    assert old.session_count == old.resumed_count == 1 and old.rehomed
+    assert old.session_count == old.resumed_count == 1
+    # the verdict is the pool's, read off the wire, never recomputed from the counts
+    assert not old.rehomed and many.to_wire()["rehomed"] is True
+    with pytest.raises(ProtocolError, match="rehomed"):
+        RecordView.from_wire(dict(base, rehomed="yes"))
     with pytest.raises(ProtocolError, match="all of them or none"):
         RecordView.from_wire(dict(base, sessions=["s1"], session_count=5))
 

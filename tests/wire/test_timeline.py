@@ -1,7 +1,7 @@
 """The migration timeline's model (``wire.records``): steps on one clock,
 offsets estimated from round trips (NTP's estimate, uncertainty kept),
 every remote stamp a bounded claim; the pool record's side of it
-(``pool.migration``) and hostd's assembly of a rehome's steps
+(``pool.ledger``) and hostd's assembly of a rehome's steps
 (``plugin.hostd.migration.rehome_timeline``)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from accelmig.pool.migration import MigrationRecord
+from accelmig.pool.ledger import LedgerRecord
 from accelmig.wire.errors import ProtocolError
 from accelmig.wire.records import (STEP_NAMES, ClockOffset, PausePolicy, RecordView, Side, Stamp, Timeline)
 
@@ -78,18 +78,18 @@ def test_a_timeline_knows_only_its_steps_and_orders_them():
 
 
 def test_a_record_view_carries_its_timeline():
-    record = MigrationRecord("d", "m", "hostA", "hostB", PausePolicy.NONE, 30.0, now=100.0)
+    record = LedgerRecord("d", "m", "hostA", "hostB", PausePolicy.NONE, 30.0, now=100.0)
     record.switchover(100.5)
     record.complete(100.6, ["s1"])
     record.note_resumed("s1", 0.2, now=100.7)
-    view = RecordView.from_wire(record.describe(now=101.0))
+    view = RecordView.from_wire(record.to_wire(now=101.0))
     assert [r["step"] for r in view.timeline.rows()] == ["opened", "switchover", "completed",
                                                           "resume_answered", "rehomed"]
     assert RecordView.from_wire(view.to_wire()).timeline == view.timeline
 
 
 def test_a_host_adds_only_its_own_steps_and_its_guests_first_stamps_stay():
-    record = MigrationRecord("d", "m", "hostA", "hostB", PausePolicy.NONE, 30.0, now=100.0)
+    record = LedgerRecord("d", "m", "hostA", "hostB", PausePolicy.NONE, 30.0, now=100.0)
     record.switchover(100.5)
     dest = {"resumed_seen": Stamp(100.55, 0.001, Side.DEST),
             "agent_received": Stamp(100.6, 0.003, Side.GUEST),
@@ -106,7 +106,7 @@ def test_a_host_adds_only_its_own_steps_and_its_guests_first_stamps_stay():
                              now=101.0) == ["suspended_seen"]
     # a stamp far outside the record's life is dropped
     assert record.note_steps(Side.DEST, {"delivering": Stamp(1e9, 0.0, Side.DEST)}, now=101.0) == []
-    assert set(record.describe(now=101.0)["timeline"]) <= set(STEP_NAMES)
+    assert set(record.to_wire(now=101.0)["timeline"]) <= set(STEP_NAMES)
 
 
 def test_hostd_puts_a_rehomes_steps_on_the_pools_clock():
