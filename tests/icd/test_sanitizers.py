@@ -3,7 +3,8 @@ UndefinedBehaviorSanitizer (``icd/build-asan``), its unit tests, the plain
 OpenCL program (still bit-identical to local PoCL), the refusals, clinfo
 and a cut mid-transfer run with it, every finding fatal (leaks included);
 and the fuzz tier: each libFuzzer harness of its decoders (frames through
-a session's dispatch, device listings, the configuration file) for a short
+a session's dispatch, device listings, the configuration file, the guest
+agent's lines, a handshake's answers) for a short
 run over its corpus (``icd/fuzz/corpus``), built with clang."""
 
 from __future__ import annotations
@@ -86,10 +87,16 @@ def fuzzers():
     if shutil.which("clang") is None:
         pytest.skip("SKIPPED LOUDLY: the fuzz tier needs clang with libFuzzer (apt-get install clang libclang-rt-14-dev)")
     return icd_support.build(icd_support.SOURCE / "build-fuzz", "-DACCELMIG_FUZZ=ON", compiler="clang",
-                             targets=("fuzz-frames", "fuzz-devices", "fuzz-config"))
+                             targets=tuple(f"fuzz-{harness}" for harness in HARNESSES))
 
 
-@pytest.mark.parametrize("harness", ["frames", "devices", "config"])
+#: frames through a session's dispatch, device listings, the configuration
+#: file, the guest agent's lines, a handshake's answers (welcome, redirect,
+#: an error naming where a session lives)
+HARNESSES = ["frames", "devices", "config", "agent", "handshake"]
+
+
+@pytest.mark.parametrize("harness", HARNESSES)
 def test_the_decoders_survive_fuzzing(fuzzers, harness, tmp_path):
     corpus = icd_support.SOURCE / "fuzz" / "corpus" / harness
     work = tmp_path / "corpus"
