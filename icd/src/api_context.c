@@ -127,13 +127,27 @@ void am_ctx_watch_locked(cl_context ctx, cl_event event, uint64_t seq) {
     *at = watch;
 }
 
+/* A reference for a hook of the session's I/O thread, unless the context
+ * is ending already: its last reference went (on this thread, by an
+ * earlier hook of the same batch), its destroy waits for this thread
+ * before it frees anything, and a reference taken and dropped now would
+ * end it a second time. */
+static bool hook_retain(cl_context ctx) {
+    int refs = atomic_load(&ctx->refs);
+    while (refs > 0)
+        if (atomic_compare_exchange_weak(&ctx->refs, &refs, refs + 1))
+            return true;
+    return false;
+}
+
 static void on_completed(void *arg, uint64_t upto) {
     cl_context ctx = arg;
     am_watch *done = NULL;
     /* Waiters see the completion only once the watches' references are
      * gone (`completing`): a waiter that then releases its last objects
      * ends the context on its own thread, not on this one. */
-    am_ctx_retain(ctx);
+    if (!hook_retain(ctx))
+        return; /* (ending: no event of it is left to complete) */
     pthread_mutex_lock(&ctx->mu);
     ctx->completing++;
     while (ctx->watches != NULL && ctx->watches->seq <= upto) {

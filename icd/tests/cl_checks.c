@@ -549,6 +549,27 @@ static void check_queries_and_refusals(void) {
     printf("queue properties: %#llx\n", (unsigned long long)props);
 }
 
+/* Contexts the application lets go of while their commands are in flight:
+ * the commands' replies then hold the last references (the buffer's
+ * allocation and its first content arrive in one read: the context must
+ * end once, whichever reply lets it go). */
+static void check_released_in_flight(void) {
+    static unsigned char data[1 << 12];
+    int made = 0;
+    for (int round = 0; round < 8; round++) {
+        cl_int err;
+        cl_context other = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
+        if (other == NULL)
+            continue;
+        cl_mem b = clCreateBuffer(other, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof data, data, &err);
+        CHECK(err);
+        CHECK(clReleaseMemObject(b));
+        CHECK(clReleaseContext(other));
+        made++;
+    }
+    printf("contexts released with commands in flight: %d\n", made);
+}
+
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* (a line at a time: what came before a crash is there) */
     cl_platform_id platform;
@@ -581,6 +602,7 @@ int main(void) {
     check_threads(program);
     check_large_transfer();
     check_queries_and_refusals();
+    check_released_in_flight();
     CHECK(clFinish(q));
     clReleaseProgram(program);
     clReleaseCommandQueue(q);
