@@ -149,6 +149,7 @@ struct am_session {
     uint64_t unacked_bytes;    /* what the pool counts the replies since acked_sent for (mu) */
     double last_send;
     double keepalive_every;    /* s of sending nothing before a keepalive (0: the pool asks for none) */
+    unsigned version;          /* the protocol the pool agreed to at the last connection */
     am_buf out;
     size_t out_pos;
     am_cmd *big;               /* a command whose large payload is being written */
@@ -439,16 +440,19 @@ static int take_welcome(am_session *s, json_object *welcome, const char *endpoin
     size_t challenge_len = 0;
     const char *challenge = am_json_str(welcome, "challenge", &challenge_len);
     json_object *limit = am_json_get(welcome, "max_payload");
+    bool spoken = false;
     if (strcmp(am_json_op(welcome), "welcome") != 0 || !am_json_u64(am_json_get(welcome, "version"), &version) ||
-        version != AM_PROTOCOL_VERSION || challenge == NULL || challenge_len >= sizeof s->challenge ||
+        !(spoken = version == AM_PROTOCOL_VERSION || version == AM_PROTOCOL_OFFSET) || challenge == NULL ||
+        challenge_len >= sizeof s->challenge ||
         (limit != NULL && (!am_json_u64(limit, &max_payload) || max_payload < 4096))) {
-        am_error_set(err, version && version != AM_PROTOCOL_VERSION ? "VERSION_UNSUPPORTED" : "PROTOCOL_ERROR",
+        am_error_set(err, version && !spoken ? "VERSION_UNSUPPORTED" : "PROTOCOL_ERROR",
                      "the pool at %s does not speak data-plane protocol %d (the OpenCL driver needs it: "
                      "upgrade the pool)", endpoint, AM_PROTOCOL_VERSION);
         return -1;
     }
     memcpy(s->challenge, challenge, challenge_len + 1);
     s->chunk = max_payload < CHUNK ? max_payload : CHUNK;
+    s->version = (unsigned)version;
     /* the node it speaks for (binding proofs name it), checked as wire.attestation checks one */
     size_t instance_len = 0;
     const char *instance = am_json_str(welcome, "instance", &instance_len);
@@ -485,7 +489,8 @@ static int dial(am_session *s, const char *endpoint, double timeout, const char 
         am_info("the pool at %s did not resume the TLS session: a full handshake", endpoint);
     s->capture = true;
     char hello[64];
-    snprintf(hello, sizeof hello, "{\"op\":\"hello\",\"versions\":[%d]}", AM_PROTOCOL_VERSION);
+    snprintf(hello, sizeof hello, "{\"op\":\"hello\",\"versions\":[%d,%d]}", AM_PROTOCOL_VERSION,
+             AM_PROTOCOL_OFFSET);
     if (send_frame(s, hello, deadline, err) != 0 || (then != NULL && send_frame(s, then, deadline, err) != 0))
         goto fail;
     json_object *welcome = next_answer(s, deadline, err);
@@ -1532,6 +1537,10 @@ int am_session_bind_proof(am_session *s, const char *host, json_object *challeng
     }
     snprintf(domain, 40, "%s", s->domain);
     return 0;
+}
+
+unsigned am_session_version(am_session *s) {
+    return s->version;
 }
 
 uint64_t am_session_epoch(am_session *s) {

@@ -44,8 +44,10 @@
 #include "errors.h"
 #include "window.h"
 
-/* the data-plane protocol version the OpenCL driver speaks (wire.opencl) */
+/* the data-plane protocol versions the OpenCL driver speaks (wire.opencl):
+ * 3, and 4 for a launch's global work offset (a pool of 3 refuses those) */
 #define AM_PROTOCOL_VERSION 3
+#define AM_PROTOCOL_OFFSET 4
 /* the longest migration ticket (wire.channel.MAX_TICKET) */
 #define AM_MAX_TICKET 4096
 /* the longest endpoint a pool or an agent may name (wire.dataplane.parse_redirect) */
@@ -125,6 +127,8 @@ int am_session_resume(am_session *s, const char *endpoint, const char *ticket, a
  * made for), or -1 and why (no domain known, no challenge of its instance). */
 int am_session_bind_proof(am_session *s, const char *host, json_object *challenges, char proof[65],
                           char domain[40], am_error *err);
+/* The protocol version the pool agreed to at the last connection. */
+unsigned am_session_version(am_session *s);
 /* The session's epoch and where it is now (copied: the I/O thread changes them). */
 uint64_t am_session_epoch(am_session *s);
 void am_session_endpoint(am_session *s, char *out, size_t size);

@@ -549,6 +549,52 @@ static void check_queries_and_refusals(void) {
     printf("queue properties: %#llx\n", (unsigned long long)props);
 }
 
+/* Launches with a global work offset: each a slice of the buffer, in 1 and 2 dimensions. */
+static void check_global_offset(cl_program program) {
+    cl_int err;
+    int data[64 * 4];
+    for (int i = 0; i < 64 * 4; i++)
+        data[i] = i;
+    cl_mem b = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof data, data);
+    cl_kernel k = clCreateKernel(program, "bump", &err);
+    CHECK(err);
+    for (int slice = 0; slice < 8; slice++) {
+        int by = slice + 1;
+        size_t offset = (size_t)slice * 16, global = 16;
+        CHECK(clSetKernelArg(k, 0, sizeof b, &b));
+        CHECK(clSetKernelArg(k, 1, sizeof by, &by));
+        CHECK(clEnqueueNDRangeKernel(q, k, 1, &offset, &global, NULL, 0, NULL, NULL));
+    }
+    cl_kernel m = clCreateKernel(program, "matrix", &err);
+    CHECK(err);
+    float a[16 * 16], bb[16 * 16], c[16 * 16];
+    for (int i = 0; i < 16 * 16; i++) {
+        a[i] = (float)(i % 7);
+        bb[i] = (float)(i % 5) - 2.0f;
+        c[i] = -1.0f;
+    }
+    cl_mem ma = buffer(CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof a, a);
+    cl_mem mb = buffer(CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof bb, bb);
+    cl_mem mc = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof c, c);
+    int n = 16;
+    size_t offset2[2] = {4, 8}, global2[2] = {8, 4}, local2[2] = {4, 2};
+    CHECK(clSetKernelArg(m, 0, sizeof mc, &mc));
+    CHECK(clSetKernelArg(m, 1, sizeof ma, &ma));
+    CHECK(clSetKernelArg(m, 2, sizeof mb, &mb));
+    CHECK(clSetKernelArg(m, 3, sizeof n, &n));
+    CHECK(clEnqueueNDRangeKernel(q, m, 2, offset2, global2, local2, 0, NULL, NULL));
+    CHECK(clEnqueueReadBuffer(q, b, CL_TRUE, 0, sizeof data, data, 0, NULL, NULL));
+    CHECK(clEnqueueReadBuffer(q, mc, CL_TRUE, 0, sizeof c, c, 0, NULL, NULL));
+    printf("global offsets: %016llx %016llx\n", (unsigned long long)digest(data, sizeof data),
+           (unsigned long long)digest(c, sizeof c));
+    clReleaseKernel(k);
+    clReleaseKernel(m);
+    clReleaseMemObject(b);
+    clReleaseMemObject(ma);
+    clReleaseMemObject(mb);
+    clReleaseMemObject(mc);
+}
+
 /* Contexts the application lets go of while their commands are in flight:
  * the commands' replies then hold the last references (the buffer's
  * allocation and its first content arrive in one read: the context must
@@ -601,6 +647,7 @@ int main(void) {
     check_programs();
     check_threads(program);
     check_large_transfer();
+    check_global_offset(program);
     check_queries_and_refusals();
     check_released_in_flight();
     CHECK(clFinish(q));
