@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static cl_context ctx;
 static cl_device_id dev;
@@ -461,6 +462,87 @@ static void check_programs(void) {
     clReleaseProgram(program);
 }
 
+/* Headers of the application's: a file under -I (and one it includes
+ * next to itself), and separate compilation: two units, one of them with
+ * an input header and a macro of its own, linked into a program. */
+static void check_headers_compile_and_link(void) {
+    cl_int err;
+    char dir[] = "/tmp/cl-checks-XXXXXX";
+    if (mkdtemp(dir) == NULL) {
+        printf("FAILED: no temporary directory\n");
+        failures++;
+        return;
+    }
+    char path[128], inner[128];
+    snprintf(path, sizeof path, "%s/scale.h", dir);
+    snprintf(inner, sizeof inner, "%s/factor.h", dir);
+    FILE *f = fopen(path, "w"), *g = fopen(inner, "w");
+    if (f == NULL || g == NULL) {
+        printf("FAILED: cannot write the headers\n");
+        failures++;
+        return;
+    }
+    fputs("#pragma once\n#include \"factor.h\"\ninline int scaled(int x) { return x * FACTOR; }\n", f);
+    fputs("#define FACTOR 3\n", g);
+    fclose(f);
+    fclose(g);
+    const char *with_header = "#include <scale.h>\n#include \"scale.h\"\n"
+                              "kernel void times(global int *x) { x[get_global_id(0)] = scaled(x[get_global_id(0)]); }";
+    cl_program p = clCreateProgramWithSource(ctx, 1, &with_header, NULL, &err);
+    char options[160];
+    snprintf(options, sizeof options, "-I %s", dir);
+    printf("build with a header under -I: %d\n", clBuildProgram(p, 1, &dev, options, NULL, NULL));
+    int values[16];
+    for (int i = 0; i < 16; i++)
+        values[i] = i;
+    cl_mem b = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof values, values);
+    cl_kernel k = clCreateKernel(p, "times", &err);
+    CHECK(err);
+    size_t global = 16;
+    CHECK(clSetKernelArg(k, 0, sizeof b, &b));
+    CHECK(clEnqueueNDRangeKernel(q, k, 1, NULL, &global, NULL, 0, NULL, NULL));
+    const char *missing = "#include \"not-there.h\"\nkernel void k(global int *x) { }";
+    cl_program absent = clCreateProgramWithSource(ctx, 1, &missing, NULL, &err);
+    printf("build with a header that is nowhere: %d\n", clBuildProgram(absent, 1, &dev, options, NULL, NULL));
+    clReleaseProgram(absent);
+    unlink(path);
+    unlink(inner);
+    rmdir(dir);
+
+    const char *sink = "void add_to(global int *x, int by) { *x += by * OFFSET; }";
+    const char *header = "inline int twice(int x) { return 2 * x; }";
+    const char *main_unit = "#include \"twice.h\"\nvoid add_to(global int *x, int by);\n"
+                            "kernel void linked(global int *x) { add_to(&x[get_global_id(0)], twice(OFFSET)); }";
+    cl_program unit_a = clCreateProgramWithSource(ctx, 1, &sink, NULL, &err);
+    cl_program unit_h = clCreateProgramWithSource(ctx, 1, &header, NULL, &err);
+    cl_program unit_b = clCreateProgramWithSource(ctx, 1, &main_unit, NULL, &err);
+    const char *names[1] = {"twice.h"};
+    printf("compile: %d", clCompileProgram(unit_a, 1, &dev, "-DOFFSET=5", 0, NULL, NULL, NULL, NULL));
+    printf(" %d\n", clCompileProgram(unit_b, 1, &dev, "-D OFFSET=1", 1, &unit_h, names, NULL, NULL));
+    cl_program units[2] = {unit_a, unit_b};
+    cl_program linked = clLinkProgram(ctx, 1, &dev, "", 2, units, NULL, NULL, &err);
+    printf("link: %d\n", err);
+    cl_program_binary_type type;
+    CHECK(clGetProgramBuildInfo(unit_a, dev, CL_PROGRAM_BINARY_TYPE, sizeof type, &type, NULL));
+    printf("a compiled unit's binary type: %#x\n", (unsigned)type);
+    if (linked != NULL) {
+        cl_kernel lk = clCreateKernel(linked, "linked", &err);
+        CHECK(err);
+        CHECK(clSetKernelArg(lk, 0, sizeof b, &b));
+        CHECK(clEnqueueNDRangeKernel(q, lk, 1, NULL, &global, NULL, 0, NULL, NULL));
+        clReleaseKernel(lk);
+        clReleaseProgram(linked);
+    }
+    CHECK(clEnqueueReadBuffer(q, b, CL_TRUE, 0, sizeof values, values, 0, NULL, NULL));
+    printf("headers, compile and link: %d %d %d\n", values[0], values[1], values[15]);
+    clReleaseKernel(k);
+    clReleaseProgram(p);
+    clReleaseProgram(unit_a);
+    clReleaseProgram(unit_h);
+    clReleaseProgram(unit_b);
+    clReleaseMemObject(b);
+}
+
 typedef struct worker {
     cl_program program;
     int id;
@@ -648,6 +730,7 @@ int main(void) {
     check_threads(program);
     check_large_transfer();
     check_global_offset(program);
+    check_headers_compile_and_link();
     check_queries_and_refusals();
     check_released_in_flight();
     CHECK(clFinish(q));

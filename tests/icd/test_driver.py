@@ -77,6 +77,16 @@ def test_the_ownership_proof_is_the_wires(icd, binding):
     assert done.stdout.strip() == dp.ownership_proof(secret, challenge, sid, epoch, binding)
 
 
+def test_the_binding_proof_is_the_wires(icd):
+    from accelmig.wire import attestation as att
+    secret = secrets.token_bytes(32)
+    claims = {"instance": "0123abcd", "challenge": secrets.token_hex(16), "host": "hostA",
+              "domain": "6a1c0de5-0000-4000-8000-00000000000a", "sid": "s-0123abcd-7-89ef01"}
+    done = icd_support.run(icd.program("icd-unit"), dict(os.environ), "bind", secret.hex(), claims["instance"],
+                           claims["challenge"], claims["host"], claims["domain"], claims["sid"])
+    assert done.stdout.strip() == att.bind_proof(secret, **claims)
+
+
 def test_only_the_icd_entry_points_leave_the_library(icd):
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(icd.library)], capture_output=True, text=True,
                              check=True).stdout
