@@ -357,11 +357,17 @@ SSL_SESSION *am_link_tls_session(const am_link *link) {
     if (link->ssl == NULL)
         return NULL;
     SSL_SESSION *session = SSL_get1_session(link->ssl);
-    if (session != NULL && !SSL_SESSION_is_resumable(session)) {
+    if (session == NULL || !SSL_SESSION_is_resumable(session)) {
         SSL_SESSION_free(session);
         return NULL;
     }
-    return session;
+    /* A copy: OpenSSL 3.0 offers the connection's own session object at the
+     * next handshake without the pool resuming it (seen: never reused),
+     * where a copy of it (what Python's ssl and s_client's -sess_in end up
+     * with) is reused. */
+    SSL_SESSION *copy = SSL_SESSION_dup(session);
+    SSL_SESSION_free(session);
+    return copy;
 }
 
 void am_link_close(am_link *link) {

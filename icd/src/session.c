@@ -559,6 +559,8 @@ json_object *am_list_devices(const am_config *cfg, SSL_CTX *tls, am_error *err) 
 done:
     am_buf_free(&request);
     am_link_close(&probe.link);
+    if (probe.tls_session != NULL)
+        SSL_SESSION_free(probe.tls_session);
     am_reader_free(&probe.reader);
     drop_early(&probe);
     free(probe.early);
@@ -859,6 +861,11 @@ static int try_resume(am_session *s, const char *endpoint, const char *ticket, d
     am_buf_free(&request);
     outcome.answered = am_wall_clock();
     pthread_mutex_lock(&s->mu);
+    if (s->state != ST_RESUMING) { /* (closed meanwhile: the connection goes with it) */
+        pthread_mutex_unlock(&s->mu);
+        am_error_set(err, "CLOSED", "session %s is closed", s->sid);
+        goto fail_link;
+    }
     s->epoch = new_epoch;
     snprintf(s->endpoint, sizeof s->endpoint, "%s", endpoint);
     s->send_next = expect;           /* re-send exactly what the pool lacks */

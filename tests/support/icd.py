@@ -119,11 +119,11 @@ class Solver:
     log).  Its stderr is read all along (a debug log must not fill a pipe);
     a solver still running at the end is killed, whatever happened."""
 
-    def __init__(self, icd: IcdBuild, env: dict):
+    def __init__(self, icd: IcdBuild, env: dict, cwd=None):
         import queue
         import threading
         self.proc = subprocess.Popen([str(icd.program("cl-moves"))], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
         self._lines: queue.Queue = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines.put), daemon=True).start()
