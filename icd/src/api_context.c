@@ -171,6 +171,22 @@ static void on_completed(void *arg, uint64_t upto) {
     am_ctx_release(ctx);
 }
 
+/* fork(): the context's lock around it (its notifier may hold it); in the
+ * child the notifier is gone, and what it had still to run was the
+ * parent's to run (see session.h for the session's copy). */
+static void on_fork(void *arg, enum am_fork_phase phase) {
+    cl_context ctx = arg;
+    if (phase == AM_FORK_PREPARE) {
+        pthread_mutex_lock(&ctx->mu);
+        return;
+    }
+    if (phase == AM_FORK_CHILD) {
+        ctx->notifier_started = false;
+        ctx->notices = ctx->notices_tail = NULL; /* (left: the parent runs them) */
+    }
+    pthread_mutex_unlock(&ctx->mu);
+}
+
 static void on_failed(void *arg, const am_error *err) {
     cl_context ctx = arg;
     am_watch *all;
@@ -402,7 +418,7 @@ static cl_context CL_API_CALL am_clCreateContext(const cl_context_properties *pr
         memcpy(ctx->props, props, props_len * sizeof *ctx->props);
         ctx->props_len = props_len;
     }
-    am_session_hooks hooks = {.ctx = ctx, .completed = on_completed, .failed = on_failed};
+    am_session_hooks hooks = {.ctx = ctx, .completed = on_completed, .failed = on_failed, .fork = on_fork};
     ctx->session = am_session_open(cfg, am_platform_tls(), ctx->device->id, &hooks, &why);
     if (ctx->session == NULL) {
         am_warn("clCreateContext: no session on the pool at %s: %s: %s", cfg->endpoint, why.code, why.message);

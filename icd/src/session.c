@@ -111,6 +111,11 @@ struct am_session {
     char name[64];             /* the application, for the guest agent's listing */
     char agent_socket[108];
     struct am_registration *registration;
+    /* fork: every open session is on one list, for the handlers */
+    am_session *next_open, *prev_open;
+    bool listed;
+    bool forked;               /* a fork's child's copy (see session.h) */
+    bool owned_here;           /* ... that resumed in the child: the child's now */
     /* a pool of several nodes: the node that redirected the open ("" none);
      * while the session's own node does not answer, every other reconnect
      * asks it, and it says whether that node is gone or where the session is */
@@ -874,6 +879,8 @@ static int try_resume(am_session *s, const char *endpoint, const char *ticket, d
     s->resumes++;
     if (s->link.tls_resumed)
         s->tls_resumes++;
+    if (s->forked)
+        s->owned_here = true; /* (the pool took this copy: it is the child's now) */
     reset_stream(s);
     s->last_send = am_now();
     state_to(s, ST_CONNECTED);
@@ -911,6 +918,114 @@ fail:
     if (am_error_terminal(err))
         fail_session(s, err);
     return -1;
+}
+
+/* -- fork ------------------------------------------------------------------------------- */
+
+static pthread_mutex_t open_mu = PTHREAD_MUTEX_INITIALIZER;
+static am_session *open_sessions;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) {
+    pthread_mutex_lock(&open_mu);
+    for (am_session *s = open_sessions; s != NULL; s = s->next_open) {
+        if (s->hooks.fork != NULL)
+            s->hooks.fork(s->hooks.ctx, AM_FORK_PREPARE);
+        pthread_mutex_lock(&s->mu);
+    }
+}
+
+static void fork_parent(void) {
+    for (am_session *s = open_sessions; s != NULL; s = s->next_open) {
+        pthread_mutex_unlock(&s->mu);
+        if (s->hooks.fork != NULL)
+            s->hooks.fork(s->hooks.ctx, AM_FORK_PARENT);
+    }
+    pthread_mutex_unlock(&open_mu);
+}
+
+/* The child's copy of `s` (mu held, the only thread): no thread, no
+ * connection, nothing sent until a command needs the device. */
+static void become_copy(am_session *s) {
+    if (s->link.fd >= 0)
+        close(s->link.fd); /* (never shutdown: the parent's connection is the same one) */
+    /* its TLS objects are left as they are: a thread of the parent may have
+     * been inside them, and freeing them could touch what it held */
+    memset(&s->link, 0, sizeof s->link);
+    s->link.fd = -1;
+    /* eventfds are shared with the parent across a fork: new ones */
+    close(s->wake_fd);
+    close(s->preempt_fd);
+    s->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    s->preempt_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    s->thread_started = false;
+    s->registration = NULL; /* (the parent's: its thread is not here) */
+    s->request = NULL;
+    s->capture = false;
+    s->out.len = s->out_pos = 0;
+    s->big = NULL;
+    s->out_want = 0;
+    s->forked = true;
+    if (s->state == ST_CONNECTED || s->state == ST_RESUMING) {
+        s->state = ST_DISCONNECTED;
+        s->disconnected_since = am_now();
+        am_error_set(&s->last_error, "DISCONNECTED", "a fork's copy of the session");
+    }
+}
+
+static void fork_child(void) {
+    for (am_session *s = open_sessions; s != NULL; s = s->next_open) {
+        become_copy(s);
+        pthread_mutex_unlock(&s->mu);
+        if (s->hooks.fork != NULL)
+            s->hooks.fork(s->hooks.ctx, AM_FORK_CHILD);
+    }
+    pthread_mutex_unlock(&open_mu);
+}
+
+static void register_fork_handlers(void) {
+    if (pthread_atfork(fork_prepare, fork_parent, fork_child) != 0)
+        am_warn("fork: no handlers: a child of this process must not use its parent's OpenCL objects");
+}
+
+static void list_open(am_session *s) {
+    pthread_once(&fork_once, register_fork_handlers);
+    pthread_mutex_lock(&open_mu);
+    s->next_open = open_sessions;
+    s->prev_open = NULL;
+    if (open_sessions != NULL)
+        open_sessions->prev_open = s;
+    open_sessions = s;
+    s->listed = true;
+    pthread_mutex_unlock(&open_mu);
+}
+
+static void unlist_open(am_session *s) {
+    pthread_mutex_lock(&open_mu);
+    if (s->listed) {
+        if (s->prev_open != NULL)
+            s->prev_open->next_open = s->next_open;
+        else
+            open_sessions = s->next_open;
+        if (s->next_open != NULL)
+            s->next_open->prev_open = s->prev_open;
+        s->listed = false;
+    }
+    pthread_mutex_unlock(&open_mu);
+}
+
+static void *io_main(void *arg);
+
+/* The I/O thread (mu held): at the open, and in a fork's child at its first command. */
+static int start_thread(am_session *s) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* (signals stay the application's) */
+    int started = pthread_create(&s->thread, NULL, io_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (started == 0)
+        s->thread_started = true;
+    return started;
 }
 
 static void drain(int fd) {
@@ -1356,17 +1471,12 @@ am_session *am_session_open(const am_config *cfg, SSL_CTX *tls, const char *devi
         *err = s->frame_error;
         goto fail;
     }
-    /* the I/O thread takes every signal's default away from nothing: they stay the application's */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    int started = pthread_create(&s->thread, NULL, io_main, s);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    int started = start_thread(s);
     if (started != 0) {
         am_error_set(err, "INTERNAL", "cannot start the session's thread: %s", strerror(started));
         goto fail;
     }
-    s->thread_started = true;
+    list_open(s);
     am_info("session %s opened at %s on device %s%s%s", s->sid, s->endpoint, device_id,
             s->placed_by[0] ? ", placed there by " : "", s->placed_by);
     /* registered with the guest agent (if one runs here): it hands the
@@ -1610,8 +1720,38 @@ int am_session_check_answer(am_session *s, const uint8_t *text, size_t len, am_e
     return rc;
 }
 
+/* A fork's child that only lets objects go sends nothing: they are the parent's too. */
+static bool stays_local(const am_session *s, const am_cmd *cmd) {
+    return s->forked && !s->owned_here &&
+           (strcmp(cmd->op, "free") == 0 || strcmp(cmd->op, "free_program") == 0 || strcmp(cmd->op, "release") == 0);
+}
+
 int am_session_submit(am_session *s, am_cmd *cmd, uint64_t *seq, am_error *err) {
     pthread_mutex_lock(&s->mu);
+    if (stays_local(s, cmd)) {
+        pthread_mutex_unlock(&s->mu);
+        if (seq != NULL)
+            *seq = 0;
+        cmd->ok = true;
+        if (cmd->on_reply != NULL)
+            cmd->on_reply(cmd, cmd->hook_ctx);
+        if (cmd->waited)
+            cmd->done = true;
+        else
+            am_cmd_free(cmd);
+        return 0;
+    }
+    if (s->forked && !s->thread_started && s->state == ST_DISCONNECTED && !s->closing) {
+        /* the child's first command: its copy of the session resumes (the pool decides) */
+        s->disconnected_since = am_now();
+        int started = start_thread(s);
+        if (started != 0) {
+            pthread_mutex_unlock(&s->mu);
+            am_error_set(err, "INTERNAL", "cannot start the session's thread: %s", strerror(started));
+            return -1;
+        }
+        am_info("session %s: a fork's copy, used in the child (pid %ld): resuming it", s->sid, (long)getpid());
+    }
     while (s->state != ST_FAILED && s->state != ST_CLOSED && !s->closing &&
            !am_window_has_room(&s->window, cmd->payload_len))
         pthread_cond_wait(&s->cond, &s->mu);
@@ -1690,6 +1830,7 @@ bool am_session_failed(am_session *s, am_error *err) {
 void am_session_close(am_session *s) {
     if (s == NULL)
         return;
+    unlist_open(s);
     /* unregistered first: the agent asks nothing of a session that goes */
     am_registration_stop(s->registration);
     s->registration = NULL;

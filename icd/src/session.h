@@ -26,6 +26,16 @@
  *           or no connection for `timeout` seconds: every command fails.
  *   CLOSED: am_session_close.
  *
+ * fork(): the child holds a copy of each session, as a restored snapshot
+ * of the guest does, without its threads or its connection (the parent's,
+ * left alone: its descriptor closed in the child, never shut down).
+ * Nothing goes to the pool from it while the child only lets objects go
+ * (frees and releases stay in the child: the objects are the parent's
+ * too); its first command resumes the copy, and the pool decides: once
+ * the parent moved on, the copy is refused as diverged (SESSION_DIVERGED:
+ * its commands fail, the parent's go on); a copy that resumes first takes
+ * the session, and the parent is the one refused.
+ *
  * Threads: the application's (submit, wait), and the session's I/O thread,
  * which alone reads and writes the socket after the open (OpenSSL objects
  * are not shared between threads), dispatches replies to the window, runs
@@ -53,12 +63,18 @@
 /* the longest endpoint a pool or an agent may name (wire.dataplane.parse_redirect) */
 #define AM_MAX_ENDPOINT 300
 
+/* fork(): before it (take the hook's locks), after it in the parent, and
+ * in the child (its threads are gone) */
+enum am_fork_phase { AM_FORK_PREPARE, AM_FORK_PARENT, AM_FORK_CHILD };
+
 typedef struct am_session_hooks {
     void *ctx;
     /* every command up to `upto` has completed on the device (I/O thread, no lock held) */
     void (*completed)(void *ctx, uint64_t upto);
     /* the session ended for good (I/O thread or the caller's, no lock held) */
     void (*failed)(void *ctx, const am_error *err);
+    /* a fork(): PREPARE and PARENT/CHILD bracket it (the session's lock is taken after the hook's) */
+    void (*fork)(void *ctx, enum am_fork_phase phase);
 } am_session_hooks;
 
 typedef struct am_session am_session;
