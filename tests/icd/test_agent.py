@@ -188,3 +188,32 @@ def test_a_restarted_agent_gets_the_session_registered_again(icd, pool, pki, gue
         assert solver.ask("step 1").endswith(" 0 0")
         log = solver.finish()
     assert "the guest agent went away; registering again" in log
+
+
+def test_a_refused_rehome_is_said_and_the_same_migration_delivered_again_moves_it(icd, pool, hosts, pki, guest_agent):
+    """A ticket the pool refuses (not this session's) is the rehome's
+    outcome for the session, which stays usable; the same migration
+    delivered again with its own ticket moves it, once."""
+    agent = guest_agent(DOMAIN)
+    with icd_support.Solver(icd, solver_env(icd, pool, pki, agent)) as solver:
+        first_step = solver.ask("step 3")
+        sid = registered(agent, solver)["sid"]
+        assert bind(hosts["hostA"], agent, "hostA", DOMAIN, sid)["bound"] == [sid]
+        token = register_token(hosts["hostA"], DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        tickets = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])["tickets"]
+        identity = {"host_id": "hostB", "pool_endpoint": endpoint(pool, "hostB")}
+        with GuestChannel(agent.port_path) as channel:
+            channel.connect()
+            refused = channel.request("rehome", migration_id=record["migration_id"], identity=identity,
+                                      tickets={sid: tickets[sid][:-4] + "AAAA"})
+            assert not refused["ok"] and refused["sessions"][sid]["error"]["code"] == "TICKET_INVALID", refused
+            moved = channel.request("rehome", migration_id=record["migration_id"], identity=identity,
+                                    tickets=tickets)
+        assert moved["ok"] and moved["attempts"] == 2 and moved["sessions"][sid]["ticket"], moved
+        hosts["hostA"].call("close", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert pool.session(sid)["bound_host"] == "hostB"
+        assert solver.ask("step 3") == "step: 6 0 0" and first_step == "step: 3 0 0"
+        log = solver.finish()
+    assert log.count("resumed at") == 1, log
