@@ -102,12 +102,12 @@ case "$cmd" in
     setup
     if [ "$(id -u)" -ne 0 ]; then
       say "the lab demo needs root (namespaces, libvirt daemons): running the pool demo instead"
-      exec "$VENV/bin/python" -m accelmig.pool.demo "$@"
+      exec "$VENV/bin/python" -m accelmig.lab.pooldemo "$@"
     fi
     exec "$VENV/bin/accelmig" lab demo "$@" ;;
   pool-demo)
     setup
-    exec "$VENV/bin/python" -m accelmig.pool.demo "$@" ;;
+    exec "$VENV/bin/python" -m accelmig.lab.pooldemo "$@" ;;
   test)
     setup
     if [ "${1:-}" = "--fast" ]; then

@@ -7,10 +7,10 @@ import json
 import signal
 import sys
 
+from accelmig.runtime import logs
+from accelmig.runtime.cli import exit_codes_epilog, version
 from accelmig.wire import channel as ch
-from accelmig.wire import logs
 from accelmig.wire.attestation import parse_prove
-from accelmig.wire.cli import exit_codes_epilog, version
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
 
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _install(parser: argparse.ArgumentParser, args) -> int:
     from accelmig.agent import unit
-    from accelmig.wire import units
+    from accelmig.runtime import units
     if not args.systemd:
         parser.error("install: nothing to install: pass --systemd")      # exit 2
     try:

@@ -16,7 +16,7 @@ import os
 import sys
 import zipimport
 
-from accelmig.wire import units
+from accelmig.runtime import units
 from accelmig.wire.errors import BadRequest
 
 UNIT_NAME = "accelmig-agent.service"

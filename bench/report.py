@@ -17,6 +17,7 @@ import os
 import sys
 import time
 
+from accelmig.runtime.files import atomic_write
 from bench import common
 
 #: the order of the report (others, if any, follow by name)
@@ -130,10 +131,7 @@ def write_report(directory: str = common.RESULTS) -> str:
     text = render(load_results(directory))
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "REPORT.md")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
+    atomic_write(path, text, durable=False)      # a report is rebuilt from the results
     return path
 
 

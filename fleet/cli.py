@@ -8,7 +8,7 @@ import threading
 
 import click
 
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError
 
 INVENTORY_HELP = ("The fleet's inventory (TOML): [ssh], [install], [tls], [pool], [tenants.NAME], "

@@ -391,7 +391,9 @@ class NodeDeploy:
         for tenant in self.inventory.tenants:
             token = current.get(tenant.name, {}).get("token") if isinstance(current.get(tenant.name), dict) else None
             if not isinstance(token, str) or len(token) < 8:
-                token = secrets.token_urlsafe(32)
+                # hex: a token is pasted into command lines, and one of
+                # token_urlsafe's may start with "-" (read there as an option)
+                token = secrets.token_hex(32)
                 self.step(f"tenant {tenant.name}", WOULD if self.dry_run else CHANGED,
                           f"new token, in {render.POOL_TOKENS} on {self.node.name}")
             out[tenant.name] = token

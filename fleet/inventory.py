@@ -58,11 +58,12 @@ import dataclasses
 import ipaddress
 import os
 import re
-import tomllib
 from pathlib import Path
 
+from accelmig.runtime.files import load_toml
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
+from accelmig.wire.values import is_a, is_int, is_number
 
 DEFAULT_PREFIX = "/opt/accelmig"
 #: the distribution's interpreter: not whatever 'python3' a login shell's
@@ -162,16 +163,7 @@ class Inventory:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Inventory":
         path = os.path.abspath(os.fspath(path))
-        try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigInvalid(source=path, reason="inventory file not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigInvalid(source=path, reason=f"cannot read it: {exc.strerror or exc}") from None
-        return _Reader(path).inventory(data)
+        return _Reader(path).inventory(load_toml(path, "inventory file"))
 
 
 class _Reader:
@@ -213,13 +205,13 @@ class _Reader:
 
     def number(self, table: dict, key: str, where: str, default: float, low: float, high: float) -> float:
         value = table.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        if not is_number(value, low, high):
             raise self.error(f"{where}.{key}", f"must be a number from {low:g} to {high:g}")
         return float(value)
 
     def port(self, table: dict, key: str, where: str, default: int) -> int:
         value = table.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+        if not is_int(value, 1, 65535):
             raise self.error(f"{where}.{key}", "must be a port number (1-65535)")
         return value
 
@@ -420,11 +412,10 @@ class _Reader:
                 raise self.error(where, "must be a table")
             self.only(spec, where, {"quota", "max_sessions", "quota_by_type"})
             quota = spec.get("quota")
-            if not isinstance(quota, (str, int)) or isinstance(quota, bool):
+            if not is_a(quota, (str, int)):
                 raise self.error(f"{where}.quota", "required: bytes or a size such as \"8GiB\"")
             max_sessions = spec.get("max_sessions")
-            if max_sessions is not None and (not isinstance(max_sessions, int) or isinstance(max_sessions, bool)
-                                             or max_sessions < 1):
+            if max_sessions is not None and not is_int(max_sessions, 1):
                 raise self.error(f"{where}.max_sessions", "a positive integer")
             by_type = spec.get("quota_by_type")
             if by_type is not None and not isinstance(by_type, dict):

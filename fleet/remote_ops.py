@@ -102,6 +102,9 @@ def put(path, mode, owner, group, check):
         return {"path": path, "action": action, "checked": True}
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o755, exist_ok=True)
+    # By hand, not accelmig.runtime.files.atomic_write: this file runs as
+    # source text on a node where accelmig is not installed yet.  It also
+    # sets the owner before any byte is in.
     fd, tmp = tempfile.mkstemp(prefix=".fleet-", dir=directory)
     try:
         # Mode and owner before the data is in: a secret is never readable by others.

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -51,7 +52,8 @@ def demo_command(token: str, steps: int, size: int, report: int, pause: float, *
     # environment says how to reach the pool, from the domain's kernel command
     # line (Lab.guest_tls_word): ACCELMIG_CAFILE, the lab's CA written at boot
     # (TLS), or ACCELMIG_INSECURE=1 for a lab run --insecure.
-    return (f"python3 -m accelmig.agent.demoapp --token {token} --steps {steps} --size {size} "
+    # --token=: a token may start with "-" (one made by token_urlsafe)
+    return (f"python3 -m accelmig.agent.demoapp --token={shlex.quote(token)} --steps {steps} --size {size} "
             f"--report {report} --pause {pause} --wait-endpoint 120 --timeout 120 "
             f"--prefix '{prefix} '" + (f" {extra}" if extra else ""))
 

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import libvirt
 
+from accelmig.runtime.files import atomic_write
+
 from . import machine
 from .netns import exec_argv
 
@@ -399,10 +401,7 @@ class LibvirtNode:
             raise ValueError(f"hook name {name!r}: a plain file name")
         self.hooks_dir.mkdir(parents=True, exist_ok=True)
         path = self.hooks_dir / name
-        tmp = self.hooks_dir / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.chmod(0o755)
-        os.replace(tmp, path)
+        atomic_write(path, text, 0o755, durable=False)     # the lab's: rewritten on every start
         self.reload()
         time.sleep(settle)
         return path

@@ -38,6 +38,7 @@ import libvirt
 
 from accelmig.plugin.domain import AGENT_CHANNEL_NAME
 from accelmig.plugin.domain.render import render
+from accelmig.runtime.files import atomic_write
 
 from . import certs, netns
 from .guest import ResponderChannel, channel_source
@@ -208,9 +209,7 @@ class Lab:
     def _write_state(self):
         """Atomically (write + rename): a crash never leaves half a state file."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_file.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(self.state, indent=1, sort_keys=True))
-        os.replace(tmp, self.state_file)
+        atomic_write(self.state_file, json.dumps(self.state, indent=1, sort_keys=True))
 
     def _load_state(self):
         try:

@@ -13,18 +13,17 @@ released when the domain is undefined on this host.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import ipaddress
 import json
 import logging
 import os
-import tempfile
 import uuid as uuid_module
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.errors import BadRequest, ConfigInvalid, Unavailable
 from accelmig.wire.identity import GuestNic
 
@@ -211,24 +210,4 @@ class GuestAddressAllocator:
     def _write(self, leases: dict[str, str]) -> None:
         data = {"version": _LEASES_VERSION, "subnet": str(self.subnet), "gateway": str(self.gateway),
                 "leases": dict(sorted(leases.items()))}
-        payload = (json.dumps(data, indent=2) + "\n").encode()
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(payload)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        except OSError as exc:  # pragma: no cover - some filesystems refuse
-            if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
-                raise
-        finally:
-            os.close(dir_fd)
+        atomic_write(self.path, json.dumps(data, indent=2) + "\n", 0o644)

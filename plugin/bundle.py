@@ -1,7 +1,8 @@
-"""The guest bundle: ``accelmig.agent`` and ``accelmig.wire`` as one
-standard-library-only zipapp, for guest images whose Python (3.9 or later)
-cannot ``pip install accelmig`` (the distribution needs 3.11: its pool and
-host sides read TOML with ``tomllib``) or that should not carry pip at all.
+"""The guest bundle: ``accelmig.agent``, ``accelmig.wire`` and
+``accelmig.runtime`` as one standard-library-only zipapp, for guest images
+whose Python (3.9 or later) cannot ``pip install accelmig`` (the
+distribution needs 3.11: its pool and host sides read TOML with
+``tomllib``) or that should not carry pip at all.
 
 One file does both guest jobs:
 
@@ -12,11 +13,11 @@ One file does both guest jobs:
 The archive is built with ``zipfile`` and finished with ``zipapp`` (its
 shebang), with fixed timestamps, modes and order, so that the same sources
 give the same bytes: a bundle can be checked by its hash.  It holds nothing
-but the two guest packages, their declared package data, a ``__main__`` and
+but the three guest packages, their declared package data, a ``__main__`` and
 a ``.dist-info`` naming the version (``importlib.metadata`` finds it in a
 zip, so ``accelmig-agent --version`` answers inside a guest too).  Before
 writing, every ``import`` of every module is checked: the standard library,
-the two guest packages, or an optional library the code looks for first;
+the three guest packages, or an optional library the code looks for first;
 anything else refuses the bundle.
 """
 
@@ -37,10 +38,11 @@ from importlib import metadata
 from importlib.resources.abc import Traversable
 from typing import Iterator, Mapping, Union
 
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.errors import BadRequest
 
 #: the packages a guest needs, nothing else
-PACKAGES = ("accelmig.agent", "accelmig.wire")
+PACKAGES = ("accelmig.agent", "accelmig.wire", "accelmig.runtime")
 
 #: package data shipped beside the code (setup.cfg's [options.package_data];
 #: the systemd unit and init script the agent installs)
@@ -180,7 +182,7 @@ def check_imports(files: Mapping[str, bytes]) -> list[str]:
 
 def _metadata(version: str) -> bytes:
     return (f"Metadata-Version: 2.1\nName: accelmig\nVersion: {version}\n"
-            f"Summary: the guest side of accelmig (accelmig.agent, accelmig.wire), "
+            f"Summary: the guest side of accelmig (accelmig.agent, accelmig.wire, accelmig.runtime), "
             f"bundled by 'accelmig guest-bundle'\n"
             f"Requires-Python: >={MIN_PYTHON[0]}.{MIN_PYTHON[1]}\n").encode()
 
@@ -232,15 +234,10 @@ def build(output: str, sources: Mapping[str, Source] | None = None, version: str
     output = os.path.abspath(output)
     if not os.path.isdir(os.path.dirname(output)):
         raise FileNotFoundError(errno.ENOENT, "no such directory", os.path.dirname(output))
-    partial = f"{output}.partial"
-    try:
-        zipapp.create_archive(archive, partial, interpreter=INTERPRETER)   # shebang, +x
-        os.replace(partial, output)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    with open(output, "rb") as handle:
-        digest = hashlib.sha256(handle.read()).hexdigest()
+    pyz = io.BytesIO()
+    zipapp.create_archive(archive, pyz, interpreter=INTERPRETER)       # the shebang
+    atomic_write(output, pyz.getvalue(), 0o755)
+    digest = hashlib.sha256(pyz.getvalue()).hexdigest()
     modules = tuple(sorted(module_name(n) for n in files if n.endswith(".py") and n != "__main__.py"))
     data = tuple(sorted(n for n in files if not n.endswith(".py") and ".dist-info/" not in n))
     return Bundle(path=output, size=os.path.getsize(output), sha256=digest, version=version,

@@ -14,7 +14,7 @@ import importlib.metadata
 
 import click
 
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime.cli import exit_codes_epilog
 
 COMMANDS_GROUP = "accelmig.commands"
 

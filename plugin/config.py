@@ -45,16 +45,16 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import math
 import os
 import re
 import socket
 import stat
-import tomllib
 
+from accelmig.runtime.files import load_toml, parse_toml
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, ConfigInvalid
 from accelmig.wire.localapi import DEFAULT_HOSTD_SOCKET
+from accelmig.wire.values import is_number
 
 __all__ = [
     "DEFAULT_PATH", "FABRIC_MODES", "FabricConfig", "HostConfig", "HostdConfig",
@@ -237,24 +237,11 @@ class HostConfig:
     @classmethod
     def load(cls, path: str | os.PathLike | None = None) -> "HostConfig":
         path = os.fspath(path) if path is not None else DEFAULT_PATH
-        try:
-            with open(path, "rb") as handle:
-                data = tomllib.load(handle)
-        except FileNotFoundError:
-            raise ConfigInvalid(source=path, reason="file not found") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigInvalid(source=path, reason=f"cannot read it: {exc.strerror or exc}") from None
-        return cls.from_dict(data, source=path)
+        return cls.from_dict(load_toml(path), source=path)
 
     @classmethod
     def from_toml(cls, text: str, source: str = "<string>") -> "HostConfig":
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigInvalid(source=source, reason=f"not valid TOML: {exc}") from None
-        return cls.from_dict(data, source=source)
+        return cls.from_dict(parse_toml(text, source), source=source)
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "<dict>") -> "HostConfig":
@@ -362,7 +349,7 @@ class _Table:
         value = self._get(key, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_number(value):
             raise self.error(key, f"must be a number, not {_kind(value)}")
         return value
 

@@ -63,6 +63,7 @@ import libvirt_qemu
 from accelmig.plugin.domain.model import DomainXML
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import AccelmigError, ErrorCode
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.plugin.qga")
 
@@ -222,7 +223,7 @@ def parse_reply(text: str, *, domain: str, command: str):
 def parse_exec_reply(value, *, domain: str) -> int:
     """The pid ``guest-exec`` returned."""
     pid = value.get("pid") if isinstance(value, dict) else None
-    if not isinstance(pid, int) or isinstance(pid, bool):
+    if not is_int(pid):
         raise QgaError(domain=domain, command="guest-exec", reason=f"no pid in its answer {value!r}")
     return pid
 

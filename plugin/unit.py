@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from accelmig.plugin.config import HostdConfig
-from accelmig.wire import units
+from accelmig.runtime import units
 
 UNIT_NAME = "accelmig-hostd.service"
 

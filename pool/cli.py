@@ -10,8 +10,8 @@ import sys
 
 import click
 
-from accelmig.wire import logs
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime import logs
+from accelmig.runtime.cli import exit_codes_epilog
 from accelmig.wire.dataplane import parse_endpoint, parse_listen_list
 from accelmig.wire.errors import AccelmigError, AlreadyRunning, BadRequest
 
@@ -352,7 +352,7 @@ def install(systemd, config_path, root, unit_dir, print_only, as_json):
     import os
 
     from accelmig.pool import unit
-    from accelmig.wire import units
+    from accelmig.runtime import units
     if not systemd:
         raise click.UsageError("nothing to install: pass --systemd")
     config_path = os.path.abspath(config_path)

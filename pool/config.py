@@ -59,11 +59,12 @@ import os
 import re
 import shlex
 import stat
-import tomllib
 
+from accelmig.runtime.files import load_toml
+from accelmig.runtime.logs import level_number
 from accelmig.wire.dataplane import MIN_PAYLOAD_LIMIT, parse_endpoint, parse_listen_list
 from accelmig.wire.errors import BadRequest, ConfigInvalid
-from accelmig.wire.logs import level_number
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.pool")
 
@@ -75,7 +76,7 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(value, source: str = "config") -> int:
     """``1048576``, ``"64MiB"``, ``"2G"`` -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+    if is_int(value, 0):
         return value
     match = _SIZE.match(str(value))
     if not match:
@@ -323,7 +324,7 @@ class PoolConfig:
     def load(cls, path: str | None, overrides: dict | None = None) -> "PoolConfig":
         values: dict = {}
         if path:
-            data = _read_toml(path)
+            data = load_toml(path)
             section = data.get("pool", {})
             if not isinstance(section, dict):
                 raise ConfigInvalid(source=path, reason="[pool] must be a table")
@@ -349,7 +350,7 @@ class PoolConfig:
                     raise ConfigInvalid(source=path or "flags", reason=f"{key} must be true or false")
             elif key in cls._COUNTS or key in cls._COUNTS_OR_AUTO:
                 least = 0 if key in cls._COUNTS_OR_AUTO else 1
-                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                if not is_int(value, least):
                     raise ConfigInvalid(source=path or "flags", reason=(
                         f"{key} must be a positive integer" + (" (or 0: automatic)" if least == 0 else "")))
             elif not isinstance(value, str):
@@ -487,20 +488,8 @@ class PoolConfig:
             self.cluster_password()
 
 
-def _read_toml(path: str) -> dict:
-    try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigInvalid(source=path, reason="file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigInvalid(source=path, reason=f"not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigInvalid(source=path, reason=str(exc)) from None
-
-
 def load_tenants(path: str) -> dict[str, TenantSpec]:
-    data = _read_toml(path)
+    data = load_toml(path)
     tenants = data.get("tenants")
     if not isinstance(tenants, dict) or not tenants:
         raise ConfigInvalid(source=path, reason="no [tenants.NAME] table")
@@ -518,8 +507,7 @@ def load_tenants(path: str) -> dict[str, TenantSpec]:
         if "quota" not in table:
             raise ConfigInvalid(source=path, reason=f"tenants.{name}.quota is missing")
         max_sessions = table.get("max_sessions")
-        if max_sessions is not None and (not isinstance(max_sessions, int)
-                                         or isinstance(max_sessions, bool) or max_sessions < 1):
+        if max_sessions is not None and not is_int(max_sessions, 1):
             raise ConfigInvalid(source=path, reason=f"tenants.{name}.max_sessions must be a "
                                                     f"positive integer")
         out[name] = TenantSpec(name, token, parse_size(table["quota"], f"{path}: tenants.{name}.quota"),
@@ -577,7 +565,7 @@ def parse_networks(values, source: str) -> list:
 def load_hosts(path: str) -> dict[str, HostSpec]:
     if not path:
         return {}
-    data = _read_toml(path)
+    data = load_toml(path)
     hosts = data.get("hosts", {})
     if not isinstance(hosts, dict):
         raise ConfigInvalid(source=path, reason="[hosts.NAME] tables expected")

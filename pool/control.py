@@ -16,8 +16,6 @@ import time
 
 from accelmig.pool.config import parse_networks
 from accelmig.pool.paging import page_limit, take
-from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, STEP_NAMES, PausePolicy,
-                                   RecordStateName, Side, Timeline)
 from accelmig.wire import attestation as att
 from accelmig.wire import control as wc
 from accelmig.wire import tls
@@ -25,6 +23,9 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflic
                                   Forbidden, InternalError, NoSuchHost, NoSuchRecord, ProtocolError, RecordState,
                                   UnknownOp, VersionUnsupported)
 from accelmig.wire.frames import encode_frame
+from accelmig.wire.records import (ABORTABLE, IN_FLIGHT, RECORD_INLINE_SESSIONS, STEP_NAMES, PausePolicy,
+                                   RecordStateName, Side, Timeline)
+from accelmig.wire.values import describe, is_int, is_number, shown
 
 LOG = logging.getLogger(__name__)
 
@@ -111,8 +112,7 @@ class ControlServer:
             if header.get("op") != "hello":
                 raise ProtocolError(reason="expected hello")
             offered = header.get("versions") or []
-            if not isinstance(offered, list) or not all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in offered):
+            if not isinstance(offered, list) or not all(is_int(v) for v in offered):
                 raise BadRequest(reason="hello: versions must be a list of integers")
             if not set(offered) & set(wc.CONTROL_VERSIONS):
                 raise VersionUnsupported(offered=offered, supported=list(wc.CONTROL_VERSIONS))
@@ -430,9 +430,9 @@ class ControlServer:
         host = self.pool.hosts[caller]
         if not isinstance(addresses, (list, tuple)) or len(addresses) > MAX_ADDRESSES:
             raise BadRequest(reason=f"register_host: addresses must be a list of at most "
-                                    f"{MAX_ADDRESSES} networks, not {_short(addresses)}")
+                                    f"{MAX_ADDRESSES} networks, not {describe(addresses)}")
         if identity is not None and not isinstance(identity, dict):
-            raise BadRequest(reason=f"register_host: identity must be an object, not {_short(identity)}")
+            raise BadRequest(reason=f"register_host: identity must be an object, not {describe(identity)}")
         wanted = parse_networks(addresses, f"register_host({caller})")
         # The longest prefix attributes a guest's connection to a host: a
         # host registering a network inside another's would take its guests.
@@ -641,16 +641,16 @@ class ControlServer:
         ``refused``: the others, each with its error."""
         if not isinstance(sessions, dict) or not 0 < len(sessions) <= att.MAX_BIND:
             raise BadRequest(reason=f"bind_sessions: sessions must be an object of 1 to {att.MAX_BIND} "
-                                    f"{{sid: proof or null}}, not {_short(sessions)}")
+                                    f"{{sid: proof or null}}, not {describe(sessions)}")
         for sid, proof in sessions.items():
             if not 0 < len(sid) <= MAX_NAME or not (proof is None or isinstance(proof, str) and
                                                     len(proof) <= att.MAX_TOKEN):
-                raise BadRequest(reason=f"bind_sessions: {_short(sid)}: a session id of 1 to {MAX_NAME} "
+                raise BadRequest(reason=f"bind_sessions: {shown(sid)}: a session id of 1 to {MAX_NAME} "
                                         f"characters and a proof (a hex string) or null")
         now = time.time()
         challenges = self.pool.bind_challenges
         if any(proof is not None for proof in sessions.values()) and not challenges.valid(caller, challenge, now):
-            raise Forbidden(who=f"host {caller}", what=f"bind sessions under challenge {_short(challenge)}: the "
+            raise Forbidden(who=f"host {caller}", what=f"bind sessions under challenge {shown(challenge)}: the "
                                                        f"pool did not issue it to this host, or it expired "
                                                        f"(ask bind_challenge again)")
         bound, prove, refused = [], [], {}
@@ -861,7 +861,7 @@ class ControlServer:
                                                        "it takes no part in it")
         if not isinstance(steps, dict) or len(steps) > len(STEP_NAMES):
             raise BadRequest(reason=f"note_timeline: steps must be an object of at most "
-                                    f"{len(STEP_NAMES)} steps, not {_short(steps)}")
+                                    f"{len(STEP_NAMES)} steps, not {describe(steps)}")
         try:
             timeline = Timeline.from_wire(steps)
         except ProtocolError as exc:
@@ -930,8 +930,7 @@ class ControlServer:
         pool's own default if none is given)."""
         if value is None:
             return float(self.pool.config.park_retention)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not MIN_RETENTION <= value <= MAX_RETENTION:
+        if not is_number(value, MIN_RETENTION, MAX_RETENTION):
             raise BadRequest(reason=f"retention must be seconds from {MIN_RETENTION:g} to "
                                     f"{MAX_RETENTION:g}, not {value!r}")
         return float(value)
@@ -1029,7 +1028,7 @@ class ControlServer:
         the admin socket) only."""
         if until not in ("rehomed", "timeline", "final"):
             raise BadRequest(reason=f"wait_record: until {until!r} (rehomed, timeline or final)")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 <= timeout <= 600:
+        if not is_number(timeout, 0, 600):
             raise BadRequest(reason="wait_record: timeout must be 0 to 600 seconds")
 
         def reached(record) -> bool:
@@ -1111,12 +1110,12 @@ def check_args(method: str, handler, args: dict) -> None:
                 continue
             if not isinstance(value, str) or not 0 < len(value) <= MAX_NAME:
                 raise BadRequest(reason=f"{method}: {key} must be a string of 1 to {MAX_NAME} "
-                                        f"characters, not {_short(value)}")
+                                        f"characters, not {describe(value)}")
         elif key in _FLAG_ARGS and not isinstance(value, bool):
-            raise BadRequest(reason=f"{method}: {key} must be true or false, not {_short(value)}")
+            raise BadRequest(reason=f"{method}: {key} must be true or false, not {describe(value)}")
         elif key == "reason" and (not isinstance(value, str) or len(value) > MAX_REASON):
             raise BadRequest(reason=f"{method}: reason must be a string of at most {MAX_REASON} "
-                                    f"characters, not {_short(value)}")
+                                    f"characters, not {describe(value)}")
 
 
 def _listed(key: str, sids: list[str]) -> dict:
@@ -1133,8 +1132,3 @@ def _brief(exc: AccelmigError) -> dict:
     refusals): its code and the start of its message; the answer stays
     within a page's bound however many sessions its call named."""
     return {"code": exc.code.value, "message": exc.message[:240]}
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -20,6 +20,10 @@ import asyncio
 
 import xxhash
 
+from accelmig.pool import clcommands, streaming
+from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
+                                      command_cost)
+from accelmig.pool.session import Command, LaunchRun
 from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire import opencl as wire_opencl
@@ -29,10 +33,7 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, FrameEr
                                   SessionDiverged, StaleEpoch, Timeout)
 from accelmig.wire.frames import (FRAME_VERSION, MAGIC, PREFIX, FrameReader, Limits,
                                   encode_prefix_and_header)
-from accelmig.pool.sequencing import (COMMAND_BYTES, HEADER_FACTOR, RUN_REPLY_BYTES, StoredReply, Verdict,
-                                      command_cost)
-from accelmig.pool import clcommands, streaming
-from accelmig.pool.session import Command, LaunchRun
+from accelmig.wire.values import is_int
 
 #: What a command's payload is digested with, for divergence checks
 #: (``dp.CommandIdentity``).  Every byte of every upload passes through it,
@@ -591,7 +592,7 @@ class DataConnection(asyncio.BufferedProtocol):
             self.fail(ProtocolError(reason=f"internal error: {type(exc).__name__}"))
 
     def _acknowledge(self, session, ack) -> None:
-        if not isinstance(ack, int) or isinstance(ack, bool) or ack < 0:
+        if not is_int(ack, 0):
             raise BadRequest(reason="ack must be a non-negative integer")
         session.acknowledge(ack)
 

@@ -13,10 +13,10 @@ from accelmig.pool.admission import AcceptedConnection, Admission, ConnectionLim
 from accelmig.pool.control import ControlServer
 from accelmig.pool.dataplane import DataConnection
 from accelmig.pool.state import Pool
+from accelmig.runtime.sockets import OwnedUnixSocket
 from accelmig.wire import dataplane as dp
 from accelmig.wire import tls
 from accelmig.wire.errors import ConfigInvalid
-from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger("accelmig.pool")
 

@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 from accelmig.wire import control as wc
 from accelmig.wire.errors import BadRequest
+from accelmig.wire.values import describe, is_int, shown
 
 #: hex digits of the cursor's MAC (128 bits)
 MAC_CHARS = 32
@@ -48,7 +49,7 @@ class Pager:
         text = cursor if isinstance(cursor, str) else ""
         head, dot, mac = text.partition(".")
         if not (dot and head.isdigit() and len(head) <= 12 and len(mac) == MAC_CHARS):
-            raise BadRequest(reason=f"{method}: cursor {_short(cursor)} is not a cursor this pool "
+            raise BadRequest(reason=f"{method}: cursor {shown(cursor)} is not a cursor this pool "
                                     f"handed out")
         position = int(head)
         if not hmac.compare_digest(self._mac(method, scope, caller, position), mac):
@@ -61,9 +62,9 @@ def page_limit(method: str, limit) -> int:
     """The most items the caller wants in a page (``limit``), checked."""
     if limit is None:
         return wc.MAX_PAGE_ITEMS
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= wc.MAX_PAGE_ITEMS:
+    if not is_int(limit, 1, wc.MAX_PAGE_ITEMS):
         raise BadRequest(reason=f"{method}: limit must be an integer from 1 to {wc.MAX_PAGE_ITEMS}, "
-                                f"not {_short(limit)}")
+                                f"not {describe(limit)}")
     return limit
 
 
@@ -87,8 +88,3 @@ def take(items: Iterable[tuple[int, object]], limit: int, size: Callable[[object
 
 def _json_size(item) -> int:
     return len(json.dumps(item, separators=(",", ":"))) + 1
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

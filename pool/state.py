@@ -34,6 +34,7 @@ from accelmig.wire.errors import (AccelmigError, AuthFailed, BadRequest, Conflic
                                   SessionDiverged,
                                   SessionExpired, SessionLost, TicketRequired, WrongHost, from_wire)
 from accelmig.wire.records import FINAL, PausePolicy, RecordStateName, pauses
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.pool")
 
@@ -281,7 +282,7 @@ class Pool:
             session = self._lookup(sid)
             epoch = header.get("epoch")
             last_seen = header.get("last_seen")
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, last_seen)):
+            if not (is_int(epoch) and is_int(last_seen)):
                 raise BadRequest(reason="resume: epoch and last_seen must be integers")
             if not dp.check_ownership_proof(session.secret, conn.challenge, sid, epoch,
                                             header.get("proof"), getattr(conn, "binding", b"")):
@@ -305,7 +306,7 @@ class Pool:
                     (session.by_address or conn.peer_host is not None):
                 raise WrongHost(sid=sid, bound=session.bound_host, peer=conn.peer[0], host=conn.peer_host)
             next_seq = header.get("next_seq")
-            if next_seq is not None and (not isinstance(next_seq, int) or isinstance(next_seq, bool)):
+            if next_seq is not None and not is_int(next_seq):
                 raise BadRequest(reason="resume: next_seq must be an integer")
             replay = session.log.check_resume(last_seen, next_seq)
         except Exception as exc:

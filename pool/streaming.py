@@ -35,6 +35,7 @@ import xxhash
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import AccelmigError, NoSuchObject, SessionDiverged
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def may_stream(conn, header: dict, size: int) -> bool:
     log = session.log
     if header["epoch"] != session.epoch or conn.epoch != session.epoch or seq != log.next_seq:
         return False
-    if not isinstance(ack, int) or isinstance(ack, bool) or ack < 0 or ack > log.highest_reply:
+    if not is_int(ack, 0, log.highest_reply):
         return False
     if session.in_worker or session.held or session.paused or session.released_reason is not None:
         return False

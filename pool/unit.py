@@ -9,7 +9,7 @@ with no capabilities at all.
 
 from __future__ import annotations
 
-from accelmig.wire import units
+from accelmig.runtime import units
 
 UNIT_NAME = "accelmig-pool.service"
 SYSUSERS_NAME = "accelmig-pool.conf"

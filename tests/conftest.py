@@ -12,7 +12,7 @@ import tempfile
 import hypothesis  # noqa: F401  (imported first: see below)
 import pytest
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from tests.support import system_state
 from tests.support.tenants import ALICE, BOB, TENANTS, run_cli  # noqa: F401  (re-exported)
 

@@ -12,7 +12,12 @@
 - ``accelmig.wire.identity``: what a host tells its guests about itself;
 - ``accelmig.wire.channel``: host <-> guest agent messages (virtio-serial)
   and agent <-> driver messages inside the guest;
+- ``accelmig.wire.values``: what counts as an integer, a number or a field
+  of a type in anything a peer sends;
 - ``accelmig.wire.errors``: the error codes and the exception family.
 
+Contracts between sides only: what every side's process runs on (command
+lines, logs, units, sockets, retries, files, state machines) is
+``accelmig.runtime``, which imports this package, never the reverse.
 Standard library only: this package ships inside guest images.
 """

@@ -58,6 +58,7 @@ import struct
 
 from accelmig.wire import dataplane as dp
 from accelmig.wire.errors import BadRequest, FrameTooLarge
+from accelmig.wire.values import is_int
 
 #: the data-plane protocol version that brought launch batches
 BATCH_VERSION = 2
@@ -141,7 +142,7 @@ def batch_header(epoch: int, ack: int, first: int, last: int) -> dict:
 # -- the pool's side -----------------------------------------------------------------
 def _nonneg(header: dict, key: str) -> int:
     value = header.get(key)
-    if not dp._is_int(value) or value < 0:
+    if not is_int(value, 0, dp.MAX_INT):
         raise BadRequest(reason=f"launches: {key!r} must be a non-negative integer")
     return value
 

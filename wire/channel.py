@@ -61,6 +61,7 @@ import time
 
 from accelmig.wire.errors import BadRequest, ProtocolError, Timeout, Unavailable, from_wire
 from accelmig.wire.identity import HostIdentity
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def parse_rehome_count(message: dict) -> int | None:
     count = message.get("ticket_count")
     if count is None:
         return None
-    if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_REHOME_TICKETS:
+    if not is_int(count, 0, MAX_REHOME_TICKETS):
         raise BadRequest(reason=f"rehome: ticket_count must be an integer from 0 to {MAX_REHOME_TICKETS}")
     return count
 

@@ -53,6 +53,7 @@ import zlib
 
 from accelmig.wire import opencl
 from accelmig.wire.errors import BadRequest, ProtocolError, UnknownOp, VersionUnsupported
+from accelmig.wire.values import is_a, is_int, is_number
 
 #: data-plane protocol versions this code speaks, oldest first: 2 adds
 #: ``launches``, pipelined launches in one frame (``wire.batch``); 3 what
@@ -189,7 +190,7 @@ def announced_payload_limit(welcome: dict, own_limit: int) -> int:
     value = welcome.get("max_payload")
     if value is None:
         return own_limit
-    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_PAYLOAD_LIMIT:
+    if not is_int(value, MIN_PAYLOAD_LIMIT):
         raise BadRequest(reason=f"the pool announced max_payload {str(value)[:40]!r}: it must be an "
                                 f"integer of at least {MIN_PAYLOAD_LIMIT}")
     return min(value, own_limit)
@@ -204,13 +205,9 @@ def keepalive_interval(welcome: dict) -> float | None:
     third of the ``idle_timeout`` a pool's ``welcome`` announces; None when
     it announces none (an older pool: it cuts no idle connection)."""
     value = welcome.get("idle_timeout")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+    if not is_number(value) or value <= 0:
         return None
     return max(MIN_KEEPALIVE, value / 3)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT
 
 
 def validate_command(header: dict, payload_len: int, version: int = PROTOCOL_VERSIONS[-1]) -> Op:
@@ -224,12 +221,11 @@ def validate_command(header: dict, payload_len: int, version: int = PROTOCOL_VER
         raise ProtocolError(reason=f"{op.value}{' with prof' if op not in OPENCL_OPS else ''} on a connection "
                                    f"that agreed to protocol {version} (it needs {opencl.OPENCL_VERSION})")
     for key in ("seq", "epoch"):
-        if not _is_int(header.get(key)) or header[key] < 0:
+        if not is_int(header.get(key), 0, MAX_INT):
             raise BadRequest(reason=f"{op.value}: {key!r} must be a non-negative integer")
     for name, types in _REQUIRED[op].items():
         value = header.get(name)
-        ok = isinstance(value, types) and not isinstance(value, bool)
-        if not ok:
+        if not is_a(value, types):
             raise BadRequest(reason=f"{op.value}: field {name!r} must be {types[0].__name__}")
         if types == (int,) and value < 0:
             raise BadRequest(reason=f"{op.value}: field {name!r} must not be negative")
@@ -247,7 +243,7 @@ def validate_command(header: dict, payload_len: int, version: int = PROTOCOL_VER
 def _validate_range(name: str, value) -> list[int]:
     if not isinstance(value, list) or not 1 <= len(value) <= 3:
         raise BadRequest(reason=f"launch: {name} must list 1 to 3 dimensions")
-    if not all(_is_int(v) and v > 0 for v in value):
+    if not all(is_int(v, 1, MAX_INT) for v in value):
         raise BadRequest(reason=f"launch: {name} entries must be positive integers")
     return value
 
@@ -270,10 +266,10 @@ def _validate_launch(header: dict, version: int = PROTOCOL_VERSIONS[-1]) -> None
         if "buf" in arg:
             if arg["buf"] is None and version >= opencl.OPENCL_VERSION:
                 continue                    # a NULL buffer (protocol 3)
-            if not _is_int(arg["buf"]):
+            if not is_int(arg["buf"], -MAX_INT, MAX_INT):
                 raise BadRequest(reason=f"launch: argument {index}: buf must be an integer")
         elif "local" in arg:
-            if not _is_int(arg["local"]) or arg["local"] <= 0:
+            if not is_int(arg["local"], 1, MAX_INT):
                 raise BadRequest(reason=f"launch: argument {index}: local must be a positive size")
         elif "t" in arg:
             decode_scalar(arg, index)

@@ -69,6 +69,7 @@ Standard library only (the guest side imports it; Python 3.9+).
 from __future__ import annotations
 
 from accelmig.wire.errors import BadRequest
+from accelmig.wire.values import is_int
 
 #: the data-plane protocol version that brought what this module describes
 OPENCL_VERSION = 3
@@ -251,25 +252,24 @@ def check_param(name: str, value) -> None:
 
 
 def _uint(value, limit: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= limit
+    return is_int(value, 0, limit)
 
 
 def _int64(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
+    return is_int(value, -(1 << 63), (1 << 63) - 1)
 
 
 # -- the new commands' fields -----------------------------------------------------------
 def _int_field(header: dict, op: str, name: str, low: int = 0) -> int:
     value = header.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_INT:
+    if not is_int(value, low, MAX_INT):
         raise BadRequest(reason=f"{op}: field {name!r} must be an integer from {low} to 2**63-1")
     return value
 
 
 def _triple(header: dict, op: str, name: str, low: int) -> list:
     value = header.get(name)
-    if not isinstance(value, list) or len(value) != 3 or not all(
-            isinstance(v, int) and not isinstance(v, bool) and low <= v <= MAX_INT for v in value):
+    if not isinstance(value, list) or len(value) != 3 or not all(is_int(v, low, MAX_INT) for v in value):
         raise BadRequest(reason=f"{op}: {name} must be three integers from {low} to 2**63-1")
     return value
 

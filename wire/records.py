@@ -23,6 +23,7 @@ import enum
 import math
 
 from accelmig.wire.errors import BadRequest, ProtocolError
+from accelmig.wire.values import REQUIRED, field, is_number
 
 
 class RecordStateName(str, enum.Enum):
@@ -78,15 +79,9 @@ def pauses(policy: PausePolicy, state: RecordStateName) -> bool:
 RECORD_INLINE_SESSIONS = 64
 
 
-def _field(data: dict, key: str, types, what: str, default=dataclasses.MISSING):
-    if key not in data:
-        if default is dataclasses.MISSING:
-            raise ProtocolError(reason=f"{what} without {key!r}")
-        return default
-    value = data[key]
-    if not isinstance(value, types):
-        raise ProtocolError(reason=f"{what}: {key!r} is a {type(value).__name__}")
-    return value
+def _field(data: dict, key: str, types, what: str, default=REQUIRED):
+    """A field of a pool's answer: a wrong one is the pool's protocol error."""
+    return field(data, key, types, what, default, error=ProtocolError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +265,7 @@ STAMP_SLACK = 3600.0
 
 
 def _finite(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value):
         raise ProtocolError(reason=f"{what} is not a finite number: {str(value)[:40]!r}")
     return float(value)
 

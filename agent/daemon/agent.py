@@ -38,12 +38,12 @@ from accelmig.agent import dmi
 from accelmig.agent.daemon.channel import ChannelState, ChannelStateMachine
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.daemon.ports import PortClosed, open_port
+from accelmig.runtime.sockets import OwnedUnixSocket
 from accelmig.wire import attestation as att
 from accelmig.wire import channel as ch
 from accelmig.wire.errors import (AccelmigError, BadRequest, Forbidden, InternalError, LimitExceeded, Timeout,
                                   UnknownOp)
 from accelmig.wire.identity import HostIdentity
-from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-from accelmig.agent.statemachine import StateMachine
+from accelmig.runtime.statemachine import StateMachine
 
 
 class ChannelState(enum.Enum):
@@ -25,24 +25,33 @@ class ChannelState(enum.Enum):
     SYNCED = "synced"
 
 
-class ChannelStateMachine(StateMachine):
-    TRANSITIONS = {
-        ChannelState.NO_HOST: frozenset({ChannelState.CONNECTED}),
-        ChannelState.CONNECTED: frozenset({ChannelState.SYNCED, ChannelState.NO_HOST}),
-        ChannelState.SYNCED: frozenset({ChannelState.SYNCED, ChannelState.NO_HOST}),
-    }
+class ChannelEvent(enum.Enum):
+    HOST_WROTE = "host_wrote"      # bytes came from the host
+    HOST_SYNCED = "host_synced"    # the host synchronised (guest-sync-delimited)
+    HOST_GONE = "host_gone"        # the host end hung up
 
-    def __init__(self) -> None:
-        super().__init__(ChannelState.NO_HOST)
+
+class ChannelStateMachine(StateMachine):
+    INITIAL = ChannelState.NO_HOST
+    TABLE = {
+        ChannelEvent.HOST_WROTE: {ChannelState.NO_HOST: ChannelState.CONNECTED},
+        # a sync arrives in bytes, which say a host is there: never from NO_HOST
+        ChannelEvent.HOST_SYNCED: {ChannelState.CONNECTED: ChannelState.SYNCED,
+                                   ChannelState.SYNCED: ChannelState.SYNCED},
+        ChannelEvent.HOST_GONE: {ChannelState.CONNECTED: ChannelState.NO_HOST,
+                                 ChannelState.SYNCED: ChannelState.NO_HOST},
+    }
+    REPEATS = {
+        ChannelEvent.HOST_WROTE: frozenset({ChannelState.CONNECTED, ChannelState.SYNCED}),
+        ChannelEvent.HOST_GONE: frozenset({ChannelState.NO_HOST}),
+    }
 
     def host_wrote(self) -> None:
         """Bytes came from the host: a host is there (if none was)."""
-        if self._state is ChannelState.NO_HOST:
-            self.to(ChannelState.CONNECTED)
+        self.fire(ChannelEvent.HOST_WROTE)
 
     def host_synced(self) -> None:
-        self.to(ChannelState.SYNCED)
+        self.fire(ChannelEvent.HOST_SYNCED)
 
     def host_gone(self) -> None:
-        if self._state is not ChannelState.NO_HOST:
-            self.to(ChannelState.NO_HOST)
+        self.fire(ChannelEvent.HOST_GONE)

@@ -29,7 +29,7 @@ import termios
 import time
 import tty
 
-from accelmig.wire.sockets import OwnedUnixSocket
+from accelmig.runtime.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ secret (which never leaves the guest), its epoch, the command window.  After
 a live migration ``resume()`` continues it on a new connection — from a new
 host — without losing or repeating any command.
 
-Connection states (``LinkStateMachine``; every change goes through it)::
+Connection states (``LinkStateMachine``: every change is one of its ``LinkEvent``s)::
 
     CONNECTING --opened--> CONNECTED --link lost--> DISCONNECTED
                              |    ^                   |    ^
@@ -38,7 +38,7 @@ import time
 
 from accelmig.agent.driver.link import Link, handshake_send, read_answer, send_all
 from accelmig.agent.driver.window import CommandWindow, PendingCommand
-from accelmig.agent.statemachine import StateMachine
+from accelmig.runtime.statemachine import StateMachine
 from accelmig.wire import batch
 from accelmig.wire import dataplane as dp
 from accelmig.wire.dataplane import Op
@@ -63,40 +63,54 @@ class LinkState(enum.Enum):
     CLOSED = "closed"
 
 
+class LinkEvent(enum.Enum):
+    OPENED = "opened"          # the pool opened the session
+    LOST = "lost"              # the link died (the first one before the open finished, too)
+    RESUME = "resume"          # a resume starts (explicit, or the housekeeper's reconnect)
+    ACCEPTED = "accepted"      # the pool accepted the resume
+    FAIL = "fail"              # the pool ended the session for good (a terminal error)
+    CLOSE = "close"            # close()
+
+
+_OPEN = (LinkState.CONNECTING, LinkState.CONNECTED, LinkState.DISCONNECTED, LinkState.RESUMING)
+
+
 class LinkStateMachine(StateMachine):
     """The state of a session's connection (the session's cond serialises
     its changes)."""
 
-    TRANSITIONS = {
-        # the session opened; or its first link died at once; or the pool ended it
-        LinkState.CONNECTING: frozenset({LinkState.CONNECTED, LinkState.DISCONNECTED, LinkState.FAILED}),
-        LinkState.CONNECTED: frozenset({LinkState.DISCONNECTED, LinkState.RESUMING, LinkState.FAILED,
-                                        LinkState.CLOSED}),
-        LinkState.DISCONNECTED: frozenset({LinkState.RESUMING, LinkState.FAILED, LinkState.CLOSED}),
-        # accepted; refused, unreachable or the new link died; terminal refusal; closed meanwhile
-        LinkState.RESUMING: frozenset({LinkState.CONNECTED, LinkState.DISCONNECTED, LinkState.FAILED,
-                                       LinkState.CLOSED}),
-        LinkState.FAILED: frozenset(),
-        LinkState.CLOSED: frozenset(),
+    INITIAL = LinkState.CONNECTING
+    FINAL = frozenset({LinkState.FAILED, LinkState.CLOSED})
+    TABLE = {
+        LinkEvent.OPENED: {LinkState.CONNECTING: LinkState.CONNECTED},
+        LinkEvent.LOST: {LinkState.CONNECTING: LinkState.DISCONNECTED,
+                         LinkState.CONNECTED: LinkState.DISCONNECTED,
+                         # refused, unreachable, or the new link died
+                         LinkState.RESUMING: LinkState.DISCONNECTED},
+        LinkEvent.RESUME: {LinkState.CONNECTED: LinkState.RESUMING,
+                           LinkState.DISCONNECTED: LinkState.RESUMING},
+        LinkEvent.ACCEPTED: {LinkState.RESUMING: LinkState.CONNECTED},
+        LinkEvent.FAIL: {state: LinkState.FAILED for state in _OPEN},
+        LinkEvent.CLOSE: {LinkState.CONNECTED: LinkState.CLOSED,
+                          LinkState.DISCONNECTED: LinkState.CLOSED,
+                          LinkState.RESUMING: LinkState.CLOSED},
     }
 
     def __init__(self, on_change=None) -> None:
-        super().__init__(LinkState.CONNECTING)
+        super().__init__()
         self.on_change = on_change        # called after every change (wakes the session's threads)
 
-    def to(self, new):
-        old = super().to(new)
+    def on_transition(self, old, new, event, **context) -> None:
         if self.on_change is not None:
             self.on_change(new)
-        return old
 
     @property
     def connected(self) -> bool:
-        return self._state is LinkState.CONNECTED
+        return self.state is LinkState.CONNECTED
 
     @property
     def ended(self) -> bool:
-        return self._state is LinkState.FAILED or self._state is LinkState.CLOSED
+        return self.state is LinkState.FAILED or self.state is LinkState.CLOSED
 
 
 class Session:
@@ -258,15 +272,15 @@ class Session:
         self.link.install(sock, reader, leftovers)
         with self.cond:
             if self.states.state is LinkState.CONNECTING:   # its reader may have lost it already
-                self.states.to(LinkState.CONNECTED)
+                self.states.fire(LinkEvent.OPENED)
 
     # -- state changes that others report ---------------------------------------------
     def link_lost_locked(self, error) -> None:
         """The link's socket failed (the caller holds cond)."""
-        if self.states.state in (LinkState.CONNECTING, LinkState.CONNECTED, LinkState.RESUMING):
+        if self.states.can(LinkEvent.LOST):     # CONNECTING, CONNECTED, RESUMING
             # RESUMING: the new link died while the resume re-sent; the
             # resume must not then declare it connected.
-            self.states.to(LinkState.DISCONNECTED)
+            self.states.fire(LinkEvent.LOST)
             self.last_error = error
             LOG.warning("session %s: connection lost (%s)", self.sid, error)
 
@@ -274,7 +288,7 @@ class Session:
         """The pool ended the session for good (the caller holds cond)."""
         if self.states.ended:
             return
-        self.states.to(LinkState.FAILED)
+        self.states.fire(LinkEvent.FAIL)
         self.failure = err
         LOG.error("session %s failed: %s", self.sid, err)
         self.cond.notify_all()
@@ -486,7 +500,7 @@ class Session:
         with self.cond:
             if self.states.ended:
                 raise self.failure or Closed(what=f"session {self.sid}")
-            self.states.to(LinkState.RESUMING)
+            self.states.fire(LinkEvent.RESUME)
             old = link.detach_locked()
         if old is not None:
             link.release(old)
@@ -518,7 +532,7 @@ class Session:
                 if isinstance(exc, AccelmigError) and exc.code in TERMINAL_SESSION_CODES:
                     self.fail_locked(exc)
                 elif self.states.state is LinkState.RESUMING:
-                    self.states.to(LinkState.DISCONNECTED)
+                    self.states.fire(LinkEvent.LOST)
                     self.last_error = exc
                 self.cond.notify_all()
             raise
@@ -551,7 +565,7 @@ class Session:
                 LOG.warning("session %s: connection lost while re-sending: %s", self.sid, exc)
             with self.cond:
                 if self.states.state is LinkState.RESUMING:
-                    self.states.to(LinkState.CONNECTED)
+                    self.states.fire(LinkEvent.ACCEPTED)
                 link.acked_sent = ack
                 self.cond.notify_all()
         elapsed = time.monotonic() - started
@@ -635,7 +649,7 @@ class Session:
                 LOG.warning("session %s: release failed: %s", self.sid, exc)
         with self.cond:
             if not self.states.ended:
-                self.states.to(LinkState.CLOSED)
+                self.states.fire(LinkEvent.CLOSE)
             sock = self.link.detach_locked()
             self.cond.notify_all()
         if sock is not None:

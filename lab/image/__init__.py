@@ -6,9 +6,10 @@ Why this shape (measured, see docs/lab-notes.md):
   whole guest is RAM, which QEMU moves anyway.
 - **The host's own Python** (``/usr/bin/python3.11``, its stdlib and only the
   shared libraries ``ldd`` names) instead of a distribution in the guest:
-  the guest side of accelmig (``accelmig.agent``, ``accelmig.wire``) is
-  standard-library only, so the interpreter the host already has is all it
-  needs, and the image builds in seconds from files already on disk.
+  the guest side of accelmig (``accelmig.agent``, ``accelmig.wire``,
+  ``accelmig.runtime``) is standard-library only, so the interpreter the
+  host already has is all it needs, and the image builds in seconds from
+  files already on disk.
 - **Uncompressed initramfs** and an **uncompressed ``vmlinux``** (extracted
   from Debian's bzImage): under TCG the guest's own decompressors cost
   seconds; QEMU boots an ELF ``vmlinux`` directly through its PVH note.
@@ -31,7 +32,7 @@ that port.  Services read their settings from ``/etc/accelmig/guest.conf``
 
 Images are cached under ``/var/cache/accelmig-lab/images/<hash>``, the hash
 covering every input (kernel package, interpreter, stdlib listing, busybox,
-the agent/wire sources, the guest's own files, extra files), and built
+the agent/wire/runtime sources, the guest's own files, extra files), and built
 atomically (a temporary directory renamed into place), so a cache entry is
 either complete or absent.
 

@@ -75,6 +75,7 @@ class ImageSpec:
     busybox: str = "/bin/busybox"
     agent_src: str | None = None      # default: where accelmig.agent is imported from
     wire_src: str | None = None       # default: where accelmig.wire is imported from
+    runtime_src: str | None = None    # default: where accelmig.runtime is imported from
     modules: tuple[str, ...] = DEFAULT_MODULES
     extra_files: tuple[ExtraFile, ...] = ()
     app_command: str | None = None    # the demo application 60-app runs, if any
@@ -209,8 +210,12 @@ def _hash_file(h, path: Path):
 
 
 def image_key(spec: ImageSpec, kernel: Kernel, generated: list[ExtraFile],
-              stdlib: Path, agent_src: Path, wire_src: Path, qemu_ga: Path | None = None) -> str:
-    """A hash of every input: change any of them and the image is rebuilt."""
+              stdlib: Path, agent_src: Path, wire_src: Path, qemu_ga: Path | None = None,
+              runtime_src: Path | None = None) -> str:
+    """A hash of every input: change any of them and the image is rebuilt
+    (``runtime_src``: where accelmig.runtime is imported from, by default)."""
+    if runtime_src is None:
+        runtime_src = package_dir("accelmig.runtime")
     h = hashlib.sha256()
     h.update(json.dumps({
         "builder": BUILDER_VERSION, "kernel": [kernel.package, kernel.version],
@@ -229,7 +234,7 @@ def image_key(spec: ImageSpec, kernel: Kernel, generated: list[ExtraFile],
             continue
         st = path.stat()
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    for root in (agent_src, wire_src):
+    for root in (agent_src, wire_src, runtime_src):
         for path in source_files(root):
             h.update(str(path.relative_to(root.parent)).encode())
             _hash_file(h, path)
@@ -249,6 +254,7 @@ class _Plan:
     modules: list
     agent_src: Path
     wire_src: Path
+    runtime_src: Path
     stdlib: Path
     generated: list
     key: str
@@ -263,11 +269,12 @@ def _plan(spec: ImageSpec, cache: Path) -> _Plan:
     modules = module_load_order(kernel, spec.modules)
     agent_src = Path(spec.agent_src) if spec.agent_src else package_dir("accelmig.agent")
     wire_src = Path(spec.wire_src) if spec.wire_src else package_dir("accelmig.wire")
+    runtime_src = Path(spec.runtime_src) if spec.runtime_src else package_dir("accelmig.runtime")
     stdlib = stdlib_dir(spec.python)
     generated = guest_files(spec, modules)
     qemu_ga = prepare_qemu_ga(cache, deb=spec.qemu_ga_deb) if spec.with_qemu_ga else None
-    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src, qemu_ga)
-    return _Plan(spec, kernel, modules, agent_src, wire_src, stdlib, generated, key, qemu_ga)
+    key = image_key(spec, kernel, generated, stdlib, agent_src, wire_src, qemu_ga, runtime_src)
+    return _Plan(spec, kernel, modules, agent_src, wire_src, runtime_src, stdlib, generated, key, qemu_ga)
 
 
 def build_image(spec: ImageSpec = ImageSpec(), cache: Path = DEFAULT_CACHE, *,
@@ -331,12 +338,12 @@ def _build(plan: _Plan, out: Path):
         if dest.parent.name == "lib-dynload" and dest.suffix == ".so":
             dynload.append(path)
     site = stage / GUEST_SITE.lstrip("/") / "accelmig"
-    for src, name in ((plan.agent_src, "agent"), (plan.wire_src, "wire")):
+    for src, name in ((plan.agent_src, "agent"), (plan.wire_src, "wire"), (plan.runtime_src, "runtime")):
         for path in source_files(src):
             dest = site / name / path.relative_to(src)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
-    progress("copied stdlib + accelmig.agent/wire")
+    progress("copied stdlib + accelmig.agent/wire/runtime")
     run([spec.python, "-m", "compileall", "-q", "-j", "0", "-s", str(stage), "-p", "/",
           str(guest_stdlib), str(site.parent)])
     progress("precompiled")

@@ -1,7 +1,8 @@
 """The guest's Python: the host's own interpreter, the part of its stdlib a
 headless guest imports, the shared libraries ``ldd`` names, and accelmig's
-guest side (``accelmig.agent``, ``accelmig.wire``: standard library only),
-so the image builds in seconds from files already on disk.
+guest side (``accelmig.agent``, ``accelmig.wire``, ``accelmig.runtime``:
+standard library only), so the image builds in seconds from files already
+on disk.
 """
 
 from __future__ import annotations

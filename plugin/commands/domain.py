@@ -21,9 +21,10 @@ import re
 
 import click
 
-from accelmig.plugin.commands.install import atomic_write, cli_errors, print_json
+from accelmig.plugin.commands.install import cli_errors, print_json
 from accelmig.plugin.domain import render as rendering
 from accelmig.plugin.domain.model import DomainXML
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.errors import BadRequest
 
 #: Keys people reach for to pass a device through: refused with the reason.

@@ -10,7 +10,7 @@ import click
 
 from accelmig.plugin import bundle
 from accelmig.plugin.commands.install import cli_errors, json_option, print_json
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime.cli import exit_codes_epilog
 
 EPILOG = exit_codes_epilog(click=True)
 

@@ -9,8 +9,8 @@ import sys
 
 import click
 
-from accelmig.wire import logs
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime import logs
+from accelmig.runtime.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError, AlreadyRunning
 
 

@@ -29,13 +29,13 @@ import shlex
 import signal
 import stat
 import sys
-import tempfile
 import time
 
 import click
 
 from accelmig.plugin.config import DEFAULT_PATH, HostConfig, HostdConfig
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime.cli import exit_codes_epilog
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.errors import AccelmigError, BadRequest, Unavailable
 from accelmig.wire.localapi import GATED_HOOK_STEPS
 
@@ -238,22 +238,6 @@ def write_state(state_dir: str, data: dict) -> str:
     return path
 
 
-def atomic_write(path: str, text: str, mode: int) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 # ---------------------------------------------------------------- the hook script
 
 def hook_path(hooks_dir: str, name: str) -> str:
@@ -452,7 +436,7 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json,
     unit_failed = None
     if systemd:
         from accelmig.plugin import unit
-        from accelmig.wire import units
+        from accelmig.runtime import units
         unit_text = unit.render(resolved, hostd_settings(config))
         result["systemd"] = units.install_units({unit.UNIT_NAME: unit_text}, unit_dir=unit_dir)
         if result["systemd"]["reload"]["action"] == "failed":
@@ -469,7 +453,7 @@ def install(hooks_dir, name, libvirtd_pid_file, no_reload, config_path, as_json,
         if result["state_file"]:
             click.echo(f"recorded in {result['state_file']}")
         if systemd:
-            from accelmig.wire import units
+            from accelmig.runtime import units
             for line in units.summary(result["systemd"]):
                 click.echo(f"unit {line}")
     if unit_failed is not None:

@@ -18,7 +18,7 @@ import uuid as uuid_module
 
 import click
 
-from accelmig.wire.cli import exit_codes_epilog
+from accelmig.runtime.cli import exit_codes_epilog
 from accelmig.wire.errors import AccelmigError
 
 #: s to wait, once every session resumed, for the destination's steps of the timeline

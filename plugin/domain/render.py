@@ -38,6 +38,7 @@ import jinja2
 
 from accelmig.plugin.domain import (ACCELMIG_NS, AGENT_CHANNEL_NAME, QEMU_GA_CHANNEL_NAME)
 from accelmig.wire.errors import ConfigInvalid
+from accelmig.wire.values import is_int
 
 TEMPLATE_PACKAGE = "accelmig.domain_templates"
 
@@ -70,8 +71,7 @@ def _choice(*options: str) -> Callable[[Any], str]:
 
 def _int(low: int, high: int) -> Callable[[Any], int]:
     def check(value):
-        if isinstance(value, bool) or not isinstance(value, int) and not (
-                isinstance(value, str) and value.isdigit()):
+        if not is_int(value) and not (isinstance(value, str) and value.isdigit()):
             raise ValueError(f"{value!r} is not an integer")
         value = int(value)
         if not low <= value <= high:

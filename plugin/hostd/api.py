@@ -15,14 +15,14 @@ import os
 import time
 
 from accelmig.plugin.hostd.watch import Phase, Trigger
+from accelmig.runtime.sockets import OwnedUnixSocket
 from accelmig.wire import channel as ch
 from accelmig.wire import control as wc
 from accelmig.wire.attestation import check_hex
-from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
 from accelmig.wire.errors import (AccelmigError, BadRequest, Conflict, InternalError, Timeout, Unavailable,
                                   UnknownOp)
+from accelmig.wire.localapi import GATED_HOOK_STEPS, HERE_ADDRESSES
 from accelmig.wire.records import RecordStateName, RecordView
-from accelmig.wire.sockets import OwnedUnixSocket
 
 LOG = logging.getLogger("accelmig.hostd")
 

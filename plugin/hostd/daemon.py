@@ -40,10 +40,12 @@ from accelmig.plugin.hostd.migration import MigrationSteps
 from accelmig.plugin.hostd.nodes import PoolNodes
 from accelmig.plugin.hostd.reconcile import Reconciler
 from accelmig.plugin.hostd.watch import TRIGGERS, DomainWatch, Phase, Step, Trigger, WatchTable
-from accelmig.wire.backoff import FailureLog
+from accelmig.runtime.backoff import FailureLog
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.control import AsyncControlClient
 from accelmig.wire.errors import AccelmigError, ConfigInvalid, LibvirtFailure, Unavailable
 from accelmig.wire.identity import HostIdentity
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -546,8 +548,7 @@ class HostDaemon:
         answer = await self.pool_call_all("accel_domains", since=self._accel_version)
         if not answer.get("unchanged"):
             domains = answer.get("domains") or {}
-            fresh = {u: n for u, n in domains.items() if isinstance(u, str) and isinstance(n, int)
-                     and not isinstance(n, bool)}
+            fresh = {u: n for u, n in domains.items() if isinstance(u, str) and is_int(n)}
             if fresh.keys() != self.accel_domains.keys():
                 await asyncio.get_running_loop().run_in_executor(None, self._write_accel_cache, sorted(fresh))
             for uuid in fresh.keys() - self.accel_domains.keys():
@@ -593,11 +594,7 @@ class HostDaemon:
         """Atomically, readable by the hook (root) and ``accelmig doctor``."""
         path = self.config.hostd.accel_domains_file
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as handle:
-            json.dump({"host": self.host, "written": time.time(), "domains": uuids}, handle)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps({"host": self.host, "written": time.time(), "domains": uuids}), 0o644)
         LOG.info("%d domain(s) hold accelerator sessions (cached in %s)", len(uuids), path)
 
     async def _release_lease(self, uuid: str, name: str) -> None:

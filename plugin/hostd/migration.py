@@ -30,6 +30,7 @@ from accelmig.plugin.hostd.watch import DomainWatch, Phase, Trigger
 from accelmig.wire.errors import AccelmigError, Conflict, LibvirtFailure, NoSuchRecord, ProtocolError, RecordState
 from accelmig.wire.records import (IN_FLIGHT, ClockOffset, RecordStateName, RecordView, Side, Stamp, Timeline,
                                    latest)
+from accelmig.wire.values import is_number
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -356,8 +357,7 @@ def _guest_durations(result: dict | None) -> dict:
     only, a few sessions at most): the whole rehome, up to its network
     applied, and each driver's resume (connect, resume, re-sends)."""
     def number(value):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 3600
-        return round(float(value), 6) if ok else None
+        return round(float(value), 6) if is_number(value, 0) and value < 3600 else None
     result = result if isinstance(result, dict) else {}
     sessions = result.get("sessions") if isinstance(result.get("sessions"), dict) else {}
     resumes = [number(o.get("seconds")) for o in list(sessions.values())[:8] if isinstance(o, dict)]

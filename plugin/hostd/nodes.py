@@ -42,6 +42,7 @@ import time
 
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import AccelmigError, ProtocolError, Unavailable, UnknownOp
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.hostd")
 
@@ -186,11 +187,11 @@ class PoolNodes:
         if self.clustered and method in UNION and args.get("domain_uuid") is not None:
             answer = await self.coordinator.call_all(method, **args)
             items = list(answer.get(UNION[method]) or [])
-            elsewhere = answer.get("elsewhere") if isinstance(answer.get("elsewhere"), int) else 0
+            elsewhere = answer.get("elsewhere") if is_int(answer.get("elsewhere")) else 0
             for _name, other in await self._others(method, args, required=True, all_pages=True):
                 items.extend((other or {}).get(UNION[method]) or [])
                 theirs = (other or {}).get("elsewhere")
-                elsewhere += theirs if isinstance(theirs, int) and not isinstance(theirs, bool) else 0
+                elsewhere += theirs if is_int(theirs) else 0
             return dict(answer, **{UNION[method]: items, "elsewhere": elsewhere})
         if not self.clustered or method != "complete":
             return await self.coordinator.call_all(method, **args)
@@ -271,7 +272,7 @@ class PoolNodes:
         union: dict[str, int] = {}
         for _, domains in views.values():
             for uuid, unattested in domains.items():
-                if isinstance(uuid, str) and isinstance(unattested, int) and not isinstance(unattested, bool):
+                if isinstance(uuid, str) and is_int(unattested):
                     union[uuid] = union.get(uuid, 0) + max(0, unattested)
         return {"version": version, "domains": union}
 

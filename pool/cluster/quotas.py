@@ -21,6 +21,7 @@ import threading
 from accelmig.pool.cluster.keys import PREFIX, check_name
 from accelmig.pool.cluster.store import ClusterStore
 from accelmig.wire.errors import QuotaExceeded, Unavailable
+from accelmig.wire.values import is_int
 
 LOG = logging.getLogger("accelmig.pool.cluster")
 
@@ -66,7 +67,7 @@ class QuotaLedger:
         total = 0
         for key, value, _ in kvs:
             size = value.get("bytes")
-            if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < 1 << 62:
+            if not is_int(size, 0, (1 << 62) - 1):
                 LOG.warning("etcd: reservation %s holds no byte count: counted as nothing", key[:120])
                 continue
             total += size

@@ -22,6 +22,7 @@ from accelmig.pool.cluster.keys import PREFIX, check_name
 from accelmig.pool.cluster.store import ClusterStore
 from accelmig.wire.dataplane import parse_endpoint
 from accelmig.wire.errors import BadRequest, Conflict, Unavailable
+from accelmig.wire.values import is_a, is_int
 
 LOG = logging.getLogger("accelmig.pool.cluster")
 
@@ -72,7 +73,7 @@ class NodeView:
         if not isinstance(devices, list) or len(devices) > MAX_DEVICES:
             raise ValueError(f"devices is not a list of at most {MAX_DEVICES}")
         sessions = value.get("sessions")
-        if not isinstance(sessions, int) or isinstance(sessions, bool) or not 0 <= sessions < 1 << 31:
+        if not is_int(sessions, 0, (1 << 31) - 1):
             raise ValueError("sessions is not a count")
         return cls(name, instance, data, control, tuple(_device(d) for d in devices), sessions, lease)
 
@@ -89,7 +90,7 @@ def _device(value) -> dict:
         item = value.get(field)
         if item is None:
             continue
-        if not isinstance(item, kind) or isinstance(item, bool) or (kind is str and len(item) > 128):
+        if not is_a(item, kind) or (kind is str and len(item) > 128):
             raise ValueError(f"device {field} is not a short {kind.__name__}")
         out[field] = item
     return out

@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.channel import GuestChannel
-from accelmig.pool.testing import PoolThread
 from accelmig.wire import attestation as att
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import BadRequest

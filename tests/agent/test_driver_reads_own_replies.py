@@ -20,7 +20,8 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.agent.driver.link import OWN_REPLY_SLICE
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.errors import Timeout
 from tests.support.wait import wait_for
 

@@ -29,11 +29,12 @@ pytestmark = pytest.mark.skipif(PYTHON is None, reason=SKIP_REASON)
 
 @pytest.fixture
 def guest_site(tmp_path):
-    """The guest side as an image carries it: accelmig/agent and accelmig/wire."""
+    """The guest side as an image carries it: accelmig/agent, accelmig/wire and accelmig/runtime."""
     site = tmp_path / "site"
     (site / "accelmig").mkdir(parents=True)
     os.symlink(os.path.join(ROOT, "agent"), site / "accelmig" / "agent")
     os.symlink(os.path.join(ROOT, "wire"), site / "accelmig" / "wire")
+    os.symlink(os.path.join(ROOT, "runtime"), site / "accelmig" / "runtime")
     return str(site)
 
 
@@ -48,8 +49,8 @@ def guest(site: str, *args, **kwargs):
 def test_every_guest_module_imports(guest_site):
     code = ("import importlib, pkgutil, sys\n"
             "import accelmig.agent.driver, accelmig.agent.daemon\n"
-            "import accelmig.agent, accelmig.wire\n"
-            "for pkg in (accelmig.agent, accelmig.wire):\n"
+            "import accelmig.agent, accelmig.runtime, accelmig.wire\n"
+            "for pkg in (accelmig.agent, accelmig.wire, accelmig.runtime):\n"
             "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
             "        if not m.name.endswith('.__main__'):\n"
             "            importlib.import_module(m.name)\n"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from accelmig.agent.driver import connect, u32
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 
 TENANTS = {"reuse": ("reuse-token-00001", "1GiB")}
 TOKEN = TENANTS["reuse"][0]

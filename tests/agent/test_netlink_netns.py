@@ -63,6 +63,7 @@ def test_the_oldest_python_re_addresses_the_nic_with_stdlib_netlink(guest_net, t
     (site / "accelmig").mkdir(parents=True)
     os.symlink(os.path.join(ROOT, "agent"), site / "accelmig" / "agent")
     os.symlink(os.path.join(ROOT, "wire"), site / "accelmig" / "wire")
+    os.symlink(os.path.join(ROOT, "runtime"), site / "accelmig" / "runtime")
     nic = {"address": "10.89.2.10", "prefixlen": 24, "gateway": "10.89.2.1", "mac": MAC, "mtu": 1400,
            "routes": ["10.88.0.1/32"]}
     out = guest.exec(["env", "-i", f"PYTHONPATH={site}", "PYTHONDONTWRITEBYTECODE=1", python, "-S",

@@ -13,8 +13,8 @@ import pytest
 from accelmig.agent.daemon import Agent
 from accelmig.agent.daemon.netconfig import NetworkConfigurator
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.channel import GuestChannel
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from tests.conftest import ALICE, TENANTS
 from tests.support.attest import bind

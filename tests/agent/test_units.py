@@ -98,13 +98,13 @@ def test_bad_requests_exit_2_and_install_nothing(tmp_path, capsys):
 
 
 def test_from_a_zipapp_the_unit_runs_the_zipapp(tmp_path):
-    """Standard library only, imported from a zip of accelmig.agent and
-    accelmig.wire (what the guest bundle is): ExecStart is this interpreter
+    """Standard library only, imported from a zip of accelmig.agent,
+    accelmig.wire and accelmig.runtime (what the guest bundle is): ExecStart is this interpreter
     and that archive, and the template is read from inside it."""
     archive = tmp_path / "agent.pyz"
     with zipfile.ZipFile(archive, "w") as zf:
         zf.writestr("accelmig/", "")            # a directory entry: zipimport's namespace package
-        for side in ("agent", "wire"):
+        for side in ("agent", "wire", "runtime"):
             for path in sorted((CHECKOUT / side).rglob("*")):
                 if path.is_file() and "__pycache__" not in path.parts:
                     zf.write(path, f"accelmig/{side}/{path.relative_to(CHECKOUT / side)}")

@@ -26,7 +26,7 @@ import pytest
 
 from accelmig.agent.daemon import Agent
 from accelmig.agent.driver import connect, u32
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import attestation as att
 from accelmig.wire import tls
 from accelmig.wire.control import ControlClient

@@ -16,7 +16,7 @@ import threading
 import time
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy
+from accelmig.lab.cutproxy import CutProxy
 from accelmig.wire.errors import AccelmigError
 from tests.conftest import ALICE
 from tests.support.attest import bind

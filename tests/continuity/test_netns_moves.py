@@ -19,7 +19,7 @@ import time
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.errors import TicketInvalid, WrongHost
 from tests.conftest import ALICE, TENANTS
 from tests.support.attest import bind

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from accelmig.agent.driver import LinkState, connect, u32
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.errors import Disconnected, SessionExpired, SessionLost, WindowFull
 from tests.conftest import ALICE, TENANTS
 from tests.support.attest import bind

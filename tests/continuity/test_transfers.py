@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from accelmig.agent.driver import LinkState, connect
 from accelmig.agent.driver.transfer import MAX_IN_FLIGHT, chunk_size, pieces
+from accelmig.lab.cutproxy import CutProxy
 from accelmig.pool.config import parse_size
-from accelmig.pool.testing import CutProxy
 from accelmig.pool.sequencing import REPLY_BYTES
 from accelmig.pool.session import BUFFER_CHARGE
 from accelmig.wire.errors import FrameTooLarge, NoSuchObject, OutOfRange, QuotaExceeded

@@ -504,8 +504,14 @@ def test_save_restore_and_a_second_restore_refused_as_diverged(accel, vms, refer
 
 
 def test_two_vms_migrated_at_once(accel, vms, image, reference):
-    boot(accel, vms, "vm-e1", image)
-    boot(accel, vms, "vm-e2", image)
+    # both booted before either is waited for: booted one after the other on
+    # a loaded machine, the first solver (~15-20 s) once ended before the move
+    for name in ("vm-e1", "vm-e2"):
+        vms.append(name)
+        accel.boot(name, image, "hostA")
+    for name in ("vm-e1", "vm-e2"):
+        accel.wait_demo(name, lambda ls: [l for l in ls if "step" in l], timeout=120,
+                        what=f"{name}'s solver to start")
     results = {}
 
     def move(name):
@@ -564,9 +570,9 @@ def test_a_pool_blip_at_resumed_is_retried_until_the_sessions_resume(accel, vms,
     (a relay in hostB's namespace holds it, then drops it): hostd must not
     strand the sessions — it retries the rehome until they resume."""
     from accelmig.lab import netns
+    from accelmig.lab.cutproxy import CutProxy
     from accelmig.lab.rig import POOL_CONTROL_PORT
     from accelmig.lab.topology import POOL_ADDRESS
-    from accelmig.pool.testing import CutProxy
     boot(accel, vms, "vm-blip", image)
     uuid = uuid_of(accel, "vm-blip")
     control = f"{POOL_ADDRESS}:{POOL_CONTROL_PORT}"

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from tests.support import icd as icd_support
 from tests.support.tenants import TENANTS
 

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.channel import GuestChannel
-from accelmig.pool.testing import PoolThread
 from accelmig.wire import tls
 from accelmig.wire.control import ControlClient
 from tests.support import icd as icd_support

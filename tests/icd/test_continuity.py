@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from tests.support import icd as icd_support
 from tests.support.tenants import ALICE, TENANTS
 

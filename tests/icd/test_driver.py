@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import dataplane as dp
 from accelmig.wire import opencl as wcl
 from tests.support import icd as icd_support

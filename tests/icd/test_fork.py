@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from tests.support import icd as icd_support
 from tests.support.tenants import ALICE, TENANTS
 

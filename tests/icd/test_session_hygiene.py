@@ -12,8 +12,9 @@ import uuid
 
 import pytest
 
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.channel import GuestChannel
-from accelmig.pool.testing import CutProxy, PoolThread
 from tests.support import icd as icd_support
 from tests.support.tenants import ALICE, TENANTS
 from tests.support.twohosts import Raw

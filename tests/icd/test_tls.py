@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from tests.support import icd as icd_support
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,

@@ -60,7 +60,7 @@ def test_the_host_wheel_holds_no_lab_code(wheels):
     assert not any(n.endswith("reaper.py") or "/guest/etc/" in n for n in names)
     # every module of the checkout's sides is in it (a package missing from
     # setup.cfg works in an editable install and is absent from the wheel)
-    sides = {"wire": "wire", "agent": "agent", "pool": "pool", "plugin": "plugin", "fleet": "fleet",
+    sides = {"wire": "wire", "runtime": "runtime", "agent": "agent", "pool": "pool", "plugin": "plugin", "fleet": "fleet",
              "domain_templates": "domain_templates"}
     modules = {f"accelmig/{side}/{path.relative_to(CHECKOUT / folder).as_posix()}"
                for side, folder in sides.items() for path in (CHECKOUT / folder).rglob("*.py")
@@ -79,7 +79,7 @@ def test_the_lab_wheel_holds_the_lab_its_guest_files_and_its_entry_points(wheels
     package = {n for n in names if not n.startswith("accelmig_lab-")}
     expected = {f"accelmig/lab/{m}.py" for m in ("__init__", "accel", "boottest", "certs", "cli", "etcdview", "fresh",
                                                  "guest", "libvirtd", "machine", "netns", "nova", "probe", "reaper",
-                                                 "rig", "ssh", "topology")}
+                                                 "rig", "ssh", "topology", "poolthread", "cutproxy", "pooldemo")}
     expected |= {f"accelmig/lab/image/{m}.py" for m in ("__init__", "apt", "build", "cache", "cpio", "errors",
                                                        "guest_python", "kernel", "qemu_ga")}
     guest = {f"accelmig/lab/image/guest/{p}" for p in (

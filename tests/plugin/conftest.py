@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from tests.support.hostd import SECRET
 from tests.support.libvirt import lab_for_module
 from tests.support.tenants import TENANTS

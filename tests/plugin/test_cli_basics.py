@@ -19,8 +19,8 @@ import libvirt
 import pytest
 from click.testing import CliRunner
 
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.cli import main as cli
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.localapi import LocalClient
 from tests.conftest import TENANTS, run_cli
 from tests.support.blocked import blocked_env

@@ -19,8 +19,8 @@ import uuid
 import pytest
 from click.testing import CliRunner
 
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.cli import main as cli
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.errors import Unavailable
 from tests.support.hostd import HostdStub
 from tests.support.libvirt import FakeLibvirtd, start_paused

@@ -43,7 +43,8 @@ def pyz(tmp_path_factory) -> Path:
 def guest_tree(tmp_path: Path) -> dict[str, Path]:
     """A copy of the guest packages, to change or to build from."""
     out = {}
-    for package, folder in (("accelmig.agent", "agent"), ("accelmig.wire", "wire")):
+    for package, folder in (("accelmig.agent", "agent"), ("accelmig.wire", "wire"),
+                            ("accelmig.runtime", "runtime")):
         out[package] = tmp_path / "src" / folder
         shutil.copytree(ROOT / folder, out[package], ignore=shutil.ignore_patterns("__pycache__"))
     return out
@@ -87,8 +88,9 @@ def test_it_holds_the_guest_side_and_nothing_else(pyz):
         meta = zf.read(f"accelmig-{bundle.distribution_version()}.dist-info/METADATA").decode()
     files = [n for n in names if not n.endswith("/")]
     own = {"__main__.py", f"accelmig-{bundle.distribution_version()}.dist-info/METADATA"}
-    assert [n for n in files if n not in own and not n.startswith(("accelmig/agent/", "accelmig/wire/"))] == []
-    expected = {f"accelmig/{p.relative_to(ROOT).as_posix()}" for side in ("agent", "wire")
+    assert [n for n in files if n not in own and not n.startswith(("accelmig/agent/", "accelmig/wire/",
+                                                                              "accelmig/runtime/"))] == []
+    expected = {f"accelmig/{p.relative_to(ROOT).as_posix()}" for side in ("agent", "wire", "runtime")
                 for p in (ROOT / side).rglob("*") if p.is_file() and "__pycache__" not in p.parts
                 and (p.suffix == ".py" or "data" in p.relative_to(ROOT / side).parts[:1])}
     assert set(files) - own == expected
@@ -178,9 +180,9 @@ def test_every_module_imports_on_39_with_nothing_but_the_standard_library(pyz):
     code = textwrap.dedent("""
         import importlib, json, pkgutil, sys, sysconfig
         sys.path.insert(0, sys.argv[1])
-        import accelmig.agent, accelmig.wire
+        import accelmig.agent, accelmig.runtime, accelmig.wire
         names = []
-        for pkg in (accelmig.agent, accelmig.wire):
+        for pkg in (accelmig.agent, accelmig.wire, accelmig.runtime):
             for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
                 if not m.name.endswith(".__main__"):
                     importlib.import_module(m.name)
@@ -237,7 +239,7 @@ def test_inside_the_bundle_package_data_reads_and_a_unit_would_run_the_bundle(py
     code = textwrap.dedent("""
         import importlib.resources, json, sys
         sys.path.insert(0, sys.argv[1])
-        from accelmig.wire import units
+        from accelmig.runtime import units
         data = importlib.resources.files("accelmig.agent").joinpath("data")
         print(json.dumps({"data": sorted(p.name for p in data.iterdir()),
                           "argv": units.entry_point("accelmig-agent", "accelmig.agent.cli"),

@@ -13,11 +13,11 @@ import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import attestation as att
-from accelmig.wire.localapi import LocalClient
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import Unavailable
+from accelmig.wire.localapi import LocalClient
 from tests.conftest import ALICE, TENANTS, run_cli
 from tests.support.attest import bind
 from tests.support.hostd import SECRET, HostdThread, write_config
@@ -341,7 +341,7 @@ def test_a_gone_domain_is_forgotten_and_its_guest_address_released(world, tmp_pa
 def test_a_refused_hook_leaves_no_open_record_behind(world, tmp_path):
     """The pool answers the hook's open_migration only after the hook gave up
     (strict mode refuses the migration): the record it opened late is aborted."""
-    from accelmig.pool.testing import CutProxy
+    from accelmig.lab.cutproxy import CutProxy
     pool, config, conn, created = world
     relay = CutProxy(pool.control_endpoint)
     config = write_config(tmp_path, pool, control=relay.endpoint)

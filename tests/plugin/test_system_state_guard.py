@@ -12,7 +12,7 @@ from accelmig.agent.daemon.agent import Agent
 from accelmig.plugin.commands.install import DEFAULT_HOOKS_DIR
 from accelmig.plugin.config import DEFAULT_PATH, HostdConfig, PoolEndpoints
 from accelmig.pool.config import PoolConfig
-from accelmig.wire import units
+from accelmig.runtime import units
 from accelmig.wire.channel import DEFAULT_AGENT_SOCKET
 from accelmig.wire.localapi import DEFAULT_HOSTD_SOCKET
 from tests.support import system_state

@@ -17,8 +17,8 @@ import libvirt
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.domain.model import DomainXML
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.dataplane import domain_claim
 from accelmig.wire.errors import BadRequest, TicketRequired, WrongHost

@@ -354,7 +354,7 @@ def test_the_opt_out_serves_builds_unconfined_and_warns(tmp_path, node, no_names
 @pytest.mark.parametrize("allowed", [False, True])
 def test_device_isolation_none_refuses_builds_unless_allowed(allowed):
     """No device process: a build would run in the pool's own process."""
-    from accelmig.pool.testing import PoolThread
+    from accelmig.lab.poolthread import PoolThread
     with PoolThread(tenants={"alice": (TOKENS["alice"], "64MiB")}, device_isolation="none",
                     allow_unconfined_builds=allowed) as pool:
         with connect(pool.endpoint, TOKENS["alice"], agent=False) as dev:

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.control import INTENT_TTL, MAX_WAITS
-from accelmig.pool.testing import PoolThread
 from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
 from accelmig.wire.errors import BadRequest, Conflict, Forbidden, RecordState

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.errors import AccelmigError, BadRequest, BuildFailed
 from tests.support.wait import wait_for
 
@@ -75,7 +76,7 @@ def test_a_spinning_kernel_stalls_only_its_tenant():
             result = add_and_read(other, 5)
         assert (result == np.arange(64) + 5).all()
         assert not finished.is_set(), "the spin ended: the test proves nothing"
-        processes = pool.pool.backend.processes()
+        processes = pool.backend.processes()
         assert set(processes) == {"spinner", "other"} and processes["spinner"] != processes["other"]
     spinner.close()           # after the pool: its release would wait behind the spin
 
@@ -87,7 +88,7 @@ def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go
             spinner = connect(pool.endpoint, SPINNER, agent=False, timeout=60)
             spinner.alloc(1 << 20)
             start_spinning(spinner)
-            pid = pool.pool.backend.processes()["spinner"]
+            pid = pool.backend.processes()["spinner"]
             # the pool's process is the sandbox's outer one; the kernel spins in its child
             import psutil
             confined = [child.pid for child in psutil.Process(pid).children()]
@@ -109,7 +110,7 @@ def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go
             # and the spinner's tenant starts again, in a new process
             with connect(pool.endpoint, SPINNER, agent=False, timeout=60) as again:
                 assert (add_and_read(again, 3) == np.arange(64) + 3).all()
-                assert pool.pool.backend.processes()["spinner"] != pid
+                assert pool.backend.processes()["spinner"] != pid
 
 
 def test_a_session_released_while_its_kernel_spins_gives_its_quota_back_at_once():
@@ -139,7 +140,7 @@ def test_each_tenant_has_its_own_kernel_cache_and_working_directory():
         with connect(pool.endpoint, SPINNER, agent=False) as a, connect(pool.endpoint, OTHER, agent=False) as b:
             a.build(ADD)
             b.info()
-            pids = pool.pool.backend.processes()
+            pids = pool.backend.processes()
 
             def environment(pid):
                 with open(f"/proc/{pid}/environ", "rb") as handle:
@@ -150,12 +151,12 @@ def test_each_tenant_has_its_own_kernel_cache_and_working_directory():
             assert caches["spinner"] != caches["other"]
             for name in pids:
                 assert caches[name].startswith(cwds[name] + os.sep)
-                assert cwds[name].startswith(pool.pool.backend.directory + os.sep)
+                assert cwds[name].startswith(pool.backend.directory + os.sep)
             assert built_programs(caches["spinner"]), "the build left nothing in its tenant's cache"
             assert not built_programs(caches["other"]), "one tenant's build is in another's cache"
             b.build(ADD)               # the same source: built again, into its own cache
             assert built_programs(caches["other"]) == built_programs(caches["spinner"])
-        directory = pool.pool.backend.directory
+        directory = pool.backend.directory
     assert not os.path.exists(directory), "the device processes' directories outlived the pool"
 
 

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from accelmig.agent.driver import connect
 from accelmig.agent.driver.device import Program
+from accelmig.lab.cutproxy import CutProxy
 from accelmig.pool.config import PoolConfig, load_tenants
 from accelmig.pool.devices.inventory import Placer
 from accelmig.pool.session import Tenant
-from accelmig.pool.testing import CutProxy
 from accelmig.wire.control import ControlClient
 from accelmig.wire.devices import ID_PATTERN, MAX_SELECTOR, DeviceSelector, parse_selector
 from accelmig.wire.errors import (BadRequest, BuildFailed, ConfigInvalid, ErrorCode, LimitExceeded,

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.session import SessionState
-from accelmig.pool.testing import PoolThread
 from accelmig.wire.control import PAGED_ANSWER_MAX, AsyncControlClient, ControlClient
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import OutOfRange

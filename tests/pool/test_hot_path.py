@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.devices.worker import LAUNCH_BATCH
 from accelmig.wire.errors import AccelmigError, DeviceError, NoSuchObject
 from tests.support.wait import wait_for
@@ -35,7 +36,7 @@ TOKEN = TENANTS["hot"][0]
 
 def calls_started(pool) -> int:
     """Calls the pool sent to the tenant's device process so far."""
-    return pool.call(lambda: pool.pool.backend._tenants["hot"].calls_started)
+    return pool.call(lambda: pool.backend._tenants["hot"].calls_started)
 
 
 def expected(start: np.ndarray, ns) -> np.ndarray:
@@ -72,9 +73,9 @@ def test_an_idle_finish_on_a_device_process_that_died_says_killed():
             dev.upload(bytes(64))
             dev.finish()
             dev.finish()                       # quiet now: this one was answered by the pool
-            pid = pool.pool.backend.processes()["hot"]
+            pid = pool.backend.processes()["hot"]
             os.kill(pid, signal.SIGKILL)       # the tenant's own process, started by this pool
-            wait_for(lambda: "hot" not in pool.pool.backend.processes(), 20,
+            wait_for(lambda: "hot" not in pool.backend.processes(), 20,
                      "the pool to notice its device process died")
             with pytest.raises(AccelmigError) as killed:
                 dev.finish()

@@ -21,7 +21,8 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.agent.driver import link as driver_link
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import batch
 from accelmig.wire.errors import AccelmigError, ErrorCode
 from accelmig.wire.frames import PREFIX_SIZE, FrameReader, encode_frame, encode_prefix_and_header

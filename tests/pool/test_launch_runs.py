@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.devices.worker import LAUNCH_BATCH
 from accelmig.pool.sequencing import SequenceLog, StoredReply, ok_reply
-from accelmig.pool.testing import PoolThread
 from accelmig.wire import batch
 from accelmig.wire.errors import ErrorCode
 from tests.pool.test_launch_batches import BUF, ELEMENTS, PROG, RawSession, bump_record

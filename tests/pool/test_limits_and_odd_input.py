@@ -19,7 +19,7 @@ import socket
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.errors import QuotaExceeded
 from accelmig.wire.frames import MAGIC, PREFIX, FrameReader, encode_frame
 from tests.support.kernels import COUNTER

@@ -15,8 +15,8 @@ import pyopencl as cl
 import pytest
 
 from accelmig.agent.driver import connect
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.devices import deviceinfo
-from accelmig.pool.testing import PoolThread
 from accelmig.wire import opencl as wcl
 from accelmig.wire.dataplane import Op
 from accelmig.wire.errors import BadRequest, OutOfRange

@@ -20,9 +20,10 @@ import xxhash
 from hypothesis import given, settings, strategies as st
 
 from accelmig.agent.driver import connect
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.dataplane import PAYLOAD_DIGEST, PAYLOAD_DIGEST_STREAM
 from accelmig.pool.streaming import STREAM_MIN, STREAM_PIECE
-from accelmig.pool.testing import CutProxy, PoolThread
 from tests.support.tenants import ALICE, TENANTS
 from tests.support.twohosts import Raw
 from tests.support.wait import wait_for

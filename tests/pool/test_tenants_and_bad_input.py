@@ -158,7 +158,7 @@ def test_unsupported_protocol_version_is_a_clear_error(pool):
 
 
 def test_payload_limit_is_enforced_by_driver_and_pool():
-    from accelmig.pool.testing import PoolThread
+    from accelmig.lab.poolthread import PoolThread
     from accelmig.wire.errors import FrameTooLarge
     with PoolThread({"t": ("tenant-token-001", "1GiB")}, max_payload=1 << 20) as small:
         with connect(small.endpoint, "tenant-token-001", timeout=5) as dev:

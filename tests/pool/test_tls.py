@@ -16,7 +16,8 @@ import threading
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy, PoolThread
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire import tls
 from accelmig.wire.control import ControlClient
 from accelmig.wire.errors import AuthFailed, ConfigInvalid, Unavailable

@@ -25,8 +25,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from accelmig.agent.driver import connect
+from accelmig.lab.cutproxy import CutProxy
+from accelmig.lab.poolthread import PoolThread
 from accelmig.pool.devices.arena import ALIGN, UploadArena
-from accelmig.pool.testing import CutProxy, PoolThread
 from accelmig.wire.errors import BadRequest
 from tests.support.tenants import ALICE, BOB, TENANTS
 from tests.support.twohosts import Raw
@@ -41,12 +42,12 @@ def pattern(nbytes: int, seed: int) -> bytes:
 
 def process_of(pool, tenant: str):
     """The pool's side of the tenant's device process (its counters, its arena)."""
-    return pool.call(lambda: pool.pool.backend._tenants[tenant])
+    return pool.call(lambda: pool.backend._tenants[tenant])
 
 
 def figures(pool, tenant: str) -> dict:
     def read():
-        process = pool.pool.backend._tenants[tenant]
+        process = pool.backend._tenants[tenant]
         arena = process.arena
         return {"pipe": process.pipe_payload_bytes, "arena_bytes": process.arena_bytes,
                 "leases": arena.leases if arena else 0, "fallbacks": arena.fallbacks if arena else 0,
@@ -243,8 +244,8 @@ def test_each_tenants_process_holds_its_own_arena_read_only_and_sealed():
                 connect(pool.endpoint, BOB, agent=False, timeout=60) as bob:
             alice.upload(pattern(MIB, 1))
             bob.upload(pattern(MIB, 2))
-            pids = {t: _confined(pid) for t, pid in pool.call(lambda: pool.pool.backend.processes()).items()}
-            inodes = {t: pool.call(lambda t=t: pool.pool.backend._tenants[t].arena.inode) for t in pids}
+            pids = {t: _confined(pid) for t, pid in pool.call(lambda: pool.backend.processes()).items()}
+            inodes = {t: pool.call(lambda t=t: pool.backend._tenants[t].arena.inode) for t in pids}
             assert inodes["alice"] != inodes["bob"]
             for tenant, pid in pids.items():
                 held = _arena_fds(pid)

@@ -42,7 +42,7 @@ import time
 import pytest
 
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy
+from accelmig.lab.cutproxy import CutProxy
 from accelmig.wire.control import ControlClient, ControlSession
 from accelmig.wire.errors import AccelmigError
 from accelmig.wire.frames import MAGIC, PREFIX, encode_frame

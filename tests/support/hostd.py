@@ -15,8 +15,8 @@ import os
 import threading
 from pathlib import Path
 
+from accelmig.lab.poolthread import PoolThread
 from accelmig.plugin.hostd.api import LocalServer
-from accelmig.pool.testing import PoolThread
 from tests.support.wait import wait_for
 
 SECRET = "hostA-secret-0123456789"

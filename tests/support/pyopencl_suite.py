@@ -157,7 +157,7 @@ def local_pocl_env(work: Path) -> dict:
 
 def run_both(checkout: Path, work: Path, *, only: str | None = None, select: str | None = None) -> dict:
     """Both runs (or ``only`` one): {"pocl": Outcome, "accelmig": Outcome}."""
-    from accelmig.pool.testing import PoolThread
+    from accelmig.lab.poolthread import PoolThread
     from tests.support import icd as icd_support
     outcomes = {}
     if only in (None, "pocl"):

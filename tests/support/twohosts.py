@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import socket
 
-from accelmig.pool.testing import PoolThread
+from accelmig.lab.poolthread import PoolThread
 from accelmig.wire.control import ControlClient
 from accelmig.wire.frames import FrameReader, encode_frame
 from tests.support.attest import bind

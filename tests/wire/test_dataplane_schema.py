@@ -160,16 +160,17 @@ def test_ownership_proof_is_bound_to_challenge_session_and_epoch():
 
 
 def test_guest_side_imports_only_the_standard_library(tmp_path):
-    """accelmig.agent and accelmig.wire must run in a bare guest Python."""
+    """accelmig.agent, accelmig.wire and accelmig.runtime must run in a bare guest Python."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pkg = tmp_path / "accelmig"
     pkg.mkdir()
     os.symlink(os.path.join(root, "agent"), pkg / "agent")
     os.symlink(os.path.join(root, "wire"), pkg / "wire")
+    os.symlink(os.path.join(root, "runtime"), pkg / "runtime")
     code = (
         "import sys, importlib, pkgutil\n"
-        "import accelmig.agent, accelmig.wire\n"
-        "for pkg in (accelmig.agent, accelmig.wire):\n"
+        "import accelmig.agent, accelmig.runtime, accelmig.wire\n"
+        "for pkg in (accelmig.agent, accelmig.wire, accelmig.runtime):\n"
         "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
         "        if not m.name.endswith('.__main__'):\n"
         "            importlib.import_module(m.name)\n"

@@ -1,4 +1,4 @@
-"""wire.logs: level names as every CLI takes them, and journald priorities
+"""runtime.logs: level names as every CLI takes them, and journald priorities
 (sd-daemon's ``<N>`` prefix) on a stream that is the journal — a real file
 whose device and inode ``JOURNAL_STREAM`` names, as systemd sets it."""
 
@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from accelmig.wire import logs
+from accelmig.runtime import logs
 
 
 @pytest.fixture

@@ -1,7 +1,9 @@
 """The pool demo: a real pool process, a real solver on it, connections cut
 under it, and a result bit-identical to an uncut run.
 
-Run by ``./dev.sh demo`` (until the local lab of real VMs exists).
+Run by ``./dev.sh pool-demo`` (and by ``./dev.sh demo`` as a user who may
+not start the local lab of real VMs).  A demo, so the lab's, not the pool's
+distribution.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import tempfile
 
 from accelmig.agent import demoapp
 from accelmig.agent.driver import connect
-from accelmig.pool.testing import CutProxy
+from accelmig.lab.cutproxy import CutProxy
 from accelmig.wire.control import ControlClient
 
 TOKEN = "demo-tenant-token"

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from accelmig.wire.values import is_int
+
 _STANDARD = set(vars(logging.LogRecord("x", 0, "x", 0, "x", None, None))) | {"message", "asctime"}
 
 
@@ -61,7 +63,7 @@ _PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ER
 
 def level_number(level: str | int) -> int:
     """``"info"``/``"INFO"``/``20`` -> 20; anything else is a ValueError that says what to use."""
-    if isinstance(level, int) and not isinstance(level, bool):
+    if is_int(level):
         return level
     if isinstance(level, str) and level.upper() in LEVELS:
         return getattr(logging, level.upper())

@@ -4,9 +4,9 @@ Each side ships its unit as package data (``pool/data/accelmig-pool.service.in``
 ``plugin/data/accelmig-hostd.service.in``, ``agent/data/accelmig-agent.service.in``)
 and installs it with its own command (``accelmig-pool install --systemd``,
 ``accelmig install --systemd``, ``accelmig-agent install --systemd``).  The
-plumbing they share is here, beside ``logs`` and ``sockets``, because this is
-the one package every side imports; standard library only (the guest agent
-uses it).
+plumbing they share is here, beside ``logs`` and ``sockets``, in the package
+every side's process runs on; standard library only (the guest agent uses
+it).
 
 - Templates use ``@NAME@`` placeholders (the ``configure_file`` convention of
   ``*.service.in`` files): ``$`` and ``%`` keep their systemd meanings
@@ -30,9 +30,9 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipimport
 
+from accelmig.runtime.files import atomic_write
 from accelmig.wire.errors import BadRequest
 
 DEFAULT_UNIT_DIR = "/etc/systemd/system"
@@ -154,20 +154,8 @@ def install_file(path: str, text: str, mode: int = 0o644) -> str:
         with open(path, encoding="utf-8") as handle:
             if handle.read() == text and (os.stat(path).st_mode & 0o7777) == mode:
                 return "unchanged"
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fchmod(handle.fileno(), mode)
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+    atomic_write(path, text, mode)
     return "written"
 
 

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
+from accelmig.runtime.sockets import OwnedUnixSocket, lock_path
 from accelmig.wire.errors import AlreadyRunning, ConfigInvalid
-from accelmig.wire.sockets import OwnedUnixSocket, lock_path
 
 
 def test_a_second_owner_is_refused_and_the_first_keeps_serving(tmp_path):
@@ -33,7 +33,7 @@ def test_a_second_process_is_refused(tmp_path):
     path = str(tmp_path / "svc.sock")
     with OwnedUnixSocket(path, what="svc"):
         code = textwrap.dedent(f"""
-            from accelmig.wire.sockets import OwnedUnixSocket
+            from accelmig.runtime.sockets import OwnedUnixSocket
             from accelmig.wire.errors import AlreadyRunning
             try:
                 OwnedUnixSocket({path!r}, what="svc").open()

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from accelmig.wire.backoff import Backoff, FailureLog
+from accelmig.runtime.backoff import Backoff, FailureLog
 
 
 class Clock:

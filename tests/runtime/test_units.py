@@ -1,4 +1,4 @@
-"""accelmig.wire.units: the plumbing of the three sides' unit installers.
+"""accelmig.runtime.units: the plumbing of the three sides' unit installers.
 
 Proven against systemd's own tools: path escaping against systemd-escape,
 command-line quoting against systemd-analyze verify (which says "not
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from accelmig.wire import units
+from accelmig.runtime import units
 from accelmig.wire.errors import BadRequest
 from tests.support.systemd import directives, needs_analyze, verify
 
