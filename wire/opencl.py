@@ -359,7 +359,7 @@ def global_offset(header: dict, gsize: list) -> list | None:
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != len(gsize) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT - g for v, g in zip(value, gsize)):
+            is_int(v, 0, MAX_INT - g) for v, g in zip(value, gsize)):
         raise BadRequest(reason="launch: goffset must list as many integers as gsize, each from 0, "
                                 "goffset + gsize at most 2**63-1")
     return value if any(value) else None
