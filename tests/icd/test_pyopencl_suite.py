@@ -48,6 +48,8 @@ def checkout():
     return path
 
 
+# (both runs, each bounded by the runner's own limit: setup.cfg's 300 s would cut the first)
+@pytest.mark.timeout(2 * suite.RUN_TIMEOUT + 600)
 def test_pyopencl_suite_through_the_driver_fails_only_where_local_pocl_does(checkout, tmp_path):
     outcomes = suite.run_both(checkout, tmp_path)
     pocl, ours = outcomes["pocl"], outcomes["accelmig"]
