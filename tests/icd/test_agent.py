@@ -7,10 +7,14 @@ migration record's ticket, handed over by the agent's rehome, moves it to
 the other host: the program's results bit-identical to local PoCL's, each
 session resumed once.  The pool serves TLS with client certificates on its
 control plane, as a deployment's does; hostA's guests come from
-127.0.0.0/8, hostB's from ::1."""
+127.0.0.0/8, hostB's from ::1.  Once more with the agent as a guest runs
+it (its own process, reading SMBIOS) and the tickets brought as hostd's
+guest-exec brings them."""
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import uuid
 
@@ -22,6 +26,8 @@ from accelmig.wire import tls
 from accelmig.wire.control import ControlClient
 from tests.support import icd as icd_support
 from tests.support.attest import register_token
+from tests.support.processes import AgentProcess
+from tests.support.tenants import run_cli
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
@@ -217,3 +223,67 @@ def test_a_refused_rehome_is_said_and_the_same_migration_delivered_again_moves_i
         assert solver.ask("step 3") == "step: 6 0 0" and first_step == "step: 3 0 0"
         log = solver.finish()
     assert log.count("resumed at") == 1, log
+
+
+# The agent as a guest runs it: its own process (``accelmig-agent run``), in
+# a mount namespace of its own where /sys/class/dmi/id/product_uuid is the
+# domain's (this machine has no SMBIOS table; the agent reads its path).
+SMBIOS = ("mount -t tmpfs accelmig-test-dmi /sys/class && mkdir -p /sys/class/dmi/id && "
+          "printf '%s\\n' \"$ACCELMIG_TEST_DOMAIN\" > /sys/class/dmi/id/product_uuid && exec \"$@\"")
+
+
+@pytest.fixture
+def agent_process(tmp_path):
+    directory = tmp_path / "agent-process"
+    directory.mkdir()
+    agent = AgentProcess(directory, env={"ACCELMIG_TEST_DOMAIN": DOMAIN.upper()},
+                         wrapper=["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", SMBIOS, "sh"])
+    try:
+        yield agent
+    finally:
+        agent.stop()
+        assert agent.raw == [], "\n".join(agent.raw)      # no traceback of a dying thread
+
+
+@pytest.mark.root
+def test_a_real_agent_process_rehomes_the_session_through_guest_exec(icd, pool, hosts, pki, agent_process,
+                                                                     reference):
+    """The whole guest side as processes: the driver registers with a
+    running ``accelmig-agent``, proves its binding for the domain that
+    agent reads from SMBIOS, and a real migration's tickets reach it the
+    way hostd's guest-exec brings them (``accelmig-agent rehome --stdin``,
+    root's call on the agent's socket): results bit-identical to local
+    PoCL's, resumed once, at hostB."""
+    agent = agent_process
+    env = icd_support.driver_env(icd, endpoint(pool, "hostA"), TOKEN, cafile=str(pki.ca),
+                                 ACCELMIG_AGENT_SOCKET=str(agent.socket), ACCELMIG_ICD_LOG="info")
+    with icd_support.Solver(icd, env) as solver:
+        out = [solver.ask(command) for command in SCRIPT[:2]]
+        opened = agent.wait_log(lambda e: re.match(r"session \S+ opened by pid %d " % solver.pid, e["msg"]))
+        sid = opened["msg"].split()[1]
+        assert pool.session(sid)["claimed_domain"] == DOMAIN          # what the agent's process read
+        with GuestChannel(str(agent.channel)) as channel:
+            channel.connect()
+            challenge = hosts["hostA"].call("bind_challenge")
+            answer = channel.request("prove", host="hostA", challenges={challenge["instance"]: challenge["challenge"]},
+                                     sids=[sid])
+        bound = hosts["hostA"].call("bind_sessions", domain_uuid=DOMAIN, challenge=challenge["challenge"],
+                                    sessions=answer["proofs"])
+        assert bound["bound"] == [sid], bound
+        token = register_token(hosts["hostA"], DOMAIN)
+        record = hosts["hostB"].call("open_migration", domain_uuid=DOMAIN, token=token)
+        hosts["hostA"].call("switchover", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        done = hosts["hostB"].call("complete", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        document = {"migration_id": record["migration_id"], "tickets": done["tickets"],
+                    "identity": {"host_id": "hostB", "pool_endpoint": endpoint(pool, "hostB")}}
+        rehome = run_cli("accelmig-agent", "rehome", "--stdin", "--socket", str(agent.socket),
+                         input=json.dumps(document), timeout=60)
+        hosts["hostA"].call("close", domain_uuid=DOMAIN, migration_id=record["migration_id"])
+        assert rehome.returncode == 0, rehome.stderr
+        moved = json.loads(rehome.stdout)
+        assert moved["ok"] and moved["sessions"][sid]["ok"] and moved["sessions"][sid]["epoch"] == 2, moved
+        assert pool.session(sid)["bound_host"] == "hostB"
+        out += [solver.ask(command) for command in SCRIPT[2:]]
+        log = solver.finish()
+    assert out == reference                     # nothing lost, nothing run twice
+    assert log.count("resumed at " + endpoint(pool, "hostB")) == 1, log
