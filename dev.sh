@@ -24,6 +24,9 @@ APT_PACKAGES=(
   qemu-system-x86 qemu-utils libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients busybox-static
   # the OpenCL driver (icd/): its build, clinfo to prove it, clang's libFuzzer for its fuzz tier
   cmake ninja-build libjson-c-dev libssl-dev opencl-c-headers clinfo clang libclang-rt-14-dev
+  # pyopencl's own test suite through the OpenCL driver (tests/icd/test_pyopencl_suite.py): Debian's
+  # pyopencl, the guests' package, with the pytest it runs under
+  python3-pyopencl python3-pytest
 )
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

@@ -888,7 +888,8 @@ def execute(session: Session, command: Command) -> StoredReply | PendingReply:
         if settle is not None and command.lease is None:
             settle()                    # digest the payload here, off the event loop
         if op is Op.LAUNCH:
-            outcome = ctx.launch_begin_wire(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), h["args"])
+            outcome = ctx.launch_begin_wire(h["prog"], h["kernel"], h["gsize"], h.get("lsize"), h["args"],
+                                            goffset=h.get("goffset") or None)
             if outcome is not None:
                 return PendingReply(session, command, outcome)
             counters.launches += 1

@@ -57,8 +57,9 @@ from accelmig.wire.values import is_a, is_int, is_number
 #: data-plane protocol versions this code speaks, oldest first: 2 adds
 #: ``launches``, pipelined launches in one frame (``wire.batch``); 3 what
 #: the OpenCL API needs (``wire.opencl``: device listing, fill, rect
-#: transfers, sub-buffers, kernel info, by-value arguments, profiling)
-PROTOCOL_VERSIONS = (1, 2, 3)
+#: transfers, sub-buffers, kernel info, by-value arguments, profiling); 4 a
+#: launch's global work offset (``wire.opencl``, ``goffset``)
+PROTOCOL_VERSIONS = (1, 2, 3, 4)
 
 
 class Op(str, enum.Enum):
@@ -253,6 +254,11 @@ def _validate_launch(header: dict, version: int = PROTOCOL_VERSIONS[-1]) -> None
         lsize = _validate_range("lsize", lsize)
         if len(lsize) != len(gsize):
             raise BadRequest(reason="launch: lsize and gsize differ in dimensions")
+    if "goffset" in header:
+        if version < opencl.OFFSET_VERSION:
+            raise ProtocolError(reason=f"launch with goffset on a connection that agreed to protocol {version} "
+                                       f"(it needs {opencl.OFFSET_VERSION})")
+        opencl.global_offset(header, gsize)
     for index, arg in enumerate(header["args"]):
         if not isinstance(arg, dict) or len(arg) == 0:
             raise BadRequest(reason=f"launch: argument {index} must be an object")

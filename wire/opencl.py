@@ -47,6 +47,13 @@ Launch arguments gain (v3 only) ``{"raw": HEX}``: a by-value argument's
 bytes as the kernel takes them (a struct, a vector, any scalar: at most
 ``MAX_RAW_ARG`` bytes), and ``{"buf": null}``: a NULL buffer.
 
+Version 4 adds a launch's global work offset: ``"goffset": [x, y, z]``
+(as many entries as ``gsize``, each from 0, ``goffset + gsize`` within
+2**63-1), what ``clEnqueueNDRangeKernel``'s ``global_work_offset`` gives;
+absent or all zeros, none. A connection that agreed to 3 gets
+``PROTOCOL_ERROR`` for it (a pool that ignored it would run the kernel on
+the wrong work-items).
+
 Profiling: ``launch``, ``write``, ``read``, ``copy``, ``fill``,
 ``write_rect``, ``read_rect`` and ``copy_rect`` may carry ``"prof": true``;
 the pool then runs the command alone (the session's queue drained before
@@ -66,6 +73,8 @@ from accelmig.wire.values import is_int
 
 #: the data-plane protocol version that brought what this module describes
 OPENCL_VERSION = 3
+#: the version that brought a launch's global work offset (``goffset``)
+OFFSET_VERSION = 4
 
 #: a by-value kernel argument's bytes, at most (CL_DEVICE_MAX_PARAMETER_SIZE
 #: is 1024 at least on every full-profile device; 4 KiB leaves room)
@@ -341,6 +350,19 @@ def validate(op: str, header: dict, payload_len: int) -> None:
     if "prof" in header and (header["prof"] is not True or op not in PROFILED_OPS):
         raise BadRequest(reason=f"{op}: prof is true or absent, and only on "
                                 f"{', '.join(sorted(PROFILED_OPS))}")
+
+
+def global_offset(header: dict, gsize: list) -> list | None:
+    """A launch's ``goffset`` (v4), checked against its ``gsize``: the
+    offset, or None for none (absent, or all zeros)."""
+    value = header.get("goffset")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != len(gsize) or not all(
+            is_int(v, 0, MAX_INT - g) for v, g in zip(value, gsize)):
+        raise BadRequest(reason="launch: goffset must list as many integers as gsize, each from 0, "
+                                "goffset + gsize at most 2**63-1")
+    return value if any(value) else None
 
 
 def raw_arg(arg: dict, index: int) -> bytes:

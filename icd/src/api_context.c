@@ -127,13 +127,27 @@ void am_ctx_watch_locked(cl_context ctx, cl_event event, uint64_t seq) {
     *at = watch;
 }
 
+/* A reference for a hook of the session's I/O thread, unless the context
+ * is ending already: its last reference went (on this thread, by an
+ * earlier hook of the same batch), its destroy waits for this thread
+ * before it frees anything, and a reference taken and dropped now would
+ * end it a second time. */
+static bool hook_retain(cl_context ctx) {
+    int refs = atomic_load(&ctx->refs);
+    while (refs > 0)
+        if (atomic_compare_exchange_weak(&ctx->refs, &refs, refs + 1))
+            return true;
+    return false;
+}
+
 static void on_completed(void *arg, uint64_t upto) {
     cl_context ctx = arg;
     am_watch *done = NULL;
     /* Waiters see the completion only once the watches' references are
      * gone (`completing`): a waiter that then releases its last objects
      * ends the context on its own thread, not on this one. */
-    am_ctx_retain(ctx);
+    if (!hook_retain(ctx))
+        return; /* (ending: no event of it is left to complete) */
     pthread_mutex_lock(&ctx->mu);
     ctx->completing++;
     while (ctx->watches != NULL && ctx->watches->seq <= upto) {
@@ -155,6 +169,22 @@ static void on_completed(void *arg, uint64_t upto) {
     pthread_cond_broadcast(&ctx->cond);
     pthread_mutex_unlock(&ctx->mu);
     am_ctx_release(ctx);
+}
+
+/* fork(): the context's lock around it (its notifier may hold it); in the
+ * child the notifier is gone, and what it had still to run was the
+ * parent's to run (see session.h for the session's copy). */
+static void on_fork(void *arg, enum am_fork_phase phase) {
+    cl_context ctx = arg;
+    if (phase == AM_FORK_PREPARE) {
+        pthread_mutex_lock(&ctx->mu);
+        return;
+    }
+    if (phase == AM_FORK_CHILD) {
+        ctx->notifier_started = false;
+        ctx->notices = ctx->notices_tail = NULL; /* (left: the parent runs them) */
+    }
+    pthread_mutex_unlock(&ctx->mu);
 }
 
 static void on_failed(void *arg, const am_error *err) {
@@ -388,7 +418,7 @@ static cl_context CL_API_CALL am_clCreateContext(const cl_context_properties *pr
         memcpy(ctx->props, props, props_len * sizeof *ctx->props);
         ctx->props_len = props_len;
     }
-    am_session_hooks hooks = {.ctx = ctx, .completed = on_completed, .failed = on_failed};
+    am_session_hooks hooks = {.ctx = ctx, .completed = on_completed, .failed = on_failed, .fork = on_fork};
     ctx->session = am_session_open(cfg, am_platform_tls(), ctx->device->id, &hooks, &why);
     if (ctx->session == NULL) {
         am_warn("clCreateContext: no session on the pool at %s: %s: %s", cfg->endpoint, why.code, why.message);

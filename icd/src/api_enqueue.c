@@ -612,8 +612,9 @@ static cl_int run_launch(am_op *base) {
     return am_op_submit(base, cmd, true);
 }
 
-static cl_int check_work(cl_kernel kernel, cl_device_id device, cl_uint dims, const size_t *offset,
+static cl_int check_work(cl_kernel kernel, cl_command_queue queue, cl_uint dims, const size_t *offset,
                          const size_t *global, const size_t *local) {
+    cl_device_id device = queue->device;
     if (dims < 1 || dims > 3)
         return CL_INVALID_WORK_DIMENSION;
     if (global == NULL)
@@ -622,11 +623,16 @@ static cl_int check_work(cl_kernel kernel, cl_device_id device, cl_uint dims, co
         if (global[i] == 0 || global[i] > (size_t)INT64_MAX)
             return CL_INVALID_GLOBAL_WORK_SIZE;
     if (offset != NULL)
-        for (cl_uint i = 0; i < dims; i++)
-            if (offset[i] != 0) {
-                am_warn("clEnqueueNDRangeKernel: a global work offset is not supported by this driver (yet)");
+        for (cl_uint i = 0; i < dims; i++) {
+            if (offset[i] > (size_t)INT64_MAX - global[i])
+                return CL_INVALID_GLOBAL_OFFSET;
+            if (offset[i] != 0 && am_session_version(queue->context->session) < AM_PROTOCOL_OFFSET) {
+                am_warn("clEnqueueNDRangeKernel: the pool speaks data-plane protocol %u, without global work "
+                        "offsets (they need %d: upgrade the pool)", am_session_version(queue->context->session),
+                        AM_PROTOCOL_OFFSET);
                 return CL_INVALID_GLOBAL_OFFSET;
             }
+        }
     bool required = kernel->compile_size[0] != 0;
     if (local == NULL)
         return required ? CL_INVALID_WORK_GROUP_SIZE : CL_SUCCESS;
@@ -668,7 +674,7 @@ static cl_int CL_API_CALL am_clEnqueueNDRangeKernel(cl_command_queue queue, cl_k
     cl_program program = kernel->program;
     if (program->context != queue->context)
         return CL_INVALID_CONTEXT;
-    cl_int err = check_work(kernel, queue->device, dims, offset, global, local);
+    cl_int err = check_work(kernel, queue, dims, offset, global, local);
     if (err != CL_SUCCESS)
         return err;
     am_op *base;
@@ -686,6 +692,11 @@ static cl_int CL_API_CALL am_clEnqueueNDRangeKernel(cl_command_queue queue, cl_k
     sizes_json(&fields, "gsize", dims, global);
     if (local != NULL)
         sizes_json(&fields, "lsize", dims, local);
+    bool offset_given = false;
+    for (cl_uint i = 0; offset != NULL && i < dims; i++)
+        offset_given |= offset[i] != 0;
+    if (offset_given) /* (protocol 4: checked above) */
+        sizes_json(&fields, "goffset", dims, offset);
     rc |= am_buf_puts(&fields, ",\"args\":[");
     pthread_mutex_lock(&kernel->mu);
     op->mems = calloc(kernel->num_args ? kernel->num_args : 1, sizeof *op->mems);

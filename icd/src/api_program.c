@@ -1,6 +1,11 @@
 /* Programs and kernels.  A program is built at the pool (build from its
  * source, build_binary from a device binary), its build log and kernel
- * names kept here; every build asks the runtime for argument information
+ * names kept here; a source's #include directives are resolved here, on
+ * the application's side (includes.h).  Separate compilation: the pool
+ * compiles whole programs, so clCompileProgram keeps the unit (its headers
+ * put in) and clLinkProgram builds the units together as one program,
+ * each with its own -D macros (so a compile error is told at the link, in
+ * its log; units that define the same static name clash there); every build asks the runtime for argument information
  * (-cl-kernel-arg-info), which tells this driver how each argument of
  * clSetKernelArg travels (a buffer, local memory, a value) — the
  * application sees it only if it asked for it, as from its runtime.  A
@@ -11,6 +16,7 @@
 #include <string.h>
 
 #include "icd.h"
+#include "includes.h"
 #include "json.h"
 #include "log.h"
 
@@ -58,6 +64,8 @@ void am_program_release(cl_program program) {
     free(program->binary);
     free(program->options);
     free(program->log);
+    free(program->unit);
+    free(program->unit_options);
     program->magic = AM_MAGIC_DEAD;
     pthread_mutex_destroy(&program->mu);
     free(program);
@@ -205,22 +213,36 @@ static void run_build_notice(am_notice *notice) {
     free(n);
 }
 
-static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devices, const cl_device_id *devices,
-                                            const char *options, void(CL_CALLBACK *notify)(cl_program, void *),
-                                            void *data) {
-    if (!am_is_program(program))
-        return CL_INVALID_PROGRAM;
-    cl_context ctx = program->context;
-    if ((num_devices == 0) != (devices == NULL) || (notify == NULL && data != NULL))
+static void post_build_notice(cl_program program, void(CL_CALLBACK *notify)(cl_program, void *), void *data) {
+    if (notify == NULL)
+        return;
+    build_notice *n = calloc(1, sizeof *n);
+    if (n == NULL)
+        return;
+    n->base.run = run_build_notice;
+    am_program_retain(program);
+    n->program = program;
+    n->fn = notify;
+    n->data = data;
+    am_ctx_post(program->context, &n->base);
+}
+
+static cl_int check_options(const char *options) {
+    size_t len = strlen(options);
+    return len > 4000 || !am_utf8_valid(options, len) ? CL_INVALID_BUILD_OPTIONS : CL_SUCCESS;
+}
+
+static cl_int check_devices(cl_context ctx, cl_uint num_devices, const cl_device_id *devices) {
+    if ((num_devices == 0) != (devices == NULL))
         return CL_INVALID_VALUE;
     for (cl_uint i = 0; i < num_devices; i++)
         if (devices[i] != ctx->device)
             return CL_INVALID_DEVICE;
-    if (options == NULL)
-        options = "";
-    size_t options_len = strlen(options);
-    if (options_len > 4000 || !am_utf8_valid(options, options_len))
-        return CL_INVALID_BUILD_OPTIONS;
+    return CL_SUCCESS;
+}
+
+/* Take the program for a build (none may be under way, nor kernels of it alive). */
+static cl_int begin_build(cl_program program) {
     pthread_mutex_lock(&program->mu);
     if (atomic_load(&program->kernels) > 0 || program->status == CL_BUILD_IN_PROGRESS) {
         pthread_mutex_unlock(&program->mu);
@@ -228,8 +250,25 @@ static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devi
     }
     program->status = CL_BUILD_IN_PROGRESS;
     pthread_mutex_unlock(&program->mu);
+    return CL_SUCCESS;
+}
 
-    bool from_source = program->source != NULL;
+static void end_build(cl_program program, const char *log, const char *options) {
+    pthread_mutex_lock(&program->mu);
+    free(program->log);
+    program->log = strdup(log);
+    free(program->options);
+    program->options = strdup(options);
+    program->status = CL_BUILD_ERROR;
+    pthread_mutex_unlock(&program->mu);
+}
+
+/* Build at the pool: `text` (a source, its includes resolved, or a device
+ * binary) with `wire_options`; the application's `options` are what it
+ * is told it built with.  The log, the kernel names and the state kept. */
+static cl_int build_at_pool(cl_program program, const void *text, size_t len, bool from_source,
+                            const char *wire_options_in, const char *options) {
+    cl_context ctx = program->context;
     bool arg_info = strstr(options, ARG_INFO_OPTION) != NULL;
     uint64_t handle = am_session_handle(ctx->session);
     am_buf fields;
@@ -237,27 +276,22 @@ static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devi
     int rc = am_buf_printf(&fields, "\"prog\":%" PRIu64 ",\"options\":", handle);
     am_buf wire_options;
     am_buf_init(&wire_options);
-    rc |= am_buf_puts(&wire_options, options);
+    rc |= am_buf_puts(&wire_options, wire_options_in);
     if (!arg_info && from_source)
-        rc |= am_buf_puts(&wire_options, options_len ? " " ARG_INFO_OPTION : ARG_INFO_OPTION);
+        rc |= am_buf_puts(&wire_options, wire_options_in[0] ? " " ARG_INFO_OPTION : ARG_INFO_OPTION);
     if (rc == 0)
         rc = am_buf_json_string(&fields, (const char *)wire_options.data, wire_options.len);
     am_buf_free(&wire_options);
-    am_cmd *cmd = rc == 0 ? am_cmd_new(from_source ? "build" : "build_binary", (const char *)fields.data,
-                                       from_source ? (const void *)program->source : program->binary,
-                                       from_source ? program->source_len : program->binary_len, false)
+    am_cmd *cmd = rc == 0 ? am_cmd_new(from_source ? "build" : "build_binary", (const char *)fields.data, text, len,
+                                       false)
                           : NULL;
     am_buf_free(&fields);
-    cl_int err;
     if (cmd == NULL) {
-        err = CL_OUT_OF_HOST_MEMORY;
-        pthread_mutex_lock(&program->mu);
-        program->status = CL_BUILD_ERROR;
-        pthread_mutex_unlock(&program->mu);
-        return err;
+        end_build(program, "", options);
+        return CL_OUT_OF_HOST_MEMORY;
     }
     am_cmd *done = NULL;
-    err = am_call(ctx, cmd, CL_BUILD_PROGRAM_FAILURE, &done);
+    cl_int err = am_call(ctx, cmd, CL_BUILD_PROGRAM_FAILURE, &done);
     const char *log = NULL;
     size_t log_len = 0;
     if (done != NULL && done->ok)
@@ -288,6 +322,7 @@ static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devi
         program->handle = handle;
         program->arg_info = arg_info;
         program->status = CL_BUILD_SUCCESS;
+        program->binary_type = CL_PROGRAM_BINARY_TYPE_EXECUTABLE;
     } else {
         program->status = CL_BUILD_ERROR;
     }
@@ -295,17 +330,43 @@ static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devi
     am_cmd_free(done);
     if (old != 0)
         free_program_at_pool(ctx, old); /* the build before this one */
-    if (notify != NULL) {
-        build_notice *n = calloc(1, sizeof *n);
-        if (n != NULL) {
-            n->base.run = run_build_notice;
-            am_program_retain(program);
-            n->program = program;
-            n->fn = notify;
-            n->data = data;
-            am_ctx_post(ctx, &n->base);
+    return err;
+}
+
+static cl_int CL_API_CALL am_clBuildProgram(cl_program program, cl_uint num_devices, const cl_device_id *devices,
+                                            const char *options, void(CL_CALLBACK *notify)(cl_program, void *),
+                                            void *data) {
+    if (!am_is_program(program))
+        return CL_INVALID_PROGRAM;
+    cl_int err = check_devices(program->context, num_devices, devices);
+    if (err != CL_SUCCESS || (notify == NULL && data != NULL))
+        return err != CL_SUCCESS ? err : CL_INVALID_VALUE;
+    if (options == NULL)
+        options = "";
+    if ((err = check_options(options)) != CL_SUCCESS)
+        return err;
+    if (program->linked)
+        return CL_INVALID_OPERATION; /* (made by a link: no source or binary of its own) */
+    if ((err = begin_build(program)) != CL_SUCCESS)
+        return err;
+    if (program->binary != NULL) {
+        err = build_at_pool(program, program->binary, program->binary_len, false, options, options);
+    } else {
+        am_buf text, wire_options;
+        am_buf_init(&text);
+        am_buf_init(&wire_options);
+        char why[256];
+        if (am_expand_includes(program->source, program->source_len, options, NULL, 0, &text, &wire_options, why,
+                               sizeof why) != 0) {
+            end_build(program, why, options);
+            err = strcmp(why, "out of memory") == 0 ? CL_OUT_OF_HOST_MEMORY : CL_BUILD_PROGRAM_FAILURE;
+        } else {
+            err = build_at_pool(program, text.data, text.len, true, (const char *)wire_options.data, options);
         }
+        am_buf_free(&text);
+        am_buf_free(&wire_options);
     }
+    post_build_notice(program, notify, data);
     return err;
 }
 
@@ -313,20 +374,183 @@ static cl_int CL_API_CALL am_clCompileProgram(cl_program program, cl_uint num_de
                                               const char *options, cl_uint num_headers, const cl_program *headers,
                                               const char **names, void(CL_CALLBACK *notify)(cl_program, void *),
                                               void *data) {
-    (void)num_devices, (void)devices, (void)options, (void)num_headers, (void)headers, (void)names, (void)notify,
-        (void)data;
-    /* separate compilation is not offered by this driver (yet): clBuildProgram is */
-    return am_is_program(program) ? CL_INVALID_OPERATION : CL_INVALID_PROGRAM;
+    if (!am_is_program(program))
+        return CL_INVALID_PROGRAM;
+    cl_int err = check_devices(program->context, num_devices, devices);
+    if (err != CL_SUCCESS)
+        return err;
+    if ((notify == NULL && data != NULL) || (num_headers == 0) != (headers == NULL) ||
+        (num_headers == 0) != (names == NULL))
+        return CL_INVALID_VALUE;
+    if (options == NULL)
+        options = "";
+    if ((err = check_options(options)) != CL_SUCCESS)
+        return CL_INVALID_COMPILER_OPTIONS;
+    if (program->source == NULL)
+        return CL_INVALID_OPERATION; /* (only a program made from source compiles) */
+    am_header *found = num_headers ? calloc(num_headers, sizeof *found) : NULL;
+    if (num_headers && found == NULL)
+        return CL_OUT_OF_HOST_MEMORY;
+    for (cl_uint i = 0; i < num_headers; i++) {
+        if (!am_is_program(headers[i]) || headers[i]->source == NULL || names[i] == NULL) {
+            free(found);
+            return names[i] == NULL ? CL_INVALID_VALUE : CL_INVALID_OPERATION;
+        }
+        found[i] = (am_header){names[i], headers[i]->source, headers[i]->source_len};
+    }
+    if ((err = begin_build(program)) != CL_SUCCESS) {
+        free(found);
+        return err;
+    }
+    am_buf unit, unit_options;
+    am_buf_init(&unit);
+    am_buf_init(&unit_options);
+    char why[256];
+    int rc = am_expand_includes(program->source, program->source_len, options, found, num_headers, &unit,
+                                &unit_options, why, sizeof why);
+    free(found);
+    if (rc != 0) {
+        am_buf_free(&unit);
+        am_buf_free(&unit_options);
+        end_build(program, why, options);
+        post_build_notice(program, notify, data);
+        return strcmp(why, "out of memory") == 0 ? CL_OUT_OF_HOST_MEMORY : CL_COMPILE_PROGRAM_FAILURE;
+    }
+    pthread_mutex_lock(&program->mu);
+    free(program->unit);
+    free(program->unit_options);
+    program->unit_len = unit.len;
+    program->unit = (char *)am_buf_take(&unit);
+    program->unit_options = (char *)am_buf_take(&unit_options);
+    free(program->log);
+    program->log = strdup("");
+    free(program->options);
+    program->options = strdup(options);
+    program->binary_type = CL_PROGRAM_BINARY_TYPE_COMPILED_OBJECT;
+    program->status = CL_BUILD_SUCCESS;
+    pthread_mutex_unlock(&program->mu);
+    am_buf_free(&unit);
+    am_buf_free(&unit_options);
+    post_build_notice(program, notify, data);
+    return CL_SUCCESS;
+}
+
+/* One unit of a link: its macros defined around its text, its other options kept for the build. */
+static int add_unit(cl_program unit, am_buf *text, am_buf *options) {
+    am_buf defines, undefines, rest;
+    am_buf_init(&defines);
+    am_buf_init(&undefines);
+    am_buf_init(&rest);
+    int rc = am_split_defines(unit->unit_options != NULL ? unit->unit_options : "", &defines, &undefines, &rest);
+    if (defines.len)
+        rc |= am_buf_append(text, defines.data, defines.len);
+    rc |= am_buf_puts(text, "#line 1 \"input.cl\"\n");
+    rc |= am_buf_append(text, unit->unit, unit->unit_len);
+    if (unit->unit_len == 0 || unit->unit[unit->unit_len - 1] != '\n')
+        rc |= am_buf_puts(text, "\n");
+    if (undefines.len)
+        rc |= am_buf_append(text, undefines.data, undefines.len);
+    /* the units' other options, each once */
+    if (rest.len && (options->data == NULL || strstr((const char *)options->data, (const char *)rest.data) == NULL)) {
+        rc |= am_buf_puts(options, options->len ? " " : "");
+        rc |= am_buf_append(options, rest.data, rest.len);
+        rc |= am_buf_append(options, "", 1);
+        options->len--;
+    }
+    am_buf_free(&defines);
+    am_buf_free(&undefines);
+    am_buf_free(&rest);
+    return rc;
 }
 
 static cl_program CL_API_CALL am_clLinkProgram(cl_context ctx, cl_uint num_devices, const cl_device_id *devices,
                                                const char *options, cl_uint num_programs, const cl_program *programs,
                                                void(CL_CALLBACK *notify)(cl_program, void *), void *data,
                                                cl_int *errcode) {
-    (void)num_devices, (void)devices, (void)options, (void)num_programs, (void)programs, (void)notify, (void)data;
+    cl_int err = CL_SUCCESS;
+    cl_program linked = NULL;
+    am_buf text, wire_options;
+    am_buf_init(&text);
+    am_buf_init(&wire_options);
+    if (!am_is_context(ctx)) {
+        err = CL_INVALID_CONTEXT;
+        goto out;
+    }
+    if ((err = check_devices(ctx, num_devices, devices)) != CL_SUCCESS)
+        goto out;
+    if (num_programs == 0 || programs == NULL || (notify == NULL && data != NULL)) {
+        err = CL_INVALID_VALUE;
+        goto out;
+    }
+    if (options == NULL)
+        options = "";
+    if (check_options(options) != CL_SUCCESS) {
+        err = CL_INVALID_LINKER_OPTIONS;
+        goto out;
+    }
+    bool library = strstr(options, "-create-library") != NULL;
+    for (cl_uint i = 0; i < num_programs && err == CL_SUCCESS; i++) {
+        cl_program unit = programs[i];
+        if (!am_is_program(unit) || unit->context != ctx) {
+            err = CL_INVALID_PROGRAM;
+            break;
+        }
+        pthread_mutex_lock(&unit->mu);
+        bool usable = unit->status == CL_BUILD_SUCCESS && unit->unit != NULL &&
+                      (unit->binary_type == CL_PROGRAM_BINARY_TYPE_COMPILED_OBJECT ||
+                       unit->binary_type == CL_PROGRAM_BINARY_TYPE_LIBRARY);
+        if (!usable)
+            err = CL_INVALID_OPERATION;
+        else if (add_unit(unit, &text, &wire_options) != 0)
+            err = CL_OUT_OF_HOST_MEMORY;
+        pthread_mutex_unlock(&unit->mu);
+    }
+    if (err != CL_SUCCESS)
+        goto out;
+    if ((linked = make_program(ctx)) == NULL) {
+        err = CL_OUT_OF_HOST_MEMORY;
+        goto out;
+    }
+    linked->linked = true;
+    if (library) {
+        /* a library is its units, kept for a later link */
+        linked->unit_len = text.len;
+        linked->unit = text.len ? (char *)am_buf_take(&text) : strdup("");
+        linked->unit_options = strdup("");
+        linked->options = strdup(options);
+        linked->log = strdup("");
+        linked->binary_type = CL_PROGRAM_BINARY_TYPE_LIBRARY;
+        linked->status = CL_BUILD_SUCCESS;
+    } else {
+        /* the link's options go with the units' (-cl-kernel-arg-info added as for any build) */
+        am_buf all;
+        am_buf_init(&all);
+        int rc = am_buf_puts(&all, options);
+        if (wire_options.len) {
+            rc |= am_buf_puts(&all, options[0] ? " " : "");
+            rc |= am_buf_append(&all, wire_options.data, wire_options.len);
+        }
+        rc |= am_buf_append(&all, "", 1);
+        if (rc != 0 || begin_build(linked) != CL_SUCCESS) {
+            err = CL_OUT_OF_HOST_MEMORY;
+        } else {
+            err = build_at_pool(linked, text.data, text.len, true, (const char *)all.data, options);
+            if (err == CL_BUILD_PROGRAM_FAILURE)
+                err = CL_LINK_PROGRAM_FAILURE; /* (the program is returned: its log says why) */
+        }
+        am_buf_free(&all);
+    }
+    post_build_notice(linked, notify, data);
+out:
+    am_buf_free(&text);
+    am_buf_free(&wire_options);
     if (errcode != NULL)
-        *errcode = am_is_context(ctx) ? CL_INVALID_OPERATION : CL_INVALID_CONTEXT;
-    return NULL;
+        *errcode = err;
+    if (linked != NULL && err != CL_SUCCESS && err != CL_LINK_PROGRAM_FAILURE) {
+        am_program_release(linked);
+        linked = NULL;
+    }
+    return linked;
 }
 
 static cl_int CL_API_CALL am_clRetainProgram(cl_program program) {
@@ -464,7 +688,7 @@ static cl_int CL_API_CALL am_clGetProgramBuildInfo(cl_program program, cl_device
         break;
     case CL_PROGRAM_BINARY_TYPE: {
         cl_program_binary_type type =
-            program->status == CL_BUILD_SUCCESS ? CL_PROGRAM_BINARY_TYPE_EXECUTABLE : CL_PROGRAM_BINARY_TYPE_NONE;
+            program->status == CL_BUILD_SUCCESS ? program->binary_type : CL_PROGRAM_BINARY_TYPE_NONE;
         err = am_answer(size, value, size_ret, &type, sizeof type);
         break;
     }

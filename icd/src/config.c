@@ -217,10 +217,50 @@ static int read_small_file(const char *path, char *out, size_t size, size_t *len
     return 0;
 }
 
-/* The guest agent's idea of where the pool is (it knows since the host told
- * it), asked once: {"type":"where","id":1}. Empty when no agent answers. */
-static void ask_agent(const char *path, char *endpoint, size_t size) {
+int am_domain_claim(const char *text, size_t len, char out[40]) {
+    while (len > 0 && (text[0] == ' ' || text[0] == '\t' || text[0] == '\n' || text[0] == '\r')) {
+        text++;
+        len--;
+    }
+    while (len > 0 && (text[len - 1] == ' ' || text[len - 1] == '\t' || text[len - 1] == '\n' ||
+                       text[len - 1] == '\r'))
+        len--;
+    if (len != 36)
+        return -1;
+    for (size_t i = 0; i < 36; i++) {
+        char c = text[i];
+        if (i == 8 || i == 13 || i == 18 || i == 23) {
+            if (c != '-')
+                return -1;
+            out[i] = '-';
+            continue;
+        }
+        if (c >= 'A' && c <= 'F')
+            c = (char)(c - 'A' + 'a');
+        if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')))
+            return -1;
+        out[i] = c;
+    }
+    out[36] = 0;
+    /* what firmware without a real UUID writes there (agent/dmi.py) */
+    static const char *const placeholders[] = {"00000000-0000-0000-0000-000000000000",
+                                               "ffffffff-ffff-ffff-ffff-ffffffffffff",
+                                               "03000200-0400-0500-0006-000700080009"};
+    for (size_t i = 0; i < sizeof placeholders / sizeof *placeholders; i++)
+        if (strcmp(out, placeholders[i]) == 0) {
+            out[0] = 0;
+            return -1;
+        }
+    return 0;
+}
+
+/* The guest agent's answer to "where" ({"type":"where","id":1}): where the
+ * pool is (it knows since the host told it) and which domain this guest
+ * is.  Empty strings when no agent answers. */
+static void ask_agent(const char *path, char *endpoint, size_t size, char domain[40]) {
     struct stat st;
+    endpoint[0] = 0;
+    domain[0] = 0;
     if (path[0] == 0 || stat(path, &st) != 0)
         return;
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -235,8 +275,6 @@ static void ask_agent(const char *path, char *endpoint, size_t size) {
     static const char request[] = "{\"type\":\"where\",\"id\":1}\n";
     if (send(fd, request, sizeof request - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof request - 1))
         goto done;
-    struct timespec start;
-    clock_gettime(CLOCK_MONOTONIC, &start);
     while (got < sizeof line - 1) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         if (poll(&pfd, 1, 2000) <= 0)
@@ -256,16 +294,37 @@ static void ask_agent(const char *path, char *endpoint, size_t size) {
             json_tokener_free(tok);
         }
         size_t len = 0;
-        const char *where = am_json_str(am_json_get(answer, "result"), "endpoint", &len);
+        json_object *result = am_json_get(answer, "result");
+        const char *where = am_json_str(result, "endpoint", &len);
         if (where != NULL && len > 0 && len < size && am_utf8_valid(where, len)) {
             memcpy(endpoint, where, len);
             endpoint[len] = 0;
         }
+        const char *uuid = am_json_str(result, "domain", &len);
+        if (uuid != NULL && am_domain_claim(uuid, len, domain) != 0)
+            domain[0] = 0;
         json_object_put(answer);
         break;
     }
 done:
     close(fd);
+}
+
+void am_agent_domain(const char *path, char *out, size_t size) {
+    char endpoint[320], domain[40];
+    ask_agent(path, endpoint, sizeof endpoint, domain);
+    snprintf(out, size, "%s", domain);
+}
+
+/* The SMBIOS system UUID as Linux shows it (root only may read it). */
+static void read_dmi(char domain[40]) {
+    char text[80];
+    size_t len = 0;
+    bool present = false;
+    domain[0] = 0;
+    if (read_small_file("/sys/class/dmi/id/product_uuid", text, sizeof text, &len, &present) == 0 &&
+        am_domain_claim(text, len, domain) != 0)
+        domain[0] = 0;
 }
 
 int am_config_load(am_config *cfg, am_error *err) {
@@ -297,8 +356,11 @@ int am_config_load(am_config *cfg, am_error *err) {
     const char *value;
     if ((value = getenv("ACCELMIG_AGENT_SOCKET")) != NULL)
         snprintf(cfg->agent_socket, sizeof cfg->agent_socket, "%s", value);
-    char from_agent[320] = "";
-    ask_agent(cfg->agent_socket, from_agent, sizeof from_agent);
+    char from_agent[320] = "", agent_domain[40] = "";
+    ask_agent(cfg->agent_socket, from_agent, sizeof from_agent, agent_domain);
+    read_dmi(cfg->domain);
+    if (cfg->domain[0] == 0)
+        snprintf(cfg->domain, sizeof cfg->domain, "%s", agent_domain);
     if (from_agent[0] != 0)
         snprintf(cfg->endpoint, sizeof cfg->endpoint, "%s", from_agent);
     else if ((value = getenv("ACCELMIG_ENDPOINT")) != NULL && value[0] != 0)

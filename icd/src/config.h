@@ -9,6 +9,9 @@
  *             `insecure` / `cafile`; neither: TLS with the system's trust store
  *   timeout   $ACCELMIG_TIMEOUT, else the file's `timeout` (seconds a call
  *             waits for the pool, connected or not; default 60)
+ *   domain    this guest's SMBIOS system UUID (/sys/class/dmi/id/product_uuid,
+ *             root's), else the guest agent's (`where`): the domain told at
+ *             open, which binding proofs are made for (agent/dmi.py)
  *
  * The config file is $ACCELMIG_DRIVER_CONFIG, else /etc/accelmig/driver.toml
  * (absent: fine): a TOML subset, `key = value` lines, values "strings",
@@ -35,6 +38,7 @@ typedef struct am_config {
     double timeout;          /* seconds a call waits for the pool */
     double connect_timeout;  /* seconds one connection attempt may take */
     char agent_socket[108];
+    char domain[40];         /* this guest's SMBIOS system UUID ("" none): the domain told at open */
     char source[4096];       /* the config file read ("" if none) */
     uint32_t window_commands;
     uint64_t window_bytes;
@@ -49,5 +53,11 @@ int am_config_parse(am_config *cfg, const char *text, size_t len, const char *so
 void am_config_defaults(am_config *cfg);
 /* 0 when an endpoint and a token are known; else -1 and why. */
 int am_config_ready(const am_config *cfg, am_error *err);
+/* This guest's domain as the guest agent at `path` reads it (root reads
+ * the SMBIOS UUID; a driver of another user asks the agent): "" none. */
+void am_agent_domain(const char *path, char *out, size_t size);
+/* A UUID as wire.dataplane.domain_claim takes it (case, surrounding space),
+ * into canonical lower case, unless it is a firmware's placeholder: 0 or -1. */
+int am_domain_claim(const char *text, size_t len, char out[40]);
 
 #endif

@@ -217,6 +217,13 @@ struct _cl_program {
     char **kernel_names;             /* owned */
     size_t num_kernels;
     size_t binary_size;
+    /* clCompileProgram's unit (its includes resolved, its -D options apart:
+     * a compiled object or a library), which clLinkProgram builds from */
+    char *unit;                      /* owned */
+    size_t unit_len;
+    char *unit_options;              /* owned: the compile's options, less the -I the driver read */
+    cl_program_binary_type binary_type;
+    bool linked;                     /* made by clLinkProgram: no source of its own to build again */
     bool arg_info;                   /* built with -cl-kernel-arg-info (arguments' names and types) */
     atomic_int kernels;              /* kernels made from it, alive */
 };

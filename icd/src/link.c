@@ -23,18 +23,23 @@ double am_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static int wait_fd(int fd, short events, double deadline) {
+/* 1 ready, 0 the deadline passed, -1 an error or `abort_fd` readable (errno ECANCELED) */
+static int wait_fd(int fd, short events, double deadline, int abort_fd) {
     for (;;) {
         double left = deadline - am_now();
         if (left <= 0)
             return 0;
-        struct pollfd pfd = {.fd = fd, .events = events};
+        struct pollfd pfd[2] = {{.fd = fd, .events = events}, {.fd = abort_fd, .events = POLLIN}};
         int ms = left > 3600 ? 3600000 : (int)(left * 1000) + 1;
-        int n = poll(&pfd, 1, ms);
+        int n = poll(pfd, abort_fd >= 0 ? 2 : 1, ms);
         if (n < 0 && errno == EINTR)
             continue;
         if (n < 0)
             return -1;
+        if (abort_fd >= 0 && pfd[1].revents) {
+            errno = ECANCELED;
+            return -1;
+        }
         if (n > 0)
             return 1;
     }
@@ -179,7 +184,8 @@ static void configure(int fd) {
     setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
 }
 
-static int connect_tcp(const char *host, int port, double deadline, const char *endpoint, am_error *err) {
+static int connect_tcp(const char *host, int port, double deadline, int abort_fd, const char *endpoint,
+                       am_error *err) {
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *found = NULL;
     char service[8];
     snprintf(service, sizeof service, "%d", port);
@@ -201,13 +207,15 @@ static int connect_tcp(const char *host, int port, double deadline, const char *
             fd = -1;
             continue;
         }
-        int ready = wait_fd(fd, POLLOUT, deadline);
+        int ready = wait_fd(fd, POLLOUT, deadline, abort_fd);
         int soerr = 0;
         socklen_t len = sizeof soerr;
         if (ready <= 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0 || soerr != 0) {
             last = ready == 0 ? ETIMEDOUT : soerr ? soerr : errno;
             close(fd);
             fd = -1;
+            if (last == ECANCELED)
+                break;
         }
     }
     freeaddrinfo(found);
@@ -254,8 +262,8 @@ static int make_binding(am_link *link) {
     return 0;
 }
 
-static int handshake(am_link *link, SSL_CTX *tls, const char *host, double deadline, const char *endpoint,
-                     am_error *err) {
+static int handshake(am_link *link, SSL_CTX *tls, const char *host, double deadline, SSL_SESSION *offer,
+                     const char *endpoint, am_error *err) {
     char why[256];
     link->bio_method = socket_bio_method();
     link->ssl = link->bio_method != NULL ? SSL_new(tls) : NULL;
@@ -275,6 +283,12 @@ static int handshake(am_link *link, SSL_CTX *tls, const char *host, double deadl
         am_error_set(err, "UNAVAILABLE", "TLS with %s: cannot check the name %s", endpoint, host);
         return -1;
     }
+    /* Resumption skips the certificate chain and the pool's signature (the
+     * costly part of a reconnect in a guest that just moved); it proves the
+     * pool knows the ticket's key, a verified pool's at the first handshake,
+     * and the binding stays the certificate that handshake verified. */
+    if (offer != NULL && SSL_set_session(link->ssl, offer) != 1)
+        ERR_clear_error(); /* (offered nothing: a full handshake) */
     for (;;) {
         ERR_clear_error();
         int rc = SSL_connect(link->ssl);
@@ -283,11 +297,11 @@ static int handshake(am_link *link, SSL_CTX *tls, const char *host, double deadl
         int code = SSL_get_error(link->ssl, rc);
         short want = code == SSL_ERROR_WANT_READ ? POLLIN : code == SSL_ERROR_WANT_WRITE ? POLLOUT : 0;
         if (want != 0) {
-            int ready = wait_fd(link->fd, want, deadline);
+            int ready = wait_fd(link->fd, want, deadline, link->abort_fd);
             if (ready > 0)
                 continue;
             am_error_set(err, ready == 0 ? "TIMEOUT" : "UNAVAILABLE", "the TLS handshake with %s %s", endpoint,
-                         ready == 0 ? "did not complete in time" : "failed");
+                         ready == 0 ? "did not complete in time" : errno == ECANCELED ? "was cut short" : "failed");
             return -1;
         }
         long verify = SSL_get_verify_result(link->ssl);
@@ -317,9 +331,11 @@ static int handshake(am_link *link, SSL_CTX *tls, const char *host, double deadl
     return 0;
 }
 
-int am_link_dial(am_link *link, SSL_CTX *tls, const char *endpoint, double timeout, am_error *err) {
+int am_link_dial(am_link *link, SSL_CTX *tls, const char *endpoint, double timeout, SSL_SESSION *offer,
+                 int abort_fd, am_error *err) {
     memset(link, 0, sizeof *link);
     link->fd = -1;
+    link->abort_fd = abort_fd;
     char host[256];
     int port;
     if (am_parse_endpoint(endpoint, host, sizeof host, &port) != 0) {
@@ -327,14 +343,31 @@ int am_link_dial(am_link *link, SSL_CTX *tls, const char *endpoint, double timeo
         return -1;
     }
     double deadline = am_now() + timeout;
-    link->fd = connect_tcp(host, port, deadline, endpoint, err);
+    link->fd = connect_tcp(host, port, deadline, abort_fd, endpoint, err);
     if (link->fd < 0)
         return -1;
-    if (tls != NULL && handshake(link, tls, host, deadline, endpoint, err) != 0) {
+    if (tls != NULL && handshake(link, tls, host, deadline, offer, endpoint, err) != 0) {
         am_link_close(link);
         return -1;
     }
     return 0;
+}
+
+SSL_SESSION *am_link_tls_session(const am_link *link) {
+    if (link->ssl == NULL)
+        return NULL;
+    SSL_SESSION *session = SSL_get1_session(link->ssl);
+    if (session == NULL || !SSL_SESSION_is_resumable(session)) {
+        SSL_SESSION_free(session);
+        return NULL;
+    }
+    /* A copy: OpenSSL 3.0 offers the connection's own session object at the
+     * next handshake without the pool resuming it (seen: never reused),
+     * where a copy of it (what Python's ssl and s_client's -sess_in end up
+     * with) is reused. */
+    SSL_SESSION *copy = SSL_SESSION_dup(session);
+    SSL_SESSION_free(session);
+    return copy;
 }
 
 void am_link_close(am_link *link) {
@@ -436,10 +469,15 @@ int am_link_send_all(am_link *link, const void *data, size_t len, double deadlin
             len -= (size_t)n;
             continue;
         }
-        if (n == AM_LINK_AGAIN && wait_fd(link->fd, want, deadline) > 0)
-            continue;
-        if (n == AM_LINK_AGAIN)
-            am_error_set(err, "TIMEOUT", "the pool did not take a frame in time");
+        if (n == AM_LINK_AGAIN) {
+            int ready = wait_fd(link->fd, want, deadline, link->abort_fd);
+            if (ready > 0)
+                continue;
+            if (ready < 0 && errno == ECANCELED)
+                am_error_set(err, "UNAVAILABLE", "the pool is unavailable: the handshake was cut short");
+            else
+                am_error_set(err, "TIMEOUT", "the pool did not take a frame in time");
+        }
         return -1;
     }
     return 0;
@@ -451,7 +489,11 @@ ssize_t am_link_recv(am_link *link, void *buf, size_t len, double deadline, am_e
         ssize_t n = am_link_read(link, buf, len, &want, err);
         if (n != AM_LINK_AGAIN)
             return n;
-        int ready = wait_fd(link->fd, want, deadline);
+        int ready = wait_fd(link->fd, want, deadline, link->abort_fd);
+        if (ready < 0 && errno == ECANCELED) {
+            am_error_set(err, "UNAVAILABLE", "the pool is unavailable: the handshake was cut short");
+            return -1;
+        }
         if (ready <= 0) {
             am_error_set(err, "TIMEOUT", "the pool's answer did not come in time");
             return -1;

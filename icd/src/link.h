@@ -23,6 +23,7 @@
 
 typedef struct am_link {
     int fd;
+    int abort_fd;             /* readable: give up waiting (an explicit resume preempts a reconnect); -1 none */
     SSL *ssl;                 /* NULL: plain TCP */
     BIO_METHOD *bio_method;   /* owned: the MSG_NOSIGNAL socket BIO */
     unsigned char binding[AM_BINDING_MAX];
@@ -35,8 +36,18 @@ SSL_CTX *am_tls_context(const char *cafile, am_error *err);
 /* Split "HOST:PORT" / "[V6]:PORT" (wire.dataplane.parse_endpoint's rules). */
 int am_parse_endpoint(const char *endpoint, char *host, size_t host_size, int *port);
 
-/* Connect and, with `tls`, handshake, within `timeout` seconds. */
-int am_link_dial(am_link *link, SSL_CTX *tls, const char *endpoint, double timeout, am_error *err);
+/* Connect and, with `tls`, handshake, within `timeout` seconds.  `offer`
+ * (may be NULL): a TLS session of an earlier connection to the same
+ * endpoint, offered for resumption (a ticket the pool no longer takes is a
+ * full handshake).  `abort_fd` (-1: none): while it is readable every wait
+ * of this link gives up (UNAVAILABLE), the handshake's and its frames'. */
+int am_link_dial(am_link *link, SSL_CTX *tls, const char *endpoint, double timeout, SSL_SESSION *offer,
+                 int abort_fd, am_error *err);
+/* The TLS session to offer the next connection to the same endpoint (the
+ * caller owns it: SSL_SESSION_free), or NULL (plain TCP, none resumable:
+ * under TLS 1.3 the pool's ticket comes after the handshake, so ask once
+ * a frame was read). */
+SSL_SESSION *am_link_tls_session(const am_link *link);
 void am_link_close(am_link *link);
 
 /* Blocking until `deadline` (am_now()): the handshake's frames. */

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static cl_context ctx;
 static cl_device_id dev;
@@ -461,6 +462,87 @@ static void check_programs(void) {
     clReleaseProgram(program);
 }
 
+/* Headers of the application's: a file under -I (and one it includes
+ * next to itself), and separate compilation: two units, one of them with
+ * an input header and a macro of its own, linked into a program. */
+static void check_headers_compile_and_link(void) {
+    cl_int err;
+    char dir[] = "/tmp/cl-checks-XXXXXX";
+    if (mkdtemp(dir) == NULL) {
+        printf("FAILED: no temporary directory\n");
+        failures++;
+        return;
+    }
+    char path[128], inner[128];
+    snprintf(path, sizeof path, "%s/scale.h", dir);
+    snprintf(inner, sizeof inner, "%s/factor.h", dir);
+    FILE *f = fopen(path, "w"), *g = fopen(inner, "w");
+    if (f == NULL || g == NULL) {
+        printf("FAILED: cannot write the headers\n");
+        failures++;
+        return;
+    }
+    fputs("#pragma once\n#include \"factor.h\"\ninline int scaled(int x) { return x * FACTOR; }\n", f);
+    fputs("#define FACTOR 3\n", g);
+    fclose(f);
+    fclose(g);
+    const char *with_header = "#include <scale.h>\n#include \"scale.h\"\n"
+                              "kernel void times(global int *x) { x[get_global_id(0)] = scaled(x[get_global_id(0)]); }";
+    cl_program p = clCreateProgramWithSource(ctx, 1, &with_header, NULL, &err);
+    char options[160];
+    snprintf(options, sizeof options, "-I %s", dir);
+    printf("build with a header under -I: %d\n", clBuildProgram(p, 1, &dev, options, NULL, NULL));
+    int values[16];
+    for (int i = 0; i < 16; i++)
+        values[i] = i;
+    cl_mem b = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof values, values);
+    cl_kernel k = clCreateKernel(p, "times", &err);
+    CHECK(err);
+    size_t global = 16;
+    CHECK(clSetKernelArg(k, 0, sizeof b, &b));
+    CHECK(clEnqueueNDRangeKernel(q, k, 1, NULL, &global, NULL, 0, NULL, NULL));
+    const char *missing = "#include \"not-there.h\"\nkernel void k(global int *x) { }";
+    cl_program absent = clCreateProgramWithSource(ctx, 1, &missing, NULL, &err);
+    printf("build with a header that is nowhere: %d\n", clBuildProgram(absent, 1, &dev, options, NULL, NULL));
+    clReleaseProgram(absent);
+    unlink(path);
+    unlink(inner);
+    rmdir(dir);
+
+    const char *sink = "void add_to(global int *x, int by) { *x += by * OFFSET; }";
+    const char *header = "inline int twice(int x) { return 2 * x; }";
+    const char *main_unit = "#include \"twice.h\"\nvoid add_to(global int *x, int by);\n"
+                            "kernel void linked(global int *x) { add_to(&x[get_global_id(0)], twice(OFFSET)); }";
+    cl_program unit_a = clCreateProgramWithSource(ctx, 1, &sink, NULL, &err);
+    cl_program unit_h = clCreateProgramWithSource(ctx, 1, &header, NULL, &err);
+    cl_program unit_b = clCreateProgramWithSource(ctx, 1, &main_unit, NULL, &err);
+    const char *names[1] = {"twice.h"};
+    printf("compile: %d", clCompileProgram(unit_a, 1, &dev, "-DOFFSET=5", 0, NULL, NULL, NULL, NULL));
+    printf(" %d\n", clCompileProgram(unit_b, 1, &dev, "-D OFFSET=1", 1, &unit_h, names, NULL, NULL));
+    cl_program units[2] = {unit_a, unit_b};
+    cl_program linked = clLinkProgram(ctx, 1, &dev, "", 2, units, NULL, NULL, &err);
+    printf("link: %d\n", err);
+    cl_program_binary_type type;
+    CHECK(clGetProgramBuildInfo(unit_a, dev, CL_PROGRAM_BINARY_TYPE, sizeof type, &type, NULL));
+    printf("a compiled unit's binary type: %#x\n", (unsigned)type);
+    if (linked != NULL) {
+        cl_kernel lk = clCreateKernel(linked, "linked", &err);
+        CHECK(err);
+        CHECK(clSetKernelArg(lk, 0, sizeof b, &b));
+        CHECK(clEnqueueNDRangeKernel(q, lk, 1, NULL, &global, NULL, 0, NULL, NULL));
+        clReleaseKernel(lk);
+        clReleaseProgram(linked);
+    }
+    CHECK(clEnqueueReadBuffer(q, b, CL_TRUE, 0, sizeof values, values, 0, NULL, NULL));
+    printf("headers, compile and link: %d %d %d\n", values[0], values[1], values[15]);
+    clReleaseKernel(k);
+    clReleaseProgram(p);
+    clReleaseProgram(unit_a);
+    clReleaseProgram(unit_h);
+    clReleaseProgram(unit_b);
+    clReleaseMemObject(b);
+}
+
 typedef struct worker {
     cl_program program;
     int id;
@@ -549,6 +631,73 @@ static void check_queries_and_refusals(void) {
     printf("queue properties: %#llx\n", (unsigned long long)props);
 }
 
+/* Launches with a global work offset: each a slice of the buffer, in 1 and 2 dimensions. */
+static void check_global_offset(cl_program program) {
+    cl_int err;
+    int data[64 * 4];
+    for (int i = 0; i < 64 * 4; i++)
+        data[i] = i;
+    cl_mem b = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof data, data);
+    cl_kernel k = clCreateKernel(program, "bump", &err);
+    CHECK(err);
+    for (int slice = 0; slice < 8; slice++) {
+        int by = slice + 1;
+        size_t offset = (size_t)slice * 16, global = 16;
+        CHECK(clSetKernelArg(k, 0, sizeof b, &b));
+        CHECK(clSetKernelArg(k, 1, sizeof by, &by));
+        CHECK(clEnqueueNDRangeKernel(q, k, 1, &offset, &global, NULL, 0, NULL, NULL));
+    }
+    cl_kernel m = clCreateKernel(program, "matrix", &err);
+    CHECK(err);
+    float a[16 * 16], bb[16 * 16], c[16 * 16];
+    for (int i = 0; i < 16 * 16; i++) {
+        a[i] = (float)(i % 7);
+        bb[i] = (float)(i % 5) - 2.0f;
+        c[i] = -1.0f;
+    }
+    cl_mem ma = buffer(CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof a, a);
+    cl_mem mb = buffer(CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof bb, bb);
+    cl_mem mc = buffer(CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof c, c);
+    int n = 16;
+    size_t offset2[2] = {4, 8}, global2[2] = {8, 4}, local2[2] = {4, 2};
+    CHECK(clSetKernelArg(m, 0, sizeof mc, &mc));
+    CHECK(clSetKernelArg(m, 1, sizeof ma, &ma));
+    CHECK(clSetKernelArg(m, 2, sizeof mb, &mb));
+    CHECK(clSetKernelArg(m, 3, sizeof n, &n));
+    CHECK(clEnqueueNDRangeKernel(q, m, 2, offset2, global2, local2, 0, NULL, NULL));
+    CHECK(clEnqueueReadBuffer(q, b, CL_TRUE, 0, sizeof data, data, 0, NULL, NULL));
+    CHECK(clEnqueueReadBuffer(q, mc, CL_TRUE, 0, sizeof c, c, 0, NULL, NULL));
+    printf("global offsets: %016llx %016llx\n", (unsigned long long)digest(data, sizeof data),
+           (unsigned long long)digest(c, sizeof c));
+    clReleaseKernel(k);
+    clReleaseKernel(m);
+    clReleaseMemObject(b);
+    clReleaseMemObject(ma);
+    clReleaseMemObject(mb);
+    clReleaseMemObject(mc);
+}
+
+/* Contexts the application lets go of while their commands are in flight:
+ * the commands' replies then hold the last references (the buffer's
+ * allocation and its first content arrive in one read: the context must
+ * end once, whichever reply lets it go). */
+static void check_released_in_flight(void) {
+    static unsigned char data[1 << 12];
+    int made = 0;
+    for (int round = 0; round < 8; round++) {
+        cl_int err;
+        cl_context other = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
+        if (other == NULL)
+            continue;
+        cl_mem b = clCreateBuffer(other, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof data, data, &err);
+        CHECK(err);
+        CHECK(clReleaseMemObject(b));
+        CHECK(clReleaseContext(other));
+        made++;
+    }
+    printf("contexts released with commands in flight: %d\n", made);
+}
+
 int main(void) {
     setvbuf(stdout, NULL, _IOLBF, 0); /* (a line at a time: what came before a crash is there) */
     cl_platform_id platform;
@@ -580,7 +729,10 @@ int main(void) {
     check_programs();
     check_threads(program);
     check_large_transfer();
+    check_global_offset(program);
+    check_headers_compile_and_link();
     check_queries_and_refusals();
+    check_released_in_flight();
     CHECK(clFinish(q));
     clReleaseProgram(program);
     clReleaseCommandQueue(q);

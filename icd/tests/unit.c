@@ -6,15 +6,18 @@
  *   icd-unit                 every test; exit status 0 when all pass
  *   icd-unit params          the device parameter table (name code kind per line)
  *   icd-unit proof SECRET CHALLENGE SID EPOCH BINDING   (hex secret and binding)
+ *   icd-unit bind SECRET INSTANCE CHALLENGE HOST DOMAIN SID   (a binding proof; hex secret)
  */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "agent.h"
 #include "config.h"
 #include "devparams.h"
 #include "frame.h"
+#include "includes.h"
 #include "json.h"
 #include "rect.h"
 #include "session.h"
@@ -305,6 +308,109 @@ static void test_json_and_text(void) {
     am_buf_free(&b);
 }
 
+static unsigned lines_seen;
+static char last_line[256];
+
+static void keep_line(void *ctx, const char *line, size_t len) {
+    (void)ctx;
+    lines_seen++;
+    snprintf(last_line, sizeof last_line, "%.*s", (int)len, line);
+}
+
+static void test_agent_lines(void) {
+    am_lines lines;
+    am_lines_init(&lines);
+    am_lines_feed(&lines, "{\"a\":1}\n{\"b\"", 12, keep_line, NULL);
+    EXPECT(lines_seen == 1 && strcmp(last_line, "{\"a\":1}") == 0);
+    am_lines_feed(&lines, ":2}\n", 4, keep_line, NULL);
+    EXPECT(lines_seen == 2 && strcmp(last_line, "{\"b\":2}") == 0);
+    am_lines_feed(&lines, "partial\xff{\"c\":3}\n", 17, keep_line, NULL);    /* a resync drops "partial" */
+    EXPECT(lines_seen == 3 && strcmp(last_line, "{\"c\":3}") == 0);
+    char *big = malloc(AM_AGENT_MAX_LINE + 10);
+    memset(big, 'x', AM_AGENT_MAX_LINE + 10);
+    am_lines_feed(&lines, big, AM_AGENT_MAX_LINE + 10, keep_line, NULL);  /* over the bound: dropped to its newline */
+    am_lines_feed(&lines, "yy\n{}\n", 6, keep_line, NULL);
+    EXPECT(lines_seen == 4 && strcmp(last_line, "{}") == 0 && lines.dropped == 1);
+    free(big);
+    am_lines_free(&lines);
+
+    am_agent_message m;
+    const char *resume = "{\"type\":\"resume\",\"id\":7,\"sid\":\"s-1\",\"endpoint\":\"[::1]:7070\",\"ticket\":\"v1.t\"}";
+    am_agent_parse(resume, strlen(resume), "s-1", &m);
+    EXPECT(m.kind == AM_AGENT_RESUME && m.id == 7 && strcmp(m.endpoint, "[::1]:7070") == 0 &&
+           strcmp(m.ticket, "v1.t") == 0);
+    am_agent_message_free(&m);
+    const char *other = "{\"type\":\"resume\",\"id\":8,\"sid\":\"s-2\"}";
+    am_agent_parse(other, strlen(other), "s-1", &m);          /* another connection's session */
+    EXPECT(m.kind == AM_AGENT_BAD && strstr(m.error.message, "sid is not the session") != NULL);
+    am_agent_message_free(&m);
+    const char *no_id = "{\"type\":\"prove\",\"host\":\"h\",\"challenges\":{\"0123abcd\":\"00112233445566778899\"}}";
+    am_agent_parse(no_id, strlen(no_id), "s-1", &m);          /* no answer could be told apart: none */
+    EXPECT(m.kind == AM_AGENT_OTHER);
+    am_agent_message_free(&m);
+    const char *bad_challenge = "{\"type\":\"prove\",\"id\":9,\"host\":\"h\",\"challenges\":{\"0123abcd\":\"ABCD\"}}";
+    am_agent_parse(bad_challenge, strlen(bad_challenge), "s-1", &m);
+    EXPECT(m.kind == AM_AGENT_BAD);
+    am_agent_message_free(&m);
+    const char *bad_endpoint = "{\"type\":\"resume\",\"id\":10,\"endpoint\":\"no port\"}";
+    am_agent_parse(bad_endpoint, strlen(bad_endpoint), "s-1", &m);
+    EXPECT(m.kind == AM_AGENT_BAD && strstr(m.error.message, "endpoint") != NULL);
+    am_agent_message_free(&m);
+    const char *junk = "{\"type\":\"result\"} trailing";
+    am_agent_parse(junk, strlen(junk), "s-1", &m);
+    EXPECT(m.kind == AM_AGENT_OTHER && m.message == NULL);
+    am_agent_message_free(&m);
+    const char *registered = "{\"type\":\"result\",\"id\":1,\"ok\":true,\"result\":{\"registered\":\"s-1\"}}";
+    am_agent_parse(registered, strlen(registered), "s-1", &m);
+    EXPECT(m.kind == AM_AGENT_RESULT && m.registered);
+    am_agent_message_free(&m);
+
+    am_buf out;
+    am_buf_init(&out);
+    am_error err;
+    am_error_set(&err, "CONFLICT", "a \"quoted\"\nmessage");
+    EXPECT(am_agent_result_error(&out, 5, &err) == 0 &&
+           strcmp((char *)out.data, "{\"type\":\"result\",\"id\":5,\"ok\":false,\"error\":{\"code\":\"CONFLICT\","
+                                    "\"message\":\"a \\\"quoted\\\"\\u000amessage\"}}\n") == 0);
+    am_buf_free(&out);
+}
+
+static void test_includes(void) {
+    am_buf out, options;
+    am_buf_init(&out);
+    am_buf_init(&options);
+    char why[128];
+    am_header headers[1] = {{"pi.h", "#pragma once\nfloat pi(void) { return 3.14f; }", 45}};
+    const char *source = "#include \"pi.h\"\n  #  include <pi.h>\nkernel void k(void) {}\n#include \"nowhere.h\"\n";
+    EXPECT(am_expand_includes(source, strlen(source), "-DX=1 -I /nonexistent -I\"/also nothing\" -w", headers, 1, &out,
+                              &options, why, sizeof why) == 0);
+    const char *text = (const char *)out.data;
+    EXPECT(strstr(text, "float pi(void)") != NULL && strstr(strstr(text, "float pi(void)") + 1, "float pi(void)") == NULL);
+    EXPECT(strstr(text, "#line 1 \"pi.h\"") != NULL && strstr(text, "#line 2 \"input.cl\"") != NULL);
+    EXPECT(strstr(text, "#include \"nowhere.h\"") != NULL);   /* not found: the compiler says so */
+    EXPECT(strcmp((char *)options.data, "-DX=1    -w") == 0);   /* the -I it read do not travel */
+    am_buf_free(&out);
+    am_buf_free(&options);
+    am_buf_init(&out);
+    am_buf_init(&options);
+    am_header loop[1] = {{"self.h", "#include \"self.h\"\n", 18}};   /* no guard: nested past the bound */
+    EXPECT(am_expand_includes("#include \"self.h\"", 17, "", loop, 1, &out, &options, why, sizeof why) == -1 &&
+           strstr(why, "nested") != NULL);
+    am_buf_free(&out);
+    am_buf_free(&options);
+    am_buf defines, undefines, rest;
+    am_buf_init(&defines);
+    am_buf_init(&undefines);
+    am_buf_init(&rest);
+    EXPECT(am_split_defines("-D A=1 -DB -cl-fast-relaxed-math", &defines, &undefines, &rest) == 0);
+    EXPECT(strcmp((char *)defines.data, "#define A 1\n#define B 1\n") == 0 &&
+           strcmp((char *)undefines.data, "#undef A\n#undef B\n") == 0 &&
+           strcmp((char *)rest.data, "-cl-fast-relaxed-math") == 0);
+    am_buf_free(&defines);
+    am_buf_free(&undefines);
+    am_buf_free(&rest);
+}
+
 static int hex_decode(const char *hex, unsigned char *out, size_t size) {
     size_t n = strlen(hex) / 2;
     if (n > size)
@@ -355,7 +461,19 @@ int main(int argc, char **argv) {
         printf("%s\n", proof);
         return 0;
     }
+    if (argc == 8 && strcmp(argv[1], "bind") == 0) {
+        unsigned char secret[64];
+        int secret_len = hex_decode(argv[2], secret, sizeof secret);
+        if (secret_len < 0)
+            return 2;
+        char proof[65];
+        am_bind_proof(secret, (size_t)secret_len, argv[3], argv[4], argv[5], argv[6], argv[7], proof);
+        printf("%s\n", proof);
+        return 0;
+    }
     test_frames();
+    test_agent_lines();
+    test_includes();
     test_dispatch();
     test_window();
     test_rects();

@@ -142,24 +142,25 @@ class DeviceContext(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
-               args: list) -> None: ...
+               args: list, goffset: list[int] | None = None) -> None: ...
 
     def launch_begin(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
-                     args: list):
+                     args: list, goffset: list[int] | None = None):
         """Start a launch without waiting for the backend to accept it: None
         when it is done already (an in-process enqueue does not wait for the
         kernel anyway), else a callable that waits for the outcome (raising
-        its error).  The session settles it before it answers the command."""
-        self.launch(program, kernel, gsize, lsize, args)
+        its error).  The session settles it before it answers the command.
+        ``goffset``: the global work offset (protocol 4), None for none."""
+        self.launch(program, kernel, gsize, lsize, args, goffset)
         return None
 
     def launch_begin_wire(self, program: int, kernel: str, gsize: list[int], lsize: list[int] | None,
-                          args: list):
+                          args: list, goffset: list[int] | None = None):
         """``launch_begin`` with the arguments as the data plane carries
         them (``wire.dataplane``, validated already: ``{"buf"}``,
         ``{"local"}``, ``{"t", "x"}``); a backend that passes them on as
         they are (to a device process) skips their decoding."""
-        return self.launch_begin(program, kernel, gsize, lsize, args_from_wire(args))
+        return self.launch_begin(program, kernel, gsize, lsize, args_from_wire(args), goffset)
 
     def launch_run_begin(self, launches: list[dict]):
         """Start a run of launches (their ``op: launch`` headers, validated

@@ -111,13 +111,14 @@ class _LaunchBatch:
         self.error: AccelmigError | None = None     # it could not be sent, or its call failed
         self.failed: dict | None = None             # index -> error (wire form), once answered
 
-    def shape(self, program: int, kernel: str, gsize, lsize, args: list) -> int:
-        """The index of this launch's shape, added if new."""
-        key = (program, kernel, id(gsize), id(lsize), id(args))
+    def shape(self, program: int, kernel: str, gsize, lsize, args: list, goffset=None) -> int:
+        """The index of this launch's shape, added if new (a global work
+        offset, protocol 4, is a sixth part of it, only where there is one)."""
+        key = (program, kernel, id(gsize), id(lsize), id(args), id(goffset))
         shape = self.shape_of.get(key)
         if shape is None:       # (the shapes list keeps the parts alive: ids stay theirs)
             shape = self.shape_of[key] = len(self.shapes)
-            self.shapes.append([program, kernel, gsize, lsize or None, args])
+            self.shapes.append([program, kernel, gsize, lsize or None, args] + ([goffset] if goffset else []))
         return shape
 
 
@@ -610,13 +611,13 @@ class IsolatedContext(IsolatedOps, DeviceContext):
     def free_program(self, handle: int) -> None:
         self._call("free_program", {"prog": handle})
 
-    def launch(self, program: int, kernel: str, gsize, lsize, args) -> None:
-        self.process.wait(self._start_launch(program, kernel, gsize, lsize, args))
+    def launch(self, program: int, kernel: str, gsize, lsize, args, goffset=None) -> None:
+        self.process.wait(self._start_launch(program, kernel, gsize, lsize, args, goffset))
 
-    def launch_begin(self, program: int, kernel: str, gsize, lsize, args):
-        return self.launch_begin_wire(program, kernel, gsize, lsize, encode_args(args))
+    def launch_begin(self, program: int, kernel: str, gsize, lsize, args, goffset=None):
+        return self.launch_begin_wire(program, kernel, gsize, lsize, encode_args(args), goffset)
 
-    def launch_begin_wire(self, program: int, kernel: str, gsize, lsize, args: list):
+    def launch_begin_wire(self, program: int, kernel: str, gsize, lsize, args: list, goffset=None):
         # Pipelined and gathered: a call per launch cost the pool and the
         # process more than the launch; its outcome is settled before the
         # command's reply (the first settle sends the batch).  The data
@@ -626,7 +627,7 @@ class IsolatedContext(IsolatedOps, DeviceContext):
         if batch is None:
             batch = self._batch = _LaunchBatch()
         index = len(batch.launches)
-        batch.launches.append(batch.shape(program, kernel, gsize, lsize, args))
+        batch.launches.append(batch.shape(program, kernel, gsize, lsize, args, goffset))
         if len(batch.launches) >= LAUNCH_BATCH:
             self._send_batch()
         return lambda: self._launch_outcome(batch, index)
@@ -711,12 +712,13 @@ class IsolatedContext(IsolatedOps, DeviceContext):
             raise self.process.dead
         return {index: error for index, error in failed}
 
-    def _start_launch(self, program, kernel, gsize, lsize, args):
+    def _start_launch(self, program, kernel, gsize, lsize, args, goffset=None):
         self._quiet = False
         self._send_batch()
         return self.process.start(self.ctx_id, "launch", {
             "prog": program, "kernel": kernel, "gsize": list(gsize),
-            "lsize": list(lsize) if lsize else None, "args": encode_args(args)}, cork=True)
+            "lsize": list(lsize) if lsize else None, "args": encode_args(args),
+            **({"goffset": list(goffset)} if goffset else {})}, cork=True)
 
     def finish(self) -> None:
         self._call("finish")

@@ -279,10 +279,10 @@ class OpenCLContext(OpenCLOps, DeviceContext):
             self.kernels[key] = kernel
         return kernel
 
-    def launch(self, program: int, kernel: str, gsize, lsize, args) -> None:
-        self.enqueue_launch(self.prepare_launch(program, kernel, gsize, lsize, args))
+    def launch(self, program: int, kernel: str, gsize, lsize, args, goffset=None) -> None:
+        self.enqueue_launch(self.prepare_launch(program, kernel, gsize, lsize, args, goffset))
 
-    def prepare_launch(self, program: int, kernel: str, gsize, lsize, args) -> tuple:
+    def prepare_launch(self, program: int, kernel: str, gsize, lsize, args, goffset=None) -> tuple:
         """Everything a launch needs looked up and converted (the kernel,
         its arguments, the sizes), for ``enqueue_launch``: once for many
         launches of the same shape, while nothing it names changes."""
@@ -312,7 +312,7 @@ class OpenCLContext(OpenCLOps, DeviceContext):
                 k = self._typed_kernel(program, kernel, tuple(signature), k)
         except cl.Error as exc:
             raise _cl_error(exc) from None
-        return k, cl_args, tuple(gsize), tuple(lsize) if lsize else None
+        return k, cl_args, tuple(gsize), tuple(lsize) if lsize else None, tuple(goffset) if goffset else None
 
     def _typed_kernel(self, program: int, name: str, signature: tuple, untyped: cl.Kernel) -> cl.Kernel:
         """The kernel for launches whose scalar arguments have these types:
@@ -333,13 +333,13 @@ class OpenCLContext(OpenCLOps, DeviceContext):
         return typed
 
     def enqueue_launch(self, prepared: tuple) -> None:
-        k, cl_args, gsize, lsize = prepared
+        k, cl_args, gsize, lsize, goffset = prepared
         try:
             if self._args_set_for is not prepared:
                 self._args_set_for = None        # (until set: a failed set_args leaves them unknown)
                 k.set_args(*cl_args)
                 self._args_set_for = prepared
-            cl.enqueue_nd_range_kernel(self.queue, k, gsize, lsize)
+            cl.enqueue_nd_range_kernel(self.queue, k, gsize, lsize, global_work_offset=goffset)
         except cl.Error as exc:
             raise _cl_error(exc) from None
 

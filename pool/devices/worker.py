@@ -210,9 +210,10 @@ class ContextThread:
             try:
                 ready = prepared[shape]
                 if ready is None:
-                    prog, kernel, gsize, lsize, args = shapes[shape]
+                    prog, kernel, gsize, lsize, args, *offset = shapes[shape]
                     try:
-                        ready = ctx.prepare_launch(prog, kernel, gsize, lsize, decode_args(args))
+                        ready = ctx.prepare_launch(prog, kernel, gsize, lsize, decode_args(args),
+                                                   offset[0] if offset else None)
                     except Exception as exc:      # each launch of the shape fails the same way
                         ready = exc
                     prepared[shape] = ready
@@ -261,7 +262,7 @@ class ContextThread:
         elif method == "free_program":
             ctx.free_program(a["prog"])
         elif method == "launch":
-            ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]))
+            ctx.launch(a["prog"], a["kernel"], a["gsize"], a.get("lsize"), decode_args(a["args"]), a.get("goffset"))
         elif method == "launches":
             return {"failed": self._launches(a["s"], a["l"])}, b""
         elif method == "finish":

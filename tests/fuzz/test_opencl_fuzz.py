@@ -1,4 +1,4 @@
-"""Fuzzing data-plane protocol 3 (``wire.opencl``): its decoders alone
+"""Fuzzing data-plane protocols 3 and 4 (``wire.opencl``): its decoders alone
 (``validate_command`` with the new commands and arguments, the device
 parameters' checks) and a real ``accelmig-pool serve`` process taking
 anything a protocol-3 session or a stranger asking for the device listing
@@ -48,6 +48,10 @@ FIELDS = {
     "prog": st.sampled_from([1, 2]), "kernel": st.one_of(st.sampled_from(["k", "k2", "nope", ""]), text),
     "gsize": st.one_of(st.just([4]), json_values), "args": st.one_of(v3_args, json_values),
     "prof": st.one_of(st.just(True), json_values),
+    # protocol 4: a launch's global work offset
+    "goffset": st.one_of(st.just([0]), st.just([8]), st.lists(st.one_of(st.integers(-2, 70), st.booleans(),
+                                                                        st.just(2**63 - 2)), max_size=4),
+                         json_values),
 }
 OPS = ["fill", "write_rect", "read_rect", "copy_rect", "alloc_sub", "kernel_info", "launch", "read", "write",
        "copy", "finish", "list_devices", "free"]
@@ -62,7 +66,7 @@ def commands(draw):
 
 
 @fuzz_settings(300)
-@given(commands(), st.sampled_from([1, 2, 3]), integers)
+@given(commands(), st.sampled_from([1, 2, 3, 4]), integers)
 def test_the_decoders_raise_accelmigs_errors_or_accept(command, version, seq):
     header, payload = command
     header = {**header, "seq": seq, "epoch": 1}
@@ -79,6 +83,10 @@ def test_the_decoders_raise_accelmigs_errors_or_accept(command, version, seq):
         shape = wcl.rect(header, op.value)
         assert 0 <= shape.offset < shape.extent <= wcl.MAX_INT
     assert version >= 3 or (op not in dp.OPENCL_OPS and "prof" not in header)
+    if op is dp.Op.LAUNCH and "goffset" in header:
+        assert version >= 4
+        offset = wcl.global_offset(header, header["gsize"])
+        assert offset is None or all(o + g <= wcl.MAX_INT for o, g in zip(offset, header["gsize"]))
 
 
 @fuzz_settings(300)
@@ -122,12 +130,12 @@ def check(frames: list[dict]) -> None:
 
 
 @fuzz_settings(40)
-@given(st.lists(commands(), min_size=1, max_size=6))
-def test_a_protocol_3_session_sending_anything_harms_nothing(pool, probe_done, cmds):
+@given(st.lists(commands(), min_size=1, max_size=6), st.sampled_from([3, 4]))
+def test_a_protocol_3_session_sending_anything_harms_nothing(pool, probe_done, cmds, version):
     conn = FrameConn(pool.endpoint)
     try:
-        conn.send({"op": "hello", "versions": [3]})
-        assert conn.next()["version"] == 3
+        conn.send({"op": "hello", "versions": [version]})
+        assert conn.next()["version"] == version
         conn.send({"op": "open", "token": ALICE, "secret": "ab" * 32})
         epoch, seq = conn.next()["epoch"], 0
         setup = [({"op": "alloc", "buf": 1, "size": 64}, b""), ({"op": "alloc", "buf": 2, "size": 4096}, b""),

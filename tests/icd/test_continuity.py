@@ -76,3 +76,15 @@ def test_a_pool_restarted_loses_the_session_and_says_so(icd):
         out, err = _run_through_an_outage(icd, pool.endpoint, {}, pool.restart)
     assert "finish: -5" in out and "its event: failed" in out, out
     assert "SESSION_LOST" in err and "the pool restarted" in err, err
+
+
+def test_reads_past_the_pools_reply_bound_come_back_whole(icd, local_output):
+    """A pool that keeps at most 4 MiB of a session's replies unacknowledged
+    (and so cuts transfers into 4 MiB chunks, all sent at once): the pool
+    holds each next read until the driver acknowledges the replies before
+    it, which it does as they land; the 48 MiB round trip and every other
+    check are local PoCL's, byte for byte.  (How long it takes is
+    bench/'s: with only the idle acknowledgement each chunk waited 100 ms.)"""
+    with PoolThread(TENANTS, max_reply_bytes=4 << 20) as pool:
+        ours = icd_support.run(icd.program("cl-checks"), icd_support.driver_env(icd, pool.endpoint, ALICE))
+    assert ours.stdout == local_output

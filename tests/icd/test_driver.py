@@ -77,6 +77,16 @@ def test_the_ownership_proof_is_the_wires(icd, binding):
     assert done.stdout.strip() == dp.ownership_proof(secret, challenge, sid, epoch, binding)
 
 
+def test_the_binding_proof_is_the_wires(icd):
+    from accelmig.wire import attestation as att
+    secret = secrets.token_bytes(32)
+    claims = {"instance": "0123abcd", "challenge": secrets.token_hex(16), "host": "hostA",
+              "domain": "6a1c0de5-0000-4000-8000-00000000000a", "sid": "s-0123abcd-7-89ef01"}
+    done = icd_support.run(icd.program("icd-unit"), dict(os.environ), "bind", secret.hex(), claims["instance"],
+                           claims["challenge"], claims["host"], claims["domain"], claims["sid"])
+    assert done.stdout.strip() == att.bind_proof(secret, **claims)
+
+
 def test_only_the_icd_entry_points_leave_the_library(icd):
     symbols = subprocess.run(["nm", "-D", "--defined-only", str(icd.library)], capture_output=True, text=True,
                              check=True).stdout
@@ -131,20 +141,33 @@ def test_the_same_program_with_device_work_in_the_pool_process(icd, tmp_path):
     assert ours.stdout == local.stdout
 
 
+REFUSALS = {
+    "image support": 0, "clCreateImage": -59, "clGetSupportedImageFormats": 0, "image formats": 0,
+    "clCreateSamplerWithProperties": -59, "clSVMAlloc gives NULL": 1, "clCreatePipe": -59,
+    "clCreateSubDevices": -30, "clCreateProgramWithIL": -59, "clCreateProgramWithBuiltInKernels": -30,
+    "clCompileProgram": 0, "clBuildProgram": 0, "clGetKernelArgInfo without -cl-kernel-arg-info": -19,
+    "a global work offset": 0, "clEnqueueNativeKernel": -59, "clSetKernelArgSVMPointer": -59,
+    "clEnqueueReadImage of a buffer": -38, "clGetHostTimer": -59, "a context of the same device twice": 0,
+    "clFinish": 0,
+}
+
+
 def test_what_the_driver_does_not_offer_is_answered_the_opencl_way(icd, pool):
     done = icd_support.run(icd.program("cl-refusals"), icd_support.driver_env(icd, pool.endpoint, ALICE))
     answers = dict(line.rsplit(": ", 1) for line in done.stdout.splitlines() if ": " in line)
-    expected = {
-        "image support": 0, "clCreateImage": -59, "clGetSupportedImageFormats": 0, "image formats": 0,
-        "clCreateSamplerWithProperties": -59, "clSVMAlloc gives NULL": 1, "clCreatePipe": -59,
-        "clCreateSubDevices": -30, "clCreateProgramWithIL": -59, "clCreateProgramWithBuiltInKernels": -30,
-        "clCompileProgram": -59, "clBuildProgram": 0, "clGetKernelArgInfo without -cl-kernel-arg-info": -19,
-        "a global work offset": -56, "clEnqueueNativeKernel": -59, "clSetKernelArgSVMPointer": -59,
-        "clEnqueueReadImage of a buffer": -38, "clGetHostTimer": -59, "a context of the same device twice": 0,
-        "clFinish": 0,
-    }
-    assert {key: int(value) for key, value in answers.items()} == expected
+    assert {key: int(value) for key, value in answers.items()} == REFUSALS
     assert done.stdout.endswith("done\n")
+
+
+def test_a_pool_of_protocol_3_gets_no_global_offset_and_the_driver_says_why(icd):
+    """A pool from before protocol 4 would not know a launch's offset: the
+    driver refuses it the OpenCL way (CL_INVALID_GLOBAL_OFFSET), not a
+    kernel run on the wrong work-items; everything else is as ever."""
+    with PoolThread(TENANTS, data_versions=(1, 2, 3)) as old:
+        done = icd_support.run(icd.program("cl-refusals"), icd_support.driver_env(icd, old.endpoint, ALICE))
+    answers = dict(line.rsplit(": ", 1) for line in done.stdout.splitlines() if ": " in line)
+    assert {key: int(value) for key, value in answers.items()} == dict(REFUSALS, **{"a global work offset": -56})
+    assert "the pool speaks data-plane protocol 3, without global work offsets" in done.stderr
 
 
 CONFIGS = [

@@ -3,7 +3,8 @@ UndefinedBehaviorSanitizer (``icd/build-asan``), its unit tests, the plain
 OpenCL program (still bit-identical to local PoCL), the refusals, clinfo
 and a cut mid-transfer run with it, every finding fatal (leaks included);
 and the fuzz tier: each libFuzzer harness of its decoders (frames through
-a session's dispatch, device listings, the configuration file) for a short
+a session's dispatch, device listings, the configuration file, the guest
+agent's lines, a handshake's answers) for a short
 run over its corpus (``icd/fuzz/corpus``), built with clang."""
 
 from __future__ import annotations
@@ -82,15 +83,54 @@ def test_a_cut_under_sanitizers(asan, tmp_path, icd):
     assert ours.stdout == local.stdout
 
 
+def test_the_agent_s_requests_under_sanitizers(asan, tmp_path, icd, guest_agent):
+    """Registration, a binding proof and a rehome (the agent's resume: the
+    connection dropped, the session resumed where it is told) under the
+    sanitizers, leaks fatal; the solver's results are local PoCL's."""
+    import uuid
+
+    from accelmig.plugin.channel import GuestChannel
+    from tests.support.wait import wait_for
+    build, extra = asan
+    script = ["step 4", "sum", "step 3", "sum"]
+    reference = icd_support.solver_reference(icd, tmp_path, script)
+    agent = guest_agent(str(uuid.uuid4()))
+    with PoolThread(TENANTS) as pool:
+        env = icd_support.driver_env(build, pool.endpoint, ALICE, ACCELMIG_AGENT_SOCKET=agent.socket_path, **extra)
+        with icd_support.Solver(build, env) as solver:
+            out = [solver.ask(command) for command in script[:2]]
+            sid = wait_for(lambda: next(iter(agent.sessions()), None), 10, "the session registered")["sid"]
+            with GuestChannel(agent.port_path) as channel:
+                channel.connect()
+                proven = channel.request("prove", host="hostA", challenges={pool.pool.instance: "cd" * 16})
+                rehomed = channel.request("rehome", migration_id="m-asan", tickets={},
+                                          identity={"host_id": "here", "pool_endpoint": pool.endpoint})
+            assert set(proven["proofs"]) == {sid} and rehomed["ok"], (proven, rehomed)
+            out += [solver.ask(command) for command in script[2:]]
+            solver.proc.stdin.write("quit\n")
+            solver.proc.stdin.flush()
+            solver.proc.wait(60)
+            solver._stderr_done.join(60)
+            done = subprocess.CompletedProcess([], solver.proc.returncode, "", solver.log())
+    _clean(done)
+    assert out == reference
+
+
 @pytest.fixture(scope="module")
 def fuzzers():
     if shutil.which("clang") is None:
         pytest.skip("SKIPPED LOUDLY: the fuzz tier needs clang with libFuzzer (apt-get install clang libclang-rt-14-dev)")
     return icd_support.build(icd_support.SOURCE / "build-fuzz", "-DACCELMIG_FUZZ=ON", compiler="clang",
-                             targets=("fuzz-frames", "fuzz-devices", "fuzz-config"))
+                             targets=tuple(f"fuzz-{harness}" for harness in HARNESSES))
 
 
-@pytest.mark.parametrize("harness", ["frames", "devices", "config"])
+#: frames through a session's dispatch, device listings, the configuration
+#: file, the guest agent's lines, a handshake's answers (welcome, redirect,
+#: an error naming where a session lives)
+HARNESSES = ["frames", "devices", "config", "agent", "handshake"]
+
+
+@pytest.mark.parametrize("harness", HARNESSES)
 def test_the_decoders_survive_fuzzing(fuzzers, harness, tmp_path):
     corpus = icd_support.SOURCE / "fuzz" / "corpus" / harness
     work = tmp_path / "corpus"

@@ -82,3 +82,28 @@ def test_a_pool_the_driver_cannot_trust_gets_nothing(icd, pki, tls_pool, tmp_pat
             pool.stop()
     assert "Number of devices                                 0" in done.stdout
     assert words in done.stderr, done.stderr
+
+
+def test_a_reconnect_resumes_the_tls_session_of_the_last_connection(icd, pki, tls_pool, tmp_path, caplog):
+    """Each reconnect offers the last connection's TLS session (the pool's
+    ticket) to the same endpoint: the handshake resumes (no certificate
+    chain, no signature), the resume's proof is still bound to the pool's
+    certificate, and the pool's log says so, as the driver's does."""
+    import logging
+    caplog.set_level(logging.INFO, logger="accelmig.pool")
+    script = ["step 3", "sum", "step 4", "sum", "step 5", "sum"]
+    reference = icd_support.solver_reference(icd, tmp_path, script)
+    with CutProxy(tls_pool.endpoint) as proxy:
+        env = icd_support.driver_env(icd, proxy.endpoint, TOKEN, cafile=str(pki["pki"].ca), ACCELMIG_ICD_LOG="info")
+        with icd_support.Solver(icd, env) as solver:
+            out = []
+            for command in script:
+                out.append(solver.ask(command))
+                if command == "sum" and len(out) < len(script):
+                    assert proxy.cut() >= 1          # the connection goes, the next command resumes
+            log = solver.finish()
+    assert out == reference
+    resumed = [line for line in log.splitlines() if " resumed at " in line]
+    assert len(resumed) == 2 and all("(TLS session resumed)" in line for line in resumed), log
+    said = [r.getMessage() for r in caplog.records if " resumed at epoch " in r.getMessage()]
+    assert len(said) == 2 and all(line.endswith("TLS session resumed") for line in said), said

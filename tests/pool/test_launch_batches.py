@@ -223,8 +223,8 @@ def test_drivers_and_pools_of_either_protocol_work_together(driver_versions, poo
             counters = pool.session(dev.sid)["counters"]
             assert counters["launches"] == 600
             assert counters["batched_launches"] == (600 if batched else 0)
-            # (a driver and a pool of today agree on 3, which batches as 2 does)
-            assert dev._session.link.version == (3 if driver_versions is None and pool_versions is None
+            # (a driver and a pool of today agree on 4, which batches as 2 does)
+            assert dev._session.link.version == (4 if driver_versions is None and pool_versions is None
                                                  else 2 if batched else 1)
 
 

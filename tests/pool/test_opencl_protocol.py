@@ -183,6 +183,26 @@ def test_kernel_info_and_by_value_null_and_local_arguments(dev):
     assert np.frombuffer(dev.read(sums), np.int32).tolist() == [6, 22, 38, 54]
 
 
+def test_a_launch_with_a_global_offset_runs_those_work_items_only(dev):
+    """Protocol 4: clEnqueueNDRangeKernel's global_work_offset, in one and
+    two dimensions, as the runtime runs it."""
+    assert dev._session.link.version == 4
+    prog = dev.build("kernel void inc(global int *x) { x[get_global_id(0)] += 1; }\n"
+                     "kernel void mark(global int *x) { x[get_global_id(1) * 8 + get_global_id(0)] = 1; }")
+    ints = dev.upload(np.zeros(32, dtype=np.int32).tobytes())
+    submit(dev, Op.LAUNCH, prog=prog.handle, kernel="inc", gsize=[8], goffset=[16], args=[{"buf": ints.handle}])
+    submit(dev, Op.LAUNCH, prog=prog.handle, kernel="inc", gsize=[4], lsize=[2], goffset=[2],
+           args=[{"buf": ints.handle}])
+    expected = [0] * 32
+    for i in list(range(16, 24)) + list(range(2, 6)):
+        expected[i] += 1
+    assert np.frombuffer(dev.read(ints), np.int32).tolist() == expected
+    grid = dev.upload(np.zeros(64, dtype=np.int32).tobytes())
+    submit(dev, Op.LAUNCH, prog=prog.handle, kernel="mark", gsize=[2, 3], goffset=[5, 4], args=[{"buf": grid.handle}])
+    marked = np.frombuffer(dev.read(grid), np.int32).reshape(8, 8)
+    assert sorted(zip(*np.nonzero(marked))) == [(y, x) for y in (4, 5, 6) for x in (5, 6)]
+
+
 def test_profiled_commands_answer_when_done_with_ordered_times(dev):
     prog = dev.build(KERNELS, "-cl-kernel-arg-info")
     x = dev.upload(np.ones(1 << 16, dtype=np.float32).tobytes())
@@ -293,6 +313,16 @@ def test_old_drivers_keep_working_against_a_pool_of_protocol_3(pool):
     ({"op": "launch", "prog": 1, "kernel": "k", "gsize": [1], "args": [{"buf": None}]}, "BAD_REQUEST"),
 ])
 def test_protocol_3_is_refused_on_an_older_connection(pool, versions, header, code):
+    _refused(pool, versions, header, code)
+
+
+@pytest.mark.parametrize("versions", [[1, 2, 3], [3]])
+def test_a_global_offset_is_refused_on_a_connection_of_protocol_3(pool, versions):
+    _refused(pool, versions, {"op": "launch", "prog": 1, "kernel": "k", "gsize": [1], "goffset": [4],
+                              "args": []}, "PROTOCOL_ERROR")
+
+
+def _refused(pool, versions, header, code):
     conn = FrameConn(pool.endpoint)
     try:
         conn.send({"op": "hello", "versions": versions})

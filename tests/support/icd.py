@@ -109,3 +109,85 @@ def clinfo_raw(env: dict) -> tuple[dict, str]:
             if len(parts) >= 2:
                 params[parts[1]] = parts[2].strip() if len(parts) == 3 else ""
     return params, done.stdout + done.stderr
+
+
+class Solver:
+    """``cl-moves`` (``icd/tests/cl_moves.c``: a solver whose state stays in
+    device memory) driven a line at a time, so that a test can move its
+    session between the steps: ``ask`` sends one command and returns the
+    line it printed; ``finish`` ends it and returns its stderr (the driver's
+    log).  Its stderr is read all along (a debug log must not fill a pipe);
+    a solver still running at the end is killed, whatever happened."""
+
+    def __init__(self, icd: IcdBuild, env: dict, cwd=None):
+        import queue
+        import threading
+        self.proc = subprocess.Popen([str(icd.program("cl-moves"))], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+        self._lines: queue.Queue = queue.Queue()
+        self.stderr: list[str] = []
+        threading.Thread(target=self._pump, args=(self.proc.stdout, self._lines.put), daemon=True).start()
+        self._stderr_done = threading.Thread(target=self._pump, args=(self.proc.stderr, self.stderr.append),
+                                             daemon=True)
+        self._stderr_done.start()
+        first = self._line(120)
+        if first != "ready":
+            self.close()
+            raise AssertionError(f"cl-moves did not start: {first!r}\n{self.log()[-4000:]}")
+
+    @staticmethod
+    def _pump(stream, put) -> None:
+        for line in stream:
+            put(line.rstrip("\n"))
+        put(None)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return "\n".join(line for line in self.stderr if line is not None)
+
+    def _line(self, timeout: float) -> str | None:
+        import queue
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"cl-moves said nothing for {timeout} s\n{self.log()[-4000:]}") from None
+
+    def ask(self, command: str, timeout: float = 120) -> str:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self._line(timeout)
+        if line is None:
+            raise AssertionError(f"cl-moves ended at {command!r} (exit {self.proc.wait(10)})\n{self.log()[-4000:]}")
+        return line
+
+    def finish(self, timeout: float = 60) -> str:
+        """quit; its stderr (it must say done and exit 0)."""
+        self.proc.stdin.write("quit\n")
+        self.proc.stdin.flush()
+        last = self._line(timeout)
+        code = self.proc.wait(timeout)
+        self._stderr_done.join(timeout)
+        assert last == "done" and code == 0, f"cl-moves: {last!r}, exit {code}\n{self.log()[-4000:]}"
+        return self.log()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "Solver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def solver_reference(icd: IcdBuild, tmp_path: Path, commands: list[str]) -> list[str]:
+    """What ``cl-moves`` prints for ``commands`` on local PoCL (no pool, nothing moved)."""
+    with Solver(icd, local_env(tmp_path)) as solver:
+        out = [solver.ask(command) for command in commands]
+        solver.finish()
+    return out

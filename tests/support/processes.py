@@ -129,13 +129,15 @@ class AgentProcess(LoggedProcess):
     host's end, as hostd connects to QEMU's chardev) and its local socket
     (``socket``) in ``directory``.  Also keeps what it writes to stderr that
     is no JSON log line (``raw``): a thread that died of an exception prints
-    its traceback there, not in the log."""
+    its traceback there, not in the log.  ``env`` and ``wrapper``: as
+    ``LoggedProcess``'s."""
 
-    def __init__(self, directory, *extra):
+    def __init__(self, directory, *extra, env: dict | None = None, wrapper=()):
         self.channel, self.socket = directory / "channel.sock", directory / "agent.sock"
         self.raw: list[str] = []
         super().__init__(["accelmig-agent", "run", "--port", self.channel, "--socket", self.socket,
-                          "--state-dir", directory / "state", "--log-format", "json", *extra])
+                          "--state-dir", directory / "state", "--log-format", "json", *extra], env=env,
+                         wrapper=wrapper)
         self.wait_log(lambda e: e["msg"].startswith("agent "))
 
     def _read(self):

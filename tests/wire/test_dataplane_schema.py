@@ -41,11 +41,23 @@ def launch(**over):
     (launch(args=[{"t": "f32", "x": "00"}]), "needs 4 bytes"),
     (launch(args=[{"t": "f32", "x": "zz"}]), "not hex"),
     (launch(args=[{"what": 1}]), "none of buf/local/scalar"),
+    (launch(goffset=[1, 2]), "goffset must list as many integers as gsize"),
+    (launch(goffset=[-1]), "goffset must list"),
+    (launch(goffset=[True]), "goffset must list"),
+    (launch(goffset=[(1 << 63) - 64]), "at most 2\\*\\*63-1"),
     ({"op": "alloc", "seq": 1, "epoch": 1, "buf": 1, "size": -5}, "must not be negative"),
 ])
 def test_invalid_commands_are_refused_clearly(header, words):
     with pytest.raises((BadRequest, UnknownOp), match=words):
         dp.validate_command(header, 0)
+
+
+def test_a_global_offset_needs_protocol_4():
+    from accelmig.wire.errors import ProtocolError
+    assert dp.validate_command(launch(goffset=[8]), 0) is dp.Op.LAUNCH
+    assert dp.validate_command(launch(goffset=[0]), 0, version=4) is dp.Op.LAUNCH
+    with pytest.raises(ProtocolError, match="goffset on a connection that agreed to protocol 3"):
+        dp.validate_command(launch(goffset=[8]), 0, version=3)
 
 
 def test_payload_only_where_the_op_takes_one():
@@ -82,13 +94,15 @@ def test_identity_ignores_what_a_resend_changes_and_nothing_else():
 
 
 def test_version_negotiation():
+    assert dp.negotiate([1, 2, 3, 4, 99]) == 4
+    assert dp.negotiate([3, 4], supported=(1, 2, 3)) == 3   # the OpenCL driver and a pool without global offsets
     assert dp.negotiate([1, 2, 3, 99]) == 3
     assert dp.negotiate([1, 2, 99]) == 2               # a driver from before the OpenCL additions
     assert dp.negotiate([1, 99]) == 1                  # a driver from before launch batches
     assert dp.negotiate([1, 2], supported=(1,)) == 1   # a pool from before them
     assert dp.negotiate([1, 2, 3], supported=(1, 2)) == 2
     assert dp.offered_versions([2, 1, 1]) == (1, 2)
-    for bad in ([], [4], [1, 7], "x", [None]):          # a driver offers only what it speaks
+    for bad in ([], [5], [1, 7], "x", [None]):          # a driver offers only what it speaks
         with pytest.raises(BadRequest):
             dp.offered_versions(bad)
     with pytest.raises(VersionUnsupported, match="peer offers"):
