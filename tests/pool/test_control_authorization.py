@@ -17,7 +17,7 @@ import pytest
 
 from accelmig.agent.driver import connect
 from accelmig.lab.poolthread import PoolThread
-from accelmig.pool.control import MAX_WAITS
+from accelmig.pool.controlconn import MAX_WAITS
 from accelmig.pool.ledger.parties import INTENT_TTL, MAX_INTENTS
 from accelmig.wire import attestation as att
 from accelmig.wire.control import AsyncControlClient, ControlClient
