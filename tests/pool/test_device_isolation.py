@@ -82,7 +82,9 @@ def test_a_spinning_kernel_stalls_only_its_tenant():
 
 
 def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go_on():
-    with PoolThread(tenants=TENANTS, device_time_limit=3) as pool:
+    # the limit is every device call's, the other tenant's builds too: room
+    # for those on a loaded machine (the spin is killed when it runs out)
+    with PoolThread(tenants=TENANTS, device_time_limit=8) as pool:
         with connect(pool.endpoint, OTHER, agent=False, timeout=60) as other:
             assert (add_and_read(other, 1) == np.arange(64) + 1).all()
             spinner = connect(pool.endpoint, SPINNER, agent=False, timeout=60)
@@ -97,7 +99,7 @@ def test_past_the_time_limit_the_spinner_is_killed_its_quota_freed_and_others_go
             with pytest.raises(AccelmigError) as killed:
                 spinner.finish()
             assert killed.value.code.value == "KILLED", killed.value
-            assert "device time limit of 3 s" in killed.value.message
+            assert "device time limit of 8 s" in killed.value.message
             assert spinner.state.value == "failed"          # terminal for the driver
             wait_for(lambda: not alive(pid), 20, "the spinner's device process to be gone")
             wait_for(lambda: not alive(confined[0]), 20, "the confined process, where the kernel spun, to be gone")
