@@ -29,7 +29,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import ssl
 import statistics
 import subprocess
@@ -83,14 +82,19 @@ class Transport:
             [sys.executable, "-c", "import sys; from bench.dataplane import serve_raw_floor; "
              "serve_raw_floor(*sys.argv[1:])", *(tls or ())],
             stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        port = int(self.raw_proc.stdout.readline())
-        self.raw = TLSRawClient(port, str(pki.ca)) if pki else RawClient(port)
-        self.pool_proc, endpoint = start_pool(os.path.join(workdir, name), tls=tls)
-        options = {"cafile": str(pki.ca)} if pki else {"insecure": True}
-        self.dev = connect(endpoint, "bench-token-0001", agent=False, **options)
-        self.prog = self.dev.build(COUNTER)
-        self.small = self.dev.upload(bytes(SMALL))
-        self.dbuf = self.dev.upload(bulk)
+        self.pool_proc = None
+        try:
+            port = int(self.raw_proc.stdout.readline())
+            self.raw = TLSRawClient(port, str(pki.ca)) if pki else RawClient(port)
+            self.pool_proc, endpoint = start_pool(os.path.join(workdir, name), tls=tls)
+            options = {"cafile": str(pki.ca)} if pki else {"insecure": True}
+            self.dev = connect(endpoint, "bench-token-0001", agent=False, **options)
+            self.prog = self.dev.build(COUNTER)
+            self.small = self.dev.upload(bytes(SMALL))
+            self.dbuf = self.dev.upload(bulk)
+        except BaseException:
+            self._stop()            # a floor server (or pool) that started goes with the failure
+            raise
         self.security = self.raw.describe() if pki else {"version": "plain TCP"}
         link = getattr(getattr(self.dev, "_session", None), "link", None)
         sock = getattr(link, "sock", None)
@@ -101,7 +105,11 @@ class Transport:
         try:
             self.dev.close()
         finally:
-            for proc in (self.pool_proc, self.raw_proc):
+            self._stop()
+
+    def _stop(self) -> None:
+        for proc in (self.pool_proc, self.raw_proc):
+            if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(20)
 
