@@ -15,6 +15,7 @@
  * It prints each process's outcome; the counter must be exactly the
  * parent's bumps: nothing the children did ran. */
 #include <CL/cl.h>
+#include "first_device.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,11 +43,8 @@ int main(void) {
     cl_platform_id platform;
     cl_device_id dev;
     cl_int err;
-    if (clGetPlatformIDs(1, &platform, NULL) != CL_SUCCESS ||
-        clGetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 1, &dev, NULL) != CL_SUCCESS) {
-        printf("no device\n");
+    if (first_device(&platform, &dev) != 0)
         return 2;
-    }
     cl_context ctx = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
     cl_command_queue q = clCreateCommandQueueWithProperties(ctx, dev, NULL, &err);
     static int counts[N];

@@ -13,6 +13,7 @@
  * printed as the call answered it (a failed step says so, it does not end
  * the program). */
 #include <CL/cl.h>
+#include "first_device.h"
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,11 +48,8 @@ int main(void) {
     cl_platform_id platform;
     cl_device_id dev;
     cl_int err;
-    if (clGetPlatformIDs(1, &platform, NULL) != CL_SUCCESS ||
-        clGetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 1, &dev, NULL) != CL_SUCCESS) {
-        printf("no device\n");
+    if (first_device(&platform, &dev) != 0)
         return 2;
-    }
     cl_context ctx = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
     if (ctx == NULL) {
         printf("no context: %d\n", err);

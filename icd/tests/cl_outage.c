@@ -2,6 +2,7 @@
  * the test takes the pool away meanwhile), then computes again and prints
  * what every call answered, and what its context's notification said. */
 #include <CL/cl.h>
+#include "first_device.h"
 #include <stdio.h>
 #include <string.h>
 
@@ -16,8 +17,7 @@ int main(void) {
     cl_platform_id platform;
     cl_device_id dev;
     cl_int err;
-    if (clGetPlatformIDs(1, &platform, NULL) != CL_SUCCESS ||
-        clGetDeviceIDs(platform, CL_DEVICE_TYPE_ALL, 1, &dev, NULL) != CL_SUCCESS)
+    if (first_device(&platform, &dev) != 0)
         return 2;
     cl_context ctx = clCreateContext(NULL, 1, &dev, notify, NULL, &err);
     cl_command_queue q = clCreateCommandQueueWithProperties(ctx, dev, NULL, &err);
